@@ -1,0 +1,46 @@
+"""`reame`: the umbrella command (models, generate, tokenize, chat, serve).
+
+Each subcommand lives in `reame/commands/<name>.py` with `add_parser(subparsers)` that
+registers it and sets `handler`. Errors from Reame become one clear line and exit code 1.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from shared.errors import ReameError
+
+COMMANDS = ("models", "generate", "tokenize", "chat", "serve")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="reame", description="CPU LLM inference server that gets faster as it runs.")
+    parser.add_argument("--config", default=None, help="reame.conf to read (default: ./reame.conf or $REAME_CONFIG)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name in COMMANDS:
+        try:
+            module = importlib.import_module(f"reame.commands.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"reame.commands.{name}":
+                raise
+            continue  # a command whose module has not landed yet
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.handler(args) or 0)
+    except ReameError as exc:
+        print(f"reame: error: {exc.message}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

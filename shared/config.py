@@ -1,0 +1,139 @@
+"""reame.conf → frozen dataclasses, read once at start-up.
+
+The file is INI (`[section]`, `key = value`). Every section and key must be known: a typo is
+a start-up error naming the key, never a silently ignored setting. Relative paths are resolved
+against the directory of the file they were read from.
+"""
+from __future__ import annotations
+
+import configparser
+import dataclasses
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, get_type_hints
+
+from shared.errors import ConfigError
+
+DEFAULT_CONFIG_NAME = "reame.conf"
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    model_path: str = "./models/SmolLM2-135M-Instruct.Q4_1.gguf"  # file path or a known name
+    models_dir: str = "./models"
+    model_id: str = "reame"
+    chat_template: str = ""  # optional Jinja file overriding the GGUF's template
+
+
+@dataclass(frozen=True)
+class EngineSection:
+    kernels: str = "auto"  # auto | reference
+    threads: int = 0  # 0 = every CPU this process may run on
+    context_length: int = 0  # 0 = the model's trained context, capped by max_context
+    max_context: int = 8192
+    prefill_chunk: int = 512
+    prefill_weights: str = "auto"  # auto | f32 | dequantize
+    numba_cache_dir: str = "~/.cache/reame/numba"
+
+
+@dataclass(frozen=True)
+class LoggingSection:
+    level: str = "info"
+    log_prompts: bool = False
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelSection = field(default_factory=ModelSection)
+    engine: EngineSection = field(default_factory=EngineSection)
+    logging: LoggingSection = field(default_factory=LoggingSection)
+    source: str = ""  # the file this was read from ("" = built-in defaults)
+
+    def resolve_path(self, value: str) -> Path:
+        """A path from the config, relative to the config file's directory."""
+        path = Path(os.path.expanduser(value))
+        if path.is_absolute():
+            return path
+        base = Path(self.source).parent if self.source else Path.cwd()
+        return (base / path).resolve()
+
+
+_CHOICES = {
+    ("engine", "kernels"): {"auto", "reference"},
+    ("engine", "prefill_weights"): {"auto", "f32", "dequantize"},
+    ("logging", "level"): {"debug", "info", "warning", "error"},
+}
+
+
+def _convert(section: str, key: str, raw: str, kind: Any) -> Any:
+    raw = raw.strip()
+    try:
+        if kind is bool:
+            lowered = raw.lower()
+            if lowered in ("1", "true", "yes", "on"):
+                return True
+            if lowered in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(raw)
+        if kind is int:
+            return int(raw)
+        if kind is float:
+            return float(raw)
+    except ValueError:
+        raise ConfigError(f"reame.conf: [{section}] {key} = {raw!r} is not a valid {kind.__name__}") from None
+    choices = _CHOICES.get((section, key))
+    if choices and raw not in choices:
+        raise ConfigError(f"reame.conf: [{section}] {key} = {raw!r}; expected one of {sorted(choices)}")
+    return raw
+
+
+def _section_types() -> dict[str, type]:
+    hints = get_type_hints(Config)
+    return {f.name: hints[f.name] for f in fields(Config) if f.name != "source"}
+
+
+def parse_config(text: str, source: str = "") -> Config:
+    parser = configparser.ConfigParser(interpolation=None, inline_comment_prefixes=None)
+    parser.optionxform = str  # keys are case-sensitive, like the dataclass fields
+    try:
+        parser.read_string(text, source=source or "<reame.conf>")
+    except configparser.Error as exc:
+        raise ConfigError(f"reame.conf: cannot parse {source or 'config'}: {exc}") from None
+    sections = _section_types()
+    values: dict[str, Any] = {}
+    for name in parser.sections():
+        if name not in sections:
+            raise ConfigError(f"reame.conf: unknown section [{name}] (known: {', '.join(sections)})")
+        cls = sections[name]
+        hints = get_type_hints(cls)
+        kwargs = {}
+        for key, raw in parser.items(name):
+            if key not in hints:
+                raise ConfigError(f"reame.conf: unknown key '{key}' in [{name}]")
+            kwargs[key] = _convert(name, key, raw, hints[key])
+        values[name] = cls(**kwargs)
+    return Config(**values, source=source)
+
+
+def load_config(path: str | os.PathLike | None = None) -> Config:
+    """Read reame.conf: the given path, else $REAME_CONFIG, else ./reame.conf, else defaults."""
+    explicit = path is not None or "REAME_CONFIG" in os.environ
+    candidate = Path(path if path is not None else os.environ.get("REAME_CONFIG", DEFAULT_CONFIG_NAME))
+    if not candidate.exists():
+        if explicit:
+            raise ConfigError(f"config file not found: {candidate}")
+        return Config()
+    try:
+        text = candidate.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {candidate}: {exc.strerror}") from None
+    return parse_config(text, str(candidate.resolve()))
+
+
+def override(config: Config, section: str, **changes: Any) -> Config:
+    """A copy of `config` with some keys of one section replaced (command-line flags)."""
+    changes = {k: v for k, v in changes.items() if v is not None}
+    if not changes:
+        return config
+    return dataclasses.replace(config, **{section: dataclasses.replace(getattr(config, section), **changes)})

@@ -1,0 +1,55 @@
+"""One error taxonomy for every Reame process.
+
+Each error kind knows its OpenAI error `type` and HTTP status so that the gateway maps
+errors in one place, and the CLI prints `error.message` as one clear line.
+"""
+from __future__ import annotations
+
+
+class ReameError(Exception):
+    """Base of every error Reame reports to a person or a client."""
+
+    status = 500
+    type = "server_error"
+    code: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+
+    def to_openai(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type,
+                          "param": self.param, "code": self.code}}
+
+
+class ConfigError(ReameError):
+    """reame.conf or a command-line flag is wrong; raised at start-up."""
+    type = "configuration_error"
+
+
+class ModelLoadError(ReameError):
+    """A model file is missing, not GGUF, truncated or uses something we do not support."""
+    type = "model_error"
+
+
+class ModelFetchError(ReameError):
+    """A model could not be downloaded, assembled or verified."""
+    type = "model_error"
+
+
+class InvalidRequestError(ReameError):
+    """The caller sent something we cannot serve (bad ids, bad parameters, too long)."""
+    status = 400
+    type = "invalid_request_error"
+
+
+class ContextLengthError(InvalidRequestError):
+    code = "context_length_exceeded"
+
+
+class TokenizerError(ReameError):
+    """The tokenizer or chat template in the GGUF cannot be built or rendered."""
+    type = "tokenizer_error"

@@ -1,0 +1,32 @@
+"""Shared fixtures: the real models (pulled once, cached between runs) and golden files."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+REFERENCE_DIR = REPO_ROOT.parent / "shared" / "reference"
+TEST_MODELS_DIR = Path(os.environ.get("REAME_TEST_MODELS", "~/.cache/reame/models")).expanduser()
+
+
+def _model(name: str) -> Path:
+    from shared.model_store import ensure_model
+
+    return ensure_model(name, TEST_MODELS_DIR)
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    return _model("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def gemma3_gguf() -> Path:
+    return _model("gemma3-270m")
+
+
+def load_reference(name: str) -> dict:
+    return json.loads((REFERENCE_DIR / name).read_text(encoding="utf-8"))
