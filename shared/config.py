@@ -44,10 +44,47 @@ class LoggingSection:
 
 
 @dataclass(frozen=True)
+class ServerSection:
+    """What the gateway and its workers must agree on: where they meet and how liveness is judged."""
+    state_dir: str = "~/.local/state/reame"  # runtime files (the default worker socket)
+    endpoint: str = ""  # ZeroMQ endpoint; "" = ipc://<state_dir>/workers.ipc
+    heartbeat_interval: float = 1.0  # seconds between a worker's heartbeats
+    worker_timeout: float = 10.0  # a worker silent this long is dropped and its requests re-routed
+
+
+@dataclass(frozen=True)
+class GatewaySection:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str = ""  # "" = no authentication
+    max_body_bytes: int = 4 * 1024 * 1024
+    max_queue: int = 256  # requests waiting for a worker slot before 429
+    queue_timeout: float = 60.0  # seconds a request waits for a worker before 503
+    default_max_tokens: int = 0  # when a request gives none; 0 = the rest of the context
+    max_n: int = 16
+
+
+@dataclass(frozen=True)
+class WorkerSection:
+    drain_timeout: float = 120.0  # seconds SIGTERM waits for in-flight requests
+    warmup: bool = True  # run one short generation before registering
+
+
+@dataclass(frozen=True)
+class ServeSection:
+    workers: int = 0  # 0 = one per NUMA node
+    restart_backoff_max: float = 30.0  # seconds; a crashed child restarts after 1, 2, 4 ... up to this
+
+
+@dataclass(frozen=True)
 class Config:
     model: ModelSection = field(default_factory=ModelSection)
     engine: EngineSection = field(default_factory=EngineSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
+    server: ServerSection = field(default_factory=ServerSection)
+    gateway: GatewaySection = field(default_factory=GatewaySection)
+    worker: WorkerSection = field(default_factory=WorkerSection)
+    serve: ServeSection = field(default_factory=ServeSection)
     source: str = ""  # the file this was read from ("" = built-in defaults)
 
     def resolve_path(self, value: str) -> Path:
@@ -57,6 +94,20 @@ class Config:
             return path
         base = Path(self.source).parent if self.source else Path.cwd()
         return (base / path).resolve()
+
+    def model_reference(self) -> str:
+        """model_path as the model store takes it: a known name unchanged, a path made absolute."""
+        value = self.model.model_path
+        if is_model_name(value):
+            return value
+        return str(self.resolve_path(value))
+
+    @property
+    def endpoint(self) -> str:
+        """The ZeroMQ endpoint the gateway binds and workers connect to."""
+        if self.server.endpoint:
+            return self.server.endpoint
+        return f"ipc://{self.resolve_path(self.server.state_dir) / 'workers.ipc'}"
 
 
 _CHOICES = {
@@ -129,6 +180,18 @@ def load_config(path: str | os.PathLike | None = None) -> Config:
     except OSError as exc:
         raise ConfigError(f"cannot read config file {candidate}: {exc.strerror}") from None
     return parse_config(text, str(candidate.resolve()))
+
+
+def is_model_name(value: str) -> bool:
+    """A bare name (`smollm2-135m`) rather than a file path."""
+    return not (os.sep in value or "/" in value or value.startswith("~") or value.endswith(".gguf"))
+
+
+def model_flag(value: str | None) -> str | None:
+    """A --model flag: a path is taken relative to the current directory, not the config file's."""
+    if value is None or is_model_name(value):
+        return value
+    return str(Path(os.path.expanduser(value)).resolve())
 
 
 def override(config: Config, section: str, **changes: Any) -> Config:
