@@ -1,0 +1,61 @@
+"""Every message survives encode → decode unchanged; bad frames are refused, not guessed at."""
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from shared import protocol
+from shared.protocol import (Abort, Drain, Error, Finished, Generate, Heartbeat, Kind, ProtocolError, Register,
+                             TokenChunk, decode, encode)
+from worker.sampling_params import SamplingParams
+
+MESSAGES = [
+    Register("host/node0/12", 0, [0, 1, 2], "SmolLM2", "/m/a.gguf", "llama", 8192, 49152, 1, "host", 12),
+    Heartbeat("host/node0/12", active=1, queued=3),
+    Heartbeat("w", registered=False),
+    Generate("r1", [1, 2, 3], SamplingParams(max_tokens=5, temperature=0.0, logit_bias={7: -100.0, 9: 2.5},
+                                              seed=42, stop_token_ids=(2, 0), logprobs=3)),
+    Generate("r2", [5], SamplingParams()),
+    TokenChunk("r1", [17], [-0.25], [[[17, -0.25], [3, -1.5]]]),
+    TokenChunk("r1", [17, 18], [None, None], [[], []]),
+    Finished("r1", "length", 3, 5, 0),
+    Error("r1", "ContextLengthError", "too long", "max_tokens", "context_length_exceeded"),
+    Error("", "ReameError", "out of memory", fatal=True),
+    Abort("r1"),
+    Drain("w"),
+    Drain("w", done=True),
+]
+
+
+@pytest.mark.parametrize("message", MESSAGES, ids=lambda m: type(m).__name__)
+def test_round_trip(message):
+    assert decode(encode(message)) == message
+
+
+def test_kind_byte_leads_the_frame():
+    assert encode(Abort("x"))[0] == Kind.ABORT
+    assert encode(MESSAGES[0])[0] == Kind.REGISTER
+
+
+def test_sampling_params_keep_their_types():
+    params = decode(encode(MESSAGES[3])).params
+    assert params.logit_bias == {7: -100.0, 9: 2.5}
+    assert isinstance(params.stop_token_ids, tuple)
+
+
+@pytest.mark.parametrize("frame", [
+    b"",
+    bytes([99]) + b"{}",
+    bytes([Kind.ABORT]) + b"not json",
+    bytes([Kind.ABORT]) + b"[1]",
+    bytes([Kind.ABORT]) + orjson.dumps({"request_id": "x", "extra": 1}),
+    bytes([Kind.ABORT]) + b"{}",
+    bytes([Kind.GENERATE]) + orjson.dumps({"request_id": "x", "prompt_ids": [1], "params": {"nope": 1}}),
+])
+def test_bad_frames_are_refused(frame):
+    with pytest.raises(ProtocolError):
+        decode(frame)
+
+
+def test_every_kind_has_one_class():
+    assert sorted(protocol._CLASS_OF) == sorted(int(k) for k in Kind)
