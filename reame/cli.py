@@ -9,7 +9,10 @@ import argparse
 import importlib
 import sys
 
+from shared import blas_env
 from shared.errors import ReameError
+
+blas_env.prefer_native_blas()  # before anything imports numpy
 
 COMMANDS = ("models", "generate", "tokenize", "chat", "serve")
 

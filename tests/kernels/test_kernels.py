@@ -1,0 +1,87 @@
+"""Every registered kernel variant against float64 math on the reference dequantization."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.kernels.quant_cases import random_tensor
+from worker.engine.gguf_file import GGUFFile
+from worker.engine.kernels.packing import TILE, MatrixTable, pack
+from worker.engine.kernels.registry import ALL_QUANT_TYPES, KERNELS
+from worker.engine.quants import dequantize
+
+# Rows deliberately not a multiple of TILE, so padding is exercised.
+ROWS, COLS = 100, 512
+
+
+def _table(raws):
+    table = MatrixTable()
+    for raw, qtype in raws:
+        table.add(pack(raw, qtype))
+    table.finalize()
+    return table
+
+
+def _run(variant, table, index, w, x):
+    fn = variant.fn
+    t = table
+    if variant.op == "matvec":
+        out = np.zeros(t.padded_rows(index), np.float32)
+        scratch = np.zeros((t.padded_rows(index) // TILE, TILE), np.float32)
+        fn(t.data, t.scales, t.biases, t.meta, np.array([index]), x, out, scratch)
+        return out[:w.shape[0]], w.astype(np.float64) @ x.astype(np.float64)
+    if variant.op == "unpack":
+        out = np.zeros(w.shape, np.float32)
+        fn(t.data, t.scales, t.biases, t.meta, index, out)
+        return out, w
+    if variant.op == "row":
+        out = np.zeros(w.shape[1], np.float32)
+        fn(t.data, t.scales, t.biases, t.meta[index], 37, out)
+        return out, w[37]
+    raise AssertionError(f"no test for op {variant.op}")
+
+
+@pytest.mark.parametrize("key", list(KERNELS), ids=lambda k: "-".join(k))
+@pytest.mark.parametrize("qtype", ALL_QUANT_TYPES, ids=lambda q: q.name)
+def test_kernel_matches_reference_on_random_tensors(key, qtype):
+    raw = random_tensor(qtype, ROWS, COLS, seed=3)
+    w = dequantize(raw, qtype)
+    x = np.random.default_rng(1).standard_normal(COLS).astype(np.float32)
+    got, expected = _run(KERNELS[key], _table([(raw, qtype)]), 0, w, x)
+    scale = np.abs(expected).max()
+    np.testing.assert_allclose(got, expected, rtol=0, atol=2e-5 * scale)
+
+
+@pytest.mark.parametrize("key", list(KERNELS), ids=lambda k: "-".join(k))
+def test_kernels_on_real_tensors_of_every_type_in_gemma(key, gemma3_gguf):
+    g = GGUFFile(gemma3_gguf)
+    by_type = {}
+    for t in g.tensors.values():
+        if len(t.shape) == 2 and t.qtype not in by_type:
+            by_type[t.qtype] = t
+    raws = [(t.raw[:130], t.qtype) for t in by_type.values()]
+    table = _table(raws)
+    for i, (raw, qtype) in enumerate(raws):
+        w = dequantize(raw, qtype)
+        x = np.random.default_rng(i).standard_normal(w.shape[1]).astype(np.float32)
+        got, expected = _run(KERNELS[key], table, i, w, x)
+        np.testing.assert_allclose(got, expected, rtol=0, atol=2e-5 * np.abs(expected).max(), err_msg=qtype.name)
+
+
+def test_one_launch_computes_several_matrices_of_different_formats():
+    from gguf import GGMLQuantizationType as QT
+    from worker.engine.kernels.matvec import linear
+    raws = [(random_tensor(QT.Q4_K, 64, 256, 1), QT.Q4_K), (random_tensor(QT.Q8_0, 70, 256, 2), QT.Q8_0),
+            (random_tensor(QT.F16, 64, 256, 3), QT.F16)]
+    table = _table(raws)
+    x = np.random.default_rng(0).standard_normal(256).astype(np.float32)
+    widths = [table.padded_rows(i) for i in range(3)]
+    out = np.zeros(sum(widths), np.float32)
+    linear(table.data, table.scales, table.biases, table.meta, np.arange(3), x, out,
+           np.zeros((sum(widths) // TILE, TILE), np.float32))
+    start = 0
+    for i, (raw, qtype) in enumerate(raws):
+        w = dequantize(raw, qtype)
+        expected = w.astype(np.float64) @ x
+        np.testing.assert_allclose(out[start:start + w.shape[0]], expected, atol=2e-5 * np.abs(expected).max())
+        start += widths[i]

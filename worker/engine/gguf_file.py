@@ -1,0 +1,119 @@
+"""Open a GGUF file (memory-mapped) and read what the engine needs, with clear errors.
+
+Nothing here copies tensor data: `tensor()` returns the memory-mapped packed rows. Model
+hyper-parameters come only from metadata keys (`<arch>.*`), never from the file name.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from gguf import GGMLQuantizationType as QT
+from gguf import GGUFReader
+
+from shared.errors import ModelLoadError
+from worker.engine.quants import spec_for
+
+GGUF_MAGIC = b"GGUF"
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    name: str
+    qtype: QT
+    shape: tuple[int, ...]  # numpy order: (rows, cols) = (out, in) for matrices
+    raw: np.ndarray  # memory-mapped packed bytes, (rows, row_bytes) for matrices
+
+
+class GGUFFile:
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self._check_readable()
+        try:
+            self._reader = GGUFReader(self.path, "r")
+        except Exception as exc:  # the gguf package raises bare ValueError/struct errors
+            raise ModelLoadError(f"{self.path}: not a valid GGUF file ({_reason(exc)})") from None
+        self.arch = self.get_str("general.architecture")
+        self.tensors = self._index_tensors()
+
+    def _check_readable(self) -> None:
+        if not self.path.exists():
+            raise ModelLoadError(f"model file not found: {self.path}")
+        if not self.path.is_file():
+            raise ModelLoadError(f"model path is not a file: {self.path}")
+        try:
+            with open(self.path, "rb") as f:
+                magic = f.read(4)
+        except OSError as exc:
+            raise ModelLoadError(f"cannot read model file {self.path}: {exc.strerror}") from None
+        if magic != GGUF_MAGIC:
+            raise ModelLoadError(f"{self.path}: not a GGUF file (magic {magic!r}, expected b'GGUF')")
+
+    def _index_tensors(self) -> dict[str, TensorRef]:
+        size = self.path.stat().st_size
+        out = {}
+        for t in self._reader.tensors:
+            spec = spec_for(t.tensor_type, t.name)
+            end = t.data_offset + t.n_bytes
+            if end > size:
+                raise ModelLoadError(f"{self.path}: truncated file (tensor {t.name} ends at byte {end}, file has {size})")
+            shape = tuple(int(s) for s in reversed(t.shape.tolist()))
+            raw = np.asarray(t.data)
+            if raw.dtype != np.uint8:
+                raw = raw.view(np.uint8).reshape(shape[0] if len(shape) > 1 else 1, -1)
+            elif raw.ndim == 1:
+                raw = raw.reshape(1, -1)
+            if shape[-1] % spec.block_size:
+                raise ModelLoadError(f"{self.path}: tensor {t.name} row length {shape[-1]} is not a multiple of {spec.block_size}")
+            out[t.name] = TensorRef(t.name, QT(t.tensor_type), shape, raw)
+        return out
+
+    # ---- metadata ----
+    def has(self, key: str) -> bool:
+        return key in self._reader.fields
+
+    def get(self, key: str, default=None):
+        field = self._reader.fields.get(key)
+        if field is None:
+            return default
+        return field.contents()
+
+    def get_str(self, key: str) -> str:
+        value = self.get(key)
+        if not isinstance(value, str):
+            raise ModelLoadError(f"{self.path}: metadata key {key} missing or not a string")
+        return value
+
+    def require(self, key: str):
+        value = self.get(key)
+        if value is None:
+            raise ModelLoadError(f"{self.path}: required metadata key {key} is missing")
+        return value
+
+    def tensor(self, name: str) -> TensorRef:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise ModelLoadError(f"{self.path}: required tensor {name} is missing") from None
+
+    def fingerprint(self) -> str:
+        """SHA-256 of the file; the K/V computed from it are only valid for these exact bytes."""
+        sidecar = self.path.with_suffix(self.path.suffix + ".sha256")
+        stat = self.path.stat()
+        if sidecar.exists() and sidecar.stat().st_mtime >= stat.st_mtime:
+            text = sidecar.read_text().split()
+            if text:
+                return text[0]
+        digest = hashlib.sha256()
+        with open(self.path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 22), b""):
+                digest.update(chunk)
+        return digest.hexdigest()
+
+
+def _reason(exc: Exception) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0][:200] if text else type(exc).__name__

@@ -1,0 +1,143 @@
+"""Fast quantized matrix × vector for decode.
+
+`linear` multiplies one or more packed matrices (see packing.py) by the same activation
+vector in one parallel launch: fusing Q/K/V or gate/up into one launch saves a thread-pool
+round trip per matrix. Outputs of the listed matrices are laid side by side in `out`
+(Σ padded rows).
+
+Loop shape matters more than anything here: the innermost loop runs over the TILE outputs
+of a tile with a trip count numba cannot see at compile time, which is what lets LLVM
+vectorize it (a constant trip count got fully unrolled into scalar code, 3x slower), and
+x is a plain vector (an extra batch loop around the inner loop made it 5x slower).
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from worker.engine.kernels.ops import dequant_row
+from worker.engine.kernels.packing import (FMT_F32, FMT_Q4, M_BIAS, M_DATA, M_FMT, M_GROUP,
+                                           M_K, M_SCALE, M_TILES, TILE)
+
+_JIT = dict(fastmath=True, cache=True, nogil=True)
+
+
+@njit(**_JIT)
+def _tile_q4(data, scales, biases, meta, tile, x, o, gacc):
+    k = meta[M_K]
+    groups = k // 32
+    width = o.shape[0]
+    base = meta[M_DATA] + tile * (k // 2) * width
+    d = data[base:base + (k // 2) * width].reshape(k // 2, width)
+    s0 = meta[M_SCALE] + tile * groups * width
+    s = scales[s0:s0 + groups * width].reshape(groups, width)
+    has_bias = meta[M_BIAS] >= 0
+    m0 = meta[M_BIAS] + tile * groups * width if has_bias else 0
+    mb = biases[m0:m0 + groups * width].reshape(groups, width) if has_bias else s
+    for t in range(width):
+        o[t] = 0.0
+    for g in range(groups):
+        for t in range(width):
+            gacc[t] = 0.0
+        for j in range(16):
+            row = d[g * 16 + j]
+            x0 = x[g * 32 + j]
+            x1 = x[g * 32 + j + 16]
+            for t in range(width):
+                v = row[t]
+                gacc[t] += np.float32(v & 15) * x0 + np.float32(v >> 4) * x1
+        sg = s[g]
+        if has_bias:
+            xs = np.float32(0.0)
+            for i in range(32):
+                xs += x[g * 32 + i]
+            mg = mb[g]
+            for t in range(width):
+                o[t] += sg[t] * gacc[t] + mg[t] * xs
+        else:
+            for t in range(width):
+                o[t] += sg[t] * gacc[t]
+
+
+@njit(**_JIT)
+def _tile_q8(data, scales, biases, meta, tile, x, o, gacc):
+    k = meta[M_K]
+    group = meta[M_GROUP]
+    groups = k // group
+    width = o.shape[0]
+    base = meta[M_DATA] + tile * k * width
+    d = data[base:base + k * width].view(np.int8).reshape(k, width)
+    s0 = meta[M_SCALE] + tile * groups * width
+    s = scales[s0:s0 + groups * width].reshape(groups, width)
+    has_bias = meta[M_BIAS] >= 0
+    m0 = meta[M_BIAS] + tile * groups * width if has_bias else 0
+    mb = biases[m0:m0 + groups * width].reshape(groups, width) if has_bias else s
+    for t in range(width):
+        o[t] = 0.0
+    for g in range(groups):
+        for t in range(width):
+            gacc[t] = 0.0
+        for j in range(group):
+            row = d[g * group + j]
+            xv = x[g * group + j]
+            for t in range(width):
+                gacc[t] += np.float32(row[t]) * xv
+        sg = s[g]
+        if has_bias:
+            xs = np.float32(0.0)
+            for i in range(group):
+                xs += x[g * group + i]
+            mg = mb[g]
+            for t in range(width):
+                o[t] += sg[t] * gacc[t] + mg[t] * xs
+        else:
+            for t in range(width):
+                o[t] += sg[t] * gacc[t]
+
+
+@njit(**_JIT)
+def _tile_f32(data, meta, tile, x, o):
+    k = meta[M_K]
+    width = o.shape[0]
+    start = meta[M_DATA] + tile * k * width * 4
+    d = data[start:start + k * width * 4].view(np.float32).reshape(k, width)
+    for t in range(width):
+        o[t] = 0.0
+    for kk in range(k):
+        row = d[kk]
+        xv = x[kk]
+        for t in range(width):
+            o[t] += row[t] * xv
+
+
+@njit(parallel=True, **_JIT)
+def linear(data, scales, biases, meta, mats, x, out, scratch):
+    """out[cols of mats[i]] = W[mats[i]] @ x for every listed matrix, in one launch.
+
+    x: float32 (K,) shared by all listed matrices; out: float32 (Σ padded rows);
+    scratch: float32 (≥ Σ tiles, TILE) per-tile group accumulators.
+    """
+    n_mats = mats.shape[0]
+    first_tile = np.zeros(n_mats + 1, np.int64)
+    for i in range(n_mats):
+        first_tile[i + 1] = first_tile[i] + meta[mats[i], M_TILES]
+    for g in prange(first_tile[n_mats]):
+        i = 0
+        while g >= first_tile[i + 1]:
+            i += 1
+        m = meta[mats[i]]
+        tile = g - first_tile[i]
+        o = out[g * TILE:(g + 1) * TILE]
+        if m[M_FMT] == FMT_Q4:
+            _tile_q4(data, scales, biases, m, tile, x, o, scratch[g])
+        elif m[M_FMT] == FMT_F32:
+            _tile_f32(data, m, tile, x, o)
+        else:
+            _tile_q8(data, scales, biases, m, tile, x, o, scratch[g])
+
+
+@njit(parallel=True, **_JIT)
+def unpack_f32(data, scales, biases, meta, mat, out):
+    """Dequantize packed matrix `mat` into out: float32 (n, K), row-major W."""
+    for r in prange(out.shape[0]):
+        dequant_row(data, scales, biases, meta[mat], r, out[r])

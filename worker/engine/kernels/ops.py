@@ -1,0 +1,136 @@
+"""Small numba kernels used inside the fused decode step (norms, RoPE, attention, gating).
+
+All write into preallocated `out` arrays; none allocates per call except where noted.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit, prange
+
+from worker.engine.kernels.packing import FMT_F32, FMT_Q4, M_BIAS, M_DATA, M_FMT, M_GROUP, M_K, M_SCALE, TILE
+
+_JIT = dict(fastmath=True, cache=True, nogil=True)
+
+
+@njit(**_JIT)
+def rmsnorm(x, weight, eps, out):
+    ss = np.float32(0.0)
+    for i in range(x.shape[0]):
+        ss += x[i] * x[i]
+    inv = np.float32(1.0) / np.sqrt(ss / np.float32(x.shape[0]) + np.float32(eps))
+    for i in range(x.shape[0]):
+        out[i] = x[i] * inv * weight[i]
+
+
+@njit(**_JIT)
+def rope_pairs(v, n_heads, head_dim, cos, sin):
+    """Rotate adjacent pairs (2i, 2i+1) of each head in place ("normal" GGUF layout)."""
+    half = head_dim // 2
+    for h in range(n_heads):
+        base = h * head_dim
+        for i in range(half):
+            a = v[base + 2 * i]
+            b = v[base + 2 * i + 1]
+            v[base + 2 * i] = a * cos[i] - b * sin[i]
+            v[base + 2 * i + 1] = a * sin[i] + b * cos[i]
+
+
+@njit(**_JIT)
+def rope_halves(v, n_heads, head_dim, cos, sin):
+    """Rotate element i with i + head_dim/2 of each head in place (NEOX layout)."""
+    half = head_dim // 2
+    for h in range(n_heads):
+        base = h * head_dim
+        for i in range(half):
+            a = v[base + i]
+            b = v[base + half + i]
+            v[base + i] = a * cos[i] - b * sin[i]
+            v[base + half + i] = a * sin[i] + b * cos[i]
+
+
+@njit(parallel=True, **_JIT)
+def attention_decode(q, k_cache, v_cache, n_tokens, first, scale, out, scores):
+    """One query token against cached keys [first, n_tokens) of every head.
+
+    q: (H*D,); k_cache/v_cache: (KVH, ctx, D); out: (H*D,); scores: (H, ctx) scratch.
+    Query head h reads KV head h // (H // KVH) (grouped-query attention).
+    """
+    n_kv, _, d = k_cache.shape
+    n_heads = q.shape[0] // d
+    group = n_heads // n_kv
+    for h in prange(n_heads):
+        kvh = h // group
+        qh = q[h * d:(h + 1) * d]
+        sc = scores[h]
+        best = -np.inf
+        for t in range(first, n_tokens):
+            kt = k_cache[kvh, t]
+            s = np.float32(0.0)
+            for i in range(d):
+                s += qh[i] * kt[i]
+            s *= scale
+            sc[t] = s
+            if s > best:
+                best = s
+        total = np.float32(0.0)
+        for t in range(first, n_tokens):
+            e = np.float32(math.exp(sc[t] - best))
+            sc[t] = e
+            total += e
+        oh = out[h * d:(h + 1) * d]
+        for i in range(d):
+            oh[i] = 0.0
+        inv = np.float32(1.0) / total
+        for t in range(first, n_tokens):
+            p = sc[t] * inv
+            vt = v_cache[kvh, t]
+            for i in range(d):
+                oh[i] += p * vt[i]
+
+
+@njit(**_JIT)
+def silu_mul(gate, up, out):
+    for i in range(out.shape[0]):
+        g = gate[i]
+        out[i] = g / (np.float32(1.0) + np.float32(math.exp(-g))) * up[i]
+
+
+@njit(**_JIT)
+def gelu_tanh_mul(gate, up, out):
+    c = np.float32(math.sqrt(2.0 / math.pi))
+    for i in range(out.shape[0]):
+        g = gate[i]
+        out[i] = np.float32(0.5) * g * (np.float32(1.0) + np.float32(math.tanh(c * (g + np.float32(0.044715) * g * g * g)))) * up[i]
+
+
+@njit(**_JIT)
+def dequant_row(data, scales, biases, meta, token, out):
+    """Row `token` of a packed (n, K) matrix, dequantized into out (K,): embedding lookups."""
+    k = meta[M_K]
+    tile = token // TILE
+    t = token % TILE
+    fmt = meta[M_FMT]
+    if fmt == FMT_F32:
+        start = meta[M_DATA] + tile * k * TILE * 4
+        d = data[start:start + k * TILE * 4].view(np.float32).reshape(k, TILE)
+        for i in range(k):
+            out[i] = d[i, t]
+        return
+    group = meta[M_GROUP]
+    groups = k // group
+    s0 = meta[M_SCALE] + tile * groups * TILE
+    for g in range(groups):
+        sc = scales[s0 + g * TILE + t]
+        bi = biases[meta[M_BIAS] + (tile * groups + g) * TILE + t] if meta[M_BIAS] >= 0 else np.float32(0.0)
+        if fmt == FMT_Q4:
+            base = meta[M_DATA] + tile * (k // 2) * TILE
+            for j in range(16):
+                v = data[base + (g * 16 + j) * TILE + t]
+                out[g * 32 + j] = sc * np.float32(v & 15) + bi
+                out[g * 32 + j + 16] = sc * np.float32(v >> 4) + bi
+        else:
+            base = meta[M_DATA] + tile * k * TILE
+            for j in range(group):
+                out[g * group + j] = sc * np.float32(np.int8(data[base + (g * group + j) * TILE + t])) + bi

@@ -1,0 +1,138 @@
+"""Repack GGUF tensors into the layouts the decode kernels stream fastest.
+
+A matrix W (n outputs × k inputs) is cut into tiles of TILE output rows. Inside a tile the
+weights are stored transposed — for each input index, TILE consecutive bytes, one per output —
+so the inner kernel loop runs over outputs with `x[k]` broadcast and LLVM vectorizes it.
+Scales (and biases) are split out per group of 16/32 inputs, also TILE-wide.
+
+Three formats cover every GGUF type (see `quants.py`, which decodes them all to
+`scale * code + bias`):
+  FMT_Q4  two 4-bit codes per byte (codes 0..15): Q4_0, Q4_1, Q4_K
+  FMT_Q8  one int8 code per byte: Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
+  FMT_F32 float32 weights: F32, F16, BF16
+
+All matrices of a model live in one `MatrixTable` (three flat arenas plus a metadata row per
+matrix) so a single compiled decode step can address any mix of formats.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from gguf import GGMLQuantizationType as QT
+
+from worker.engine.quants import decode_rows, dequantize
+
+TILE = 64
+FMT_F32, FMT_Q4, FMT_Q8 = 0, 1, 2
+FORMAT_NAMES = {FMT_F32: "f32", FMT_Q4: "q4", FMT_Q8: "q8"}
+
+_Q4_TYPES = {QT.Q4_0, QT.Q4_1, QT.Q4_K}
+_Q8_TYPES = {QT.Q5_0, QT.Q5_1, QT.Q5_K, QT.Q6_K, QT.Q8_0}
+
+# Columns of MatrixTable.meta
+M_FMT, M_N, M_K, M_GROUP, M_DATA, M_SCALE, M_BIAS, M_TILES = range(8)
+META_COLS = 8
+
+
+def format_for(qtype: QT) -> int:
+    qtype = QT(qtype)
+    if qtype in _Q4_TYPES:
+        return FMT_Q4
+    if qtype in _Q8_TYPES:
+        return FMT_Q8
+    return FMT_F32
+
+
+def _tiles(n: int) -> int:
+    return -(-n // TILE)
+
+
+def _tile_transpose(a: np.ndarray) -> np.ndarray:
+    """(n, cols) → (tiles, cols, TILE), zero-padding n up to a whole tile."""
+    n, cols = a.shape
+    padded = np.zeros((_tiles(n) * TILE, cols), dtype=a.dtype)
+    padded[:n] = a
+    return np.ascontiguousarray(padded.reshape(-1, TILE, cols).transpose(0, 2, 1))
+
+
+@dataclass
+class PackedMatrix:
+    fmt: int
+    n: int
+    k: int
+    group: int
+    data: np.ndarray  # uint8, flattened (tiles, rows, TILE) in the format's element type
+    scale: np.ndarray  # float32 flattened (tiles, k // group, TILE); empty for f32
+    bias: np.ndarray | None  # like scale, or None
+
+
+def pack(raw: np.ndarray, qtype: QT) -> PackedMatrix:
+    """GGUF rows (n, row_bytes) of one matrix → its kernel layout."""
+    qtype = QT(qtype)
+    fmt = format_for(qtype)
+    n = raw.shape[0]
+    if fmt == FMT_F32:
+        w = dequantize(raw, qtype)
+        return PackedMatrix(fmt, n, w.shape[1], 1, _tile_transpose(w).view(np.uint8).ravel(),
+                            np.zeros(0, np.float32), None)
+    dec = decode_rows(raw, qtype)
+    codes, scale, bias = dec.codes, dec.scale, dec.bias
+    k = codes.shape[1]
+    if fmt == FMT_Q4:
+        # Centre on 0..15 for unsigned nibbles; the shift moves into the bias.
+        low = codes.min() if codes.size else 0
+        if low < 0:
+            shift = np.float32(-low)
+            bias = (np.zeros_like(scale) if bias is None else bias) - scale * shift
+            codes = codes + np.int8(-low)
+        u = codes.astype(np.uint8).reshape(n, k // 32, 2, 16)
+        packed = (u[:, :, 0, :] | (u[:, :, 1, :] << 4)).reshape(n, k // 2)
+        data = _tile_transpose(packed).ravel()
+    else:
+        data = _tile_transpose(codes).view(np.uint8).ravel()
+    return PackedMatrix(fmt, n, k, dec.group, data,
+                        _tile_transpose(scale).ravel(),
+                        None if bias is None else _tile_transpose(bias).ravel())
+
+
+class MatrixTable:
+    """All packed matrices of a model in three arenas; matrices are addressed by index."""
+
+    def __init__(self) -> None:
+        self._parts: list[PackedMatrix] = []
+        self.data = np.zeros(0, np.uint8)
+        self.scales = np.zeros(0, np.float32)
+        self.biases = np.zeros(0, np.float32)
+        self.meta = np.zeros((0, META_COLS), np.int64)
+
+    def add(self, matrix: PackedMatrix) -> int:
+        self._parts.append(matrix)
+        return len(self._parts) - 1
+
+    def finalize(self) -> None:
+        """Concatenate every added matrix into the arenas (call once, after the last add)."""
+        meta = np.zeros((len(self._parts), META_COLS), np.int64)
+        d_off = s_off = b_off = 0
+        for i, m in enumerate(self._parts):
+            meta[i] = (m.fmt, m.n, m.k, m.group, d_off, s_off, -1 if m.bias is None else b_off, _tiles(m.n))
+            d_off += m.data.size
+            s_off += m.scale.size
+            b_off += 0 if m.bias is None else m.bias.size
+        self.data = np.empty(d_off, np.uint8)
+        self.scales = np.empty(s_off, np.float32)
+        self.biases = np.empty(max(b_off, 1), np.float32)
+        for i, m in enumerate(self._parts):
+            self.data[meta[i, M_DATA]:meta[i, M_DATA] + m.data.size] = m.data
+            self.scales[meta[i, M_SCALE]:meta[i, M_SCALE] + m.scale.size] = m.scale
+            if m.bias is not None:
+                self.biases[meta[i, M_BIAS]:meta[i, M_BIAS] + m.bias.size] = m.bias
+        self.meta = meta
+        self._parts = []
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes + self.scales.nbytes + self.biases.nbytes
+
+    def padded_rows(self, index: int) -> int:
+        return int(self.meta[index, M_TILES]) * TILE
