@@ -5,11 +5,12 @@ is a frozen dataclass defined here and nowhere else; `decode` refuses unknown ki
 so a gateway and a worker from different versions fail loudly at registration, not mid-stream.
 
 Flow: the worker connects and sends Register, then a Heartbeat every `heartbeat_interval`;
-the gateway answers each Heartbeat (so a worker can re-register after a gateway restart).
-For each request: Generate → TokenChunk* → Finished | Error. Abort may cross a Finished in
-flight; the worker answers an Abort it can act on with Finished(finish_reason="abort").
-Drain (worker → gateway) stops new work being routed to a worker; Drain(done=True) says it
-is leaving now.
+the gateway answers a Heartbeat from a worker it does not know with Heartbeat(registered=False),
+and the worker registers again (the gateway restarted, or had given up on it).
+For each request: Generate → TokenChunk* → Finished | Error, exactly one of the last two.
+Abort may cross a Finished in flight; the worker answers an Abort it can act on with
+Finished(finish_reason="abort"). Drain (worker → gateway) stops new work being routed to the
+worker; Drain(done=True) says it is leaving now and that any request it still had is lost.
 """
 from __future__ import annotations
 
