@@ -1,0 +1,121 @@
+"""The worker's serve loop against a scripted socket: one step per message read, aborts, drain."""
+from __future__ import annotations
+
+from collections import deque
+
+import zmq
+
+from shared import protocol
+from shared.protocol import Abort, Drain, Error, Finished, Generate, Heartbeat, Register, TokenChunk
+from tests.fakes import EOS, FakeEngine
+from worker.sampling_params import SamplingParams
+from worker.service import WorkerService
+
+INFO = Register("w", 0, [0], "fake", "/f.gguf", "fake", 256, 259, 1, "h", 1)
+
+
+class ScriptedSocket:
+    """Delivers queued frames to the loop; `on_send` lets a test react to what the worker sent."""
+
+    def __init__(self, service_ref):
+        self.inbox: deque[bytes] = deque()
+        self.sent: list = []
+        self.service_ref = service_ref
+        self.on_send = None
+
+    def poll(self, timeout_ms):
+        return len(self.inbox)
+
+    def recv(self, flags=0):
+        if not self.inbox:
+            raise zmq.Again()
+        return self.inbox.popleft()
+
+    def send(self, frame):
+        message = protocol.decode(frame)
+        self.sent.append(message)
+        if self.on_send:
+            self.on_send(message)
+
+    def push(self, message):
+        self.inbox.append(protocol.encode(message))
+
+
+def make(step_s=0.0):
+    holder = {}
+    sock = ScriptedSocket(holder)
+    engine = FakeEngine(step_s)
+    service = WorkerService(engine, sock, INFO, heartbeat_interval=3600, drain_timeout=5)
+    return service, sock, engine
+
+
+def greedy(max_tokens=5, **kw):
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)
+
+
+def of(sock, kind):
+    return [m for m in sock.sent if isinstance(m, kind)]
+
+
+def test_generate_then_drain():
+    service, sock, _ = make()
+    sock.push(Generate("a", [1, 2], greedy(3)))
+    service.request_drain()
+    service.run()
+    assert isinstance(sock.sent[0], Register)
+    assert [m.tokens[0] for m in of(sock, TokenChunk)] == [ord("H") + 3, ord("e") + 3, ord("l") + 3]
+    assert of(sock, Finished) == [Finished("a", "length", 2, 3)]
+    assert [m.done for m in of(sock, Drain)] == [False, True]
+
+
+def test_queued_requests_run_in_order_and_abort_removes_from_queue():
+    service, sock, _ = make()
+    for rid in "abc":
+        sock.push(Generate(rid, [1], greedy(2)))
+    sock.push(Abort("b"))
+    service.request_drain()
+    service.run()
+    assert [(m.request_id, m.finish_reason) for m in of(sock, Finished)] == [("b", "abort"), ("a", "length"),
+                                                                              ("c", "length")]
+
+
+def test_abort_stops_the_running_request_within_one_step():
+    service, sock, engine = make()
+    sock.push(Generate("a", [1], greedy(100, logit_bias={EOS: -100.0})))
+
+    def abort_after_three(message):
+        if isinstance(message, TokenChunk) and len(of(sock, TokenChunk)) == 3:
+            sock.push(Abort("a"))
+            service.request_drain()
+
+    sock.on_send = abort_after_three
+    service.run()
+    assert len(of(sock, TokenChunk)) == 3 and engine.closed == 1
+    assert of(sock, Finished) == [Finished("a", "abort", 1, 3)]
+
+
+def test_invalid_request_answers_an_error_at_once():
+    service, sock, _ = make()
+    sock.push(Generate("a", [1] * 250, greedy(10)))
+    sock.push(Generate("b", [], greedy(1)))
+    service.request_drain()
+    service.run()
+    errors = of(sock, Error)
+    assert [(e.request_id, e.error, e.code) for e in errors] == [("a", "ContextLengthError", "context_length_exceeded"),
+                                                                  ("b", "InvalidRequestError", None)]
+
+
+def test_unknown_to_gateway_reregisters():
+    service, sock, _ = make()
+    sock.push(Heartbeat("w", registered=False))
+    service.request_drain()
+    service.run()
+    assert len(of(sock, Register)) == 2
+
+
+def test_stop_gives_up_on_running_work():
+    service, sock, engine = make()
+    sock.push(Generate("a", [1], greedy(100, logit_bias={EOS: -100.0})))
+    sock.on_send = lambda m: service.request_stop() if isinstance(m, TokenChunk) else None
+    service.run()
+    assert engine.closed == 1 and sock.sent[-1] == Drain("w", done=True)

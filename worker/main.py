@@ -1,0 +1,163 @@
+"""`reame-worker --numa-node N`: one engine process, pinned to one NUMA node's CPUs.
+
+    reame-worker [--config FILE] --numa-node N [--model PATH|NAME] [--cpus LIST] [--state-dir DIR]
+
+Start-up order matters: the CPU affinity and numba's thread settings must be in place before
+numba is imported (its thread pool is sized once), and the model is loaded and warmed before
+the worker registers, so the gateway never routes to a worker that would stall on compiling.
+SIGTERM (or Ctrl-C) drains: requests under way finish, then the worker leaves. A second one stops at once.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+from shared.config import Config, load_config, model_flag, override
+from shared.errors import ConfigError, ReameError
+from shared.logs import setup_logging
+from worker.numa import node_cpus, parse_cpulist
+
+log = logging.getLogger("reame.worker")
+
+CAPACITY = 1  # the engine runs one sequence at a time
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="reame-worker", description="A Reame engine worker for one NUMA node.")
+    parser.add_argument("--config", help="reame.conf to read (default: ./reame.conf or $REAME_CONFIG)")
+    parser.add_argument("--numa-node", type=int, default=0, help="NUMA node whose CPUs this worker runs on (default 0)")
+    parser.add_argument("--model", help="GGUF path or known model name ([model] model_path)")
+    parser.add_argument("--cpus", help="use only these CPUs of the node, e.g. 0-3,8 (reame serve splits nodes so)")
+    parser.add_argument("--state-dir", help="runtime directory for the worker socket ([server] state_dir)")
+    return parser
+
+
+def configure(args: argparse.Namespace) -> Config:
+    config = load_config(args.config)
+    config = override(config, "model", model_path=model_flag(args.model))
+    state_dir = str(Path(args.state_dir).expanduser().resolve()) if args.state_dir else None
+    return override(config, "server", state_dir=state_dir)
+
+
+def choose_cpus(node: int, subset: str | None) -> list[int]:
+    cpus = node_cpus(node)
+    if subset is not None:
+        wanted = parse_cpulist(subset)
+        outside = sorted(set(wanted) - set(cpus))
+        if outside:
+            raise ConfigError(f"--cpus {subset}: CPUs {outside} are not on NUMA node {node}")
+        cpus = wanted
+    allowed = os.sched_getaffinity(0)
+    usable = [c for c in cpus if c in allowed]
+    if not usable:
+        raise ConfigError(f"none of NUMA node {node}'s CPUs {cpus} are available to this process")
+    return usable
+
+
+def pin(cpus: list[int], config: Config) -> int:
+    """Pin this process and size numba's pool; returns the thread count. Runs before numba loads."""
+    import psutil
+
+    psutil.Process().cpu_affinity(cpus)
+    threads = config.engine.threads or len(cpus)
+    os.environ.setdefault("NUMBA_NUM_THREADS", str(threads))
+    os.environ.setdefault("NUMBA_CACHE_DIR", str(config.resolve_path(config.engine.numba_cache_dir)))
+    return threads
+
+
+def load(config: Config, threads: int):
+    import numba
+
+    from shared.model_store import resolve_model
+    from worker.engine import load_engine
+
+    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+    path = resolve_model(config.model_reference(), config.resolve_path(config.model.models_dir))
+    started = time.perf_counter()
+    log.info("loading %s (%d threads, kernels %s)", path, threads, config.engine.kernels)
+    engine = load_engine(path, kernels=config.engine.kernels, threads=threads,
+                         context_length=config.engine.context_length or config.engine.max_context,
+                         progress=_progress)
+    log.info("loaded %s (%s, context %d) in %.1fs", engine.model_name, engine.arch, engine.n_ctx,
+             time.perf_counter() - started)
+    if config.worker.warmup:
+        _warm(engine)
+    return engine, path
+
+
+def _progress(*parts: object) -> None:
+    log.info("loading: %s", " ".join(str(p) for p in parts))
+
+
+def _warm(engine) -> None:
+    """One short generation, so kernels are compiled (or loaded from the numba cache) before serving."""
+    from worker.sampling_params import SamplingParams
+
+    started = time.perf_counter()
+    for _ in engine.generate([1, 2, 3, 4], SamplingParams(max_tokens=2, temperature=0.0)):
+        pass
+    log.info("warmed up in %.1fs", time.perf_counter() - started)
+
+
+def serve(config: Config, node: int, cpus: list[int], engine, path: Path) -> None:
+    import zmq
+
+    from shared.protocol import Register
+    from worker.sampler import validate_params
+    from worker.service import WorkerService
+
+    host = socket.gethostname()
+    worker_id = f"{host}/node{node}/{os.getpid()}"
+    info = Register(worker_id=worker_id, numa_node=node, cpus=cpus, model_name=engine.model_name,
+                    model_path=str(path), arch=engine.arch, n_ctx=engine.n_ctx, vocab_size=engine.vocab_size,
+                    capacity=CAPACITY, host=host, pid=os.getpid())
+    context = zmq.Context()
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, worker_id.encode())
+    sock.setsockopt(zmq.LINGER, 2000)  # long enough for the goodbye to reach the gateway
+    sock.connect(config.endpoint)
+    service = WorkerService(engine, sock, info, heartbeat_interval=config.server.heartbeat_interval,
+                            drain_timeout=config.worker.drain_timeout, validate_params=validate_params)
+
+    def on_signal(signum, _frame) -> None:
+        if service.drain_requested:
+            service.request_stop()
+        else:
+            service.request_drain()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    log.info("worker %s: registering with %s", worker_id, config.endpoint)
+    try:
+        service.run()
+    finally:
+        sock.close()
+        context.term()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        config = configure(args)
+        setup_logging(config.logging.level, f"worker[{args.numa_node}]")
+        cpus = choose_cpus(args.numa_node, args.cpus)
+        threads = pin(cpus, config)
+        log.info("NUMA node %d: pinned to CPUs %s", args.numa_node, ",".join(map(str, cpus)))
+        engine, path = load(config, threads)
+        serve(config, args.numa_node, cpus, engine, path)
+    except ReameError as exc:
+        print(f"reame-worker: error: {exc.message}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
