@@ -1,0 +1,41 @@
+"""The aiohttp application: middlewares in order, routes, and the worker pool's lifetime."""
+from __future__ import annotations
+
+from aiohttp import web
+
+from gateway.auth import auth_middleware
+from gateway.errors import error_middleware
+from gateway.routes import add_routes
+from gateway.state import STATE, GatewayState
+
+
+def build_app(state: GatewayState) -> web.Application:
+    # Outermost first: count every answer, then turn exceptions into OpenAI errors, then auth
+    # (whose refusals are such exceptions).
+    middlewares = [_count_requests, error_middleware]
+    if state.config.gateway.api_key:
+        middlewares.append(auth_middleware(state.config.gateway.api_key))
+    app = web.Application(middlewares=middlewares, client_max_size=state.config.gateway.max_body_bytes)
+    app[STATE] = state
+    add_routes(app)
+    app.on_startup.append(_start_pool)
+    app.on_cleanup.append(_close_pool)
+    return app
+
+
+@web.middleware
+async def _count_requests(request: web.Request, handler) -> web.StreamResponse:
+    response = await handler(request)
+    # Label by route, not raw path, so that stray URLs cannot blow up the series count.
+    route = request.match_info.route.resource
+    endpoint = route.canonical if route is not None else "other"
+    request.app[STATE].metrics.requests.labels(endpoint, str(response.status)).inc()
+    return response
+
+
+async def _start_pool(app: web.Application) -> None:
+    await app[STATE].pool.start()
+
+
+async def _close_pool(app: web.Application) -> None:
+    await app[STATE].pool.close()

@@ -1,0 +1,208 @@
+"""Running one completion request: jobs out to the worker pool, choices back, as JSON or SSE.
+
+One job per choice (`n` per prompt). Events from every job of the request arrive on one queue;
+whatever is waiting is applied at once so a slow client gets fewer, larger chunks instead of
+a growing backlog. Jobs are released in `finally`, whatever happened: a finished job is a
+no-op, a running one is aborted on its worker — that is how a client that disconnects (the
+handler is cancelled, or a write fails) stops its generation within one engine step.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import TYPE_CHECKING
+
+import orjson
+from aiohttp import web
+
+from gateway import responses
+from gateway.choice import Choice, Delta
+from gateway.errors import error_from_worker
+from gateway.requests import CompletionRequest
+from gateway.router import prefix_key
+from gateway.sse import EventStream
+from gateway.workers import Job, Restarted
+from shared.errors import ContextLengthError, InvalidRequestError, ReameError
+from shared.protocol import Error, Finished, TokenChunk
+
+if TYPE_CHECKING:
+    from gateway.state import GatewayState
+
+
+async def complete(state: GatewayState, request: web.Request, req: CompletionRequest,
+                   prompts: list[list[int]], arrived: float) -> web.StreamResponse:
+    await state.pool.wait_ready(state.config.gateway.queue_timeout)  # n_ctx is known from here on
+    param = "messages" if req.chat else "prompt"
+    _check_vocab(state, req, prompts)
+    sink: asyncio.Queue = asyncio.Queue()
+    jobs = []
+    for p, ids in enumerate(prompts):
+        max_tokens = _max_tokens(state, req, ids, param)
+        for j in range(req.n):
+            jobs.append(Job(uuid.uuid4().hex, p * req.n + j, ids, req.params(max_tokens, state.stop_token_ids, j),
+                            sink, prefix_key(ids)))
+    state.pool.submit(jobs)
+    state.metrics.prompt_tokens.inc(sum(len(ids) for ids in prompts))
+    run = _Run(state, req, jobs, sink, arrived, sum(len(ids) for ids in prompts))
+    try:
+        if req.stream:
+            return await run.stream(request)
+        return await run.collect()
+    finally:
+        for job in jobs:
+            state.pool.release(job)
+
+
+def _max_tokens(state: GatewayState, req: CompletionRequest, ids: list[int], param: str) -> int:
+    if not ids:
+        raise InvalidRequestError("the prompt is empty", param=param)
+    n_ctx = state.pool.n_ctx
+    room = n_ctx - len(ids)
+    if req.max_tokens is not None:
+        wanted = req.max_tokens
+    else:
+        wanted = min(state.config.gateway.default_max_tokens or room, room)
+    if wanted < 1 or len(ids) + wanted > n_ctx:
+        wanted = max(wanted, 1)
+        raise ContextLengthError(
+            f"This model's maximum context length is {n_ctx} tokens. However, you requested "
+            f"{len(ids) + wanted} tokens ({len(ids)} in the {param}, {wanted} in the completion). "
+            f"Please reduce the length of the {param} or completion.", param=param)
+    return wanted
+
+
+def _check_vocab(state: GatewayState, req: CompletionRequest, prompts: list[list[int]]) -> None:
+    vocab = state.tokenizer.vocab_size
+    for ids in prompts:
+        bad = next((t for t in ids if t >= vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(f"token id {bad} in 'prompt' is outside the vocabulary (size {vocab})",
+                                      param="prompt")
+    bad = next((t for t in req.sampling.logit_bias if t >= vocab), None)
+    if bad is not None:
+        raise InvalidRequestError(f"'logit_bias' token id {bad} is outside the vocabulary (size {vocab})",
+                                  param="logit_bias")
+
+
+class _Run:
+    def __init__(self, state: GatewayState, req: CompletionRequest, jobs: list[Job], sink: asyncio.Queue,
+                 arrived: float, prompt_tokens: int):
+        self.state = state
+        self.req = req
+        self.sink = sink
+        self.arrived = arrived
+        self.prompt_tokens = prompt_tokens
+        self.choices = {job: self._new_choice(job) for job in jobs}
+        self.pending = set(jobs)
+        self.cached_tokens = 0
+        self.id = responses.new_id(req.chat)
+        self.created = int(time.time())
+        self.model = req.model or state.model_id
+        self._first_token = True
+        self._last_token: dict[Job, float] = {}
+
+    def _new_choice(self, job: Job) -> Choice:
+        return Choice(job.index, self.state.decoder, self.req.stop, self.state.hidden_ids)
+
+    # ---- the two ways to answer --------------------------------------------------------------
+
+    async def collect(self) -> web.Response:
+        while self.pending:
+            await self._next()
+        body = responses.completion(self.req.chat, self.id, self.created, self.model, self._ordered(),
+                                    self._usage(), self.state.tokenizer.token_bytes,
+                                    self.req.logprobs, self.req.top_logprobs)
+        return web.Response(body=orjson.dumps(body), content_type="application/json")
+
+    async def stream(self, request: web.Request) -> web.StreamResponse:
+        out = EventStream(request)
+        try:
+            while self.pending:
+                batch = await self._next()
+                for job, _ in batch:  # before any await: from here on the job may not move workers
+                    job.delivered = True
+                if batch and not out.started and self.req.chat:
+                    for choice in self._ordered():  # OpenAI's first chunk per choice carries the role
+                        await out.send(self._chunk([responses.role_delta(choice.index)]))
+                for job, delta in batch:
+                    await out.send(self._chunk([responses.delta_choice(
+                        self.req.chat, job.index, delta.text, delta.entries, delta.finish_reason,
+                        self.state.tokenizer.token_bytes, self.req.logprobs, self.req.top_logprobs)]))
+        except ReameError as exc:
+            if not out.started:
+                raise  # nothing sent yet: an ordinary HTTP error response
+            await out.fail(exc)
+            return out.response
+        if self.req.include_usage:
+            await out.send(responses.chunk(self.req.chat, self.id, self.created, self.model, [],
+                                           self._usage(), with_usage=True))
+        await out.done()
+        return out.response
+
+    # ---- applying worker events --------------------------------------------------------------
+
+    async def _next(self) -> list[tuple[Job, Delta]]:
+        """Wait for events, apply all that are waiting, and return the merged delta per choice."""
+        events = [await self.sink.get()]
+        while not self.sink.empty():
+            events.append(self.sink.get_nowait())
+        merged: dict[Job, Delta] = {}
+        for job, message in events:
+            if job not in self.pending:
+                continue
+            choice = self.choices[job]
+            if isinstance(message, TokenChunk):
+                self._observe(job, len(message.tokens))
+                delta = choice.add(message.tokens, message.logprobs, message.top_logprobs)
+                if choice.done:  # a stop string matched: the worker need not go on
+                    self.state.pool.release(job)
+            elif isinstance(message, Finished):
+                delta = choice.finish(message.finish_reason)
+                self.cached_tokens = max(self.cached_tokens, message.cached_tokens)
+            elif isinstance(message, Error):
+                raise error_from_worker(message.error, message.message, message.param, message.code)
+            elif isinstance(message, Restarted):
+                self.choices[job] = self._new_choice(job)
+                merged.pop(job, None)
+                continue
+            else:
+                continue
+            if choice.done:
+                self.pending.discard(job)
+            if delta:
+                _merge(merged, job, delta)
+        return list(merged.items())
+
+    def _observe(self, job: Job, count: int) -> None:
+        now = time.perf_counter()
+        if self._first_token:
+            self._first_token = False
+            self.state.metrics.ttft.observe(now - self.arrived)
+        last = self._last_token.get(job)
+        if last is not None:
+            self.state.metrics.itl.observe((now - last) / count)
+        self._last_token[job] = now
+
+    # ---- shapes ------------------------------------------------------------------------------
+
+    def _ordered(self) -> list[Choice]:
+        return sorted(self.choices.values(), key=lambda c: c.index)
+
+    def _usage(self) -> dict:
+        generated = sum(c.num_tokens for c in self.choices.values())
+        return responses.usage(self.prompt_tokens, generated, self.cached_tokens)
+
+    def _chunk(self, choices: list[dict]) -> dict:
+        return responses.chunk(self.req.chat, self.id, self.created, self.model, choices,
+                               None, with_usage=self.req.include_usage)
+
+
+def _merge(merged: dict[Job, Delta], job: Job, delta: Delta) -> None:
+    into = merged.get(job)
+    if into is None:
+        merged[job] = delta
+        return
+    into.text += delta.text
+    into.entries.extend(delta.entries)
+    into.finish_reason = delta.finish_reason or into.finish_reason

@@ -1,0 +1,110 @@
+"""The HTTP boundary's half of the error taxonomy, and the one place errors become responses.
+
+Kinds that only exist at the HTTP boundary (auth, body size, overload, routing) subclass
+shared.errors.ReameError, so every error a client sees comes from one hierarchy and carries
+its OpenAI `type`, `code` and status. `error_middleware` turns anything a handler raises into
+the OpenAI envelope; an unexpected exception is logged with its traceback and answered with
+a plain 500 message, never the traceback itself.
+"""
+from __future__ import annotations
+
+import logging
+
+import orjson
+from aiohttp import web
+
+from shared import errors as shared_errors
+from shared.errors import InvalidRequestError, ReameError
+
+log = logging.getLogger("reame.gateway")
+
+
+class AuthenticationError(ReameError):
+    status = 401
+    type = "invalid_request_error"
+    code = "invalid_api_key"
+
+
+class NotFoundError(InvalidRequestError):
+    status = 404
+    code = "not_found"
+
+
+class ModelNotFoundError(NotFoundError):
+    code = "model_not_found"
+
+
+class MethodNotAllowedError(InvalidRequestError):
+    status = 405
+    code = "method_not_allowed"
+
+
+class PayloadTooLargeError(InvalidRequestError):
+    status = 413
+    code = "request_too_large"
+
+
+class OverloadedError(ReameError):
+    status = 429
+    type = "rate_limit_error"
+    code = "server_overloaded"
+    retry_after = 1
+
+
+class ServiceUnavailableError(ReameError):
+    """No worker is ready (starting, restarting, or all gone)."""
+    status = 503
+    type = "server_error"
+    code = "service_unavailable"
+    retry_after = 5
+
+
+class WorkerLostError(ServiceUnavailableError):
+    """The worker running a request died and the request could not be moved elsewhere."""
+    code = "worker_lost"
+
+
+def error_from_worker(name: str, message: str, param: str | None, code: str | None) -> ReameError:
+    """Rebuild the typed error a worker reported by class name (shared.errors or this module)."""
+    cls = globals().get(name) or getattr(shared_errors, name, None)
+    if not (isinstance(cls, type) and issubclass(cls, ReameError)):
+        cls = ReameError
+    return cls(message, param=param, code=code)
+
+
+def error_response(exc: ReameError) -> web.Response:
+    headers = {}
+    retry_after = getattr(exc, "retry_after", None)
+    if retry_after is not None:
+        headers["Retry-After"] = str(retry_after)
+    return web.Response(status=exc.status, body=orjson.dumps(exc.to_openai()),
+                        content_type="application/json", headers=headers)
+
+
+_HTTP_ERRORS = {
+    404: lambda request: NotFoundError(f"{request.method} {request.path} is not a route of this server"),
+    405: lambda request: MethodNotAllowedError(f"{request.method} is not allowed on {request.path}"),
+    413: lambda request: PayloadTooLargeError("the request body is larger than this server accepts"),
+}
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except ReameError as exc:
+        return error_response(exc)
+    except web.HTTPException as exc:
+        if exc.status in _HTTP_ERRORS:
+            return error_response(_HTTP_ERRORS[exc.status](request))
+        if exc.status < 400:
+            raise
+        return error_response(ReameError(exc.reason or "HTTP error") if exc.status >= 500
+                              else InvalidRequestError(exc.reason or "bad request"))
+    except (ConnectionResetError, OSError) as exc:
+        # The client went away mid-response: nothing left to answer.
+        log.debug("%s %s: client connection lost: %s", request.method, request.path, exc)
+        raise
+    except Exception:
+        log.exception("%s %s: unhandled error", request.method, request.path)
+        return error_response(ReameError("internal server error"))

@@ -1,0 +1,101 @@
+"""`reame-gateway`: the OpenAI-compatible HTTP server in front of the workers.
+
+    reame-gateway [--config FILE] [--host H] [--port P] [--model PATH|NAME] [--api-key K] [--state-dir DIR]
+
+The API key may also come from $REAME_API_KEY (so that it need not appear in `ps`). SIGTERM or
+Ctrl-C stops accepting connections, lets requests under way finish (up to `drain_timeout`),
+then exits.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+from aiohttp import web
+
+from shared.config import Config, load_config, model_flag, override
+from shared.errors import ConfigError, ReameError
+from shared.logs import setup_logging
+
+log = logging.getLogger("reame.gateway")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="reame-gateway", description="Reame's OpenAI-compatible HTTP gateway.")
+    parser.add_argument("--config", help="reame.conf to read (default: ./reame.conf or $REAME_CONFIG)")
+    parser.add_argument("--host", help="address to listen on ([gateway] host)")
+    parser.add_argument("--port", type=int, help="port to listen on ([gateway] port)")
+    parser.add_argument("--model", help="GGUF path or known model name ([model] model_path)")
+    parser.add_argument("--api-key", help="require this bearer token ([gateway] api_key; or $REAME_API_KEY)")
+    parser.add_argument("--state-dir", help="runtime directory for the worker socket ([server] state_dir)")
+    return parser
+
+
+def configure(args: argparse.Namespace) -> Config:
+    """reame.conf, then $REAME_API_KEY, then flags."""
+    config = load_config(args.config)
+    config = override(config, "model", model_path=model_flag(args.model))
+    config = override(config, "gateway", host=args.host, port=args.port,
+                      api_key=args.api_key or os.environ.get("REAME_API_KEY") or None)
+    state_dir = str(Path(args.state_dir).expanduser().resolve()) if args.state_dir else None
+    return override(config, "server", state_dir=state_dir)
+
+
+def model_path(config: Config) -> Path:
+    from shared.model_store import resolve_model
+
+    path = resolve_model(config.model_reference(), config.resolve_path(config.model.models_dir))
+    if not path.is_file():
+        raise ConfigError(f"model file not found: {path} (fetch it with `reame models pull`)")
+    return path
+
+
+async def serve(config: Config, path: Path) -> None:
+    from gateway.app import build_app
+    from gateway.state import load_state
+
+    if config.endpoint.startswith("ipc://"):
+        Path(config.endpoint[len("ipc://"):]).parent.mkdir(parents=True, exist_ok=True)
+    state = load_state(config, path)
+    runner = web.AppRunner(build_app(state), access_log=None, handler_cancellation=True,
+                           shutdown_timeout=config.worker.drain_timeout)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, config.gateway.host, config.gateway.port)
+        try:
+            await site.start()
+        except OSError as exc:
+            raise ConfigError(f"cannot listen on {config.gateway.host}:{config.gateway.port}: {exc.strerror}") from None
+        log.info("gateway: serving %s (%s) on http://%s:%d/v1", config.model.model_id, path.name,
+                 config.gateway.host, config.gateway.port)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        log.info("gateway: stopping; letting requests under way finish")
+    finally:
+        await runner.cleanup()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        config = configure(args)
+        setup_logging(config.logging.level, "gateway")
+        asyncio.run(serve(config, model_path(config)))
+    except ReameError as exc:
+        print(f"reame-gateway: error: {exc.message}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,223 @@
+"""OpenAI request bodies → a typed `CompletionRequest`, or InvalidRequestError naming the field.
+
+Pure functions (no I/O, no tokenizer): the checks here are about shapes, types and ranges.
+Checks that need the model (context length, token ids in range) happen once the prompt is
+tokenized. Unknown fields are ignored, as OpenAI's own server does for forward compatibility.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Any
+
+from shared.errors import InvalidRequestError
+from worker.sampling_params import SamplingParams
+
+MAX_STOPS = 16
+MAX_TOP_LOGPROBS_CHAT = 20
+MAX_LOGPROBS_COMPLETION = 5
+_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    chat: bool  # /v1/chat/completions (messages) or /v1/completions (prompt)
+    model: str | None
+    messages: tuple[dict, ...]  # chat: {"role", "content": str, ...}
+    prompts: tuple[str | tuple[int, ...], ...]  # completions: text or token ids, one choice set each
+    max_tokens: int | None  # None: the server's default
+    sampling: SamplingParams  # every field but max_tokens and stop_token_ids
+    stop: tuple[str, ...]
+    n: int
+    stream: bool
+    include_usage: bool
+    logprobs: bool
+    top_logprobs: int
+    user: str | None
+
+    def params(self, max_tokens: int, stop_token_ids: tuple[int, ...], choice: int) -> SamplingParams:
+        """Sampling parameters for one choice; choice i of a seeded request uses seed + i."""
+        seed = None if self.sampling.seed is None else self.sampling.seed + choice
+        # Ask the engine for at least one alternative so the sampled token's own logprob comes back.
+        top = max(self.top_logprobs, 1) if self.logprobs else 0
+        return replace(self.sampling, max_tokens=max_tokens, stop_token_ids=stop_token_ids, seed=seed, logprobs=top)
+
+
+def parse_chat(body: Any, *, max_n: int) -> CompletionRequest:
+    body = _object(body)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequestError("'messages' must be a non-empty array", param="messages")
+    logprobs = _bool(body, "logprobs", False)
+    top = _int(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS_CHAT)
+    if top and not logprobs:
+        raise InvalidRequestError("'top_logprobs' requires 'logprobs' to be true", param="top_logprobs")
+    max_tokens = _int(body, "max_completion_tokens", None, 1, None)
+    if max_tokens is None:
+        max_tokens = _int(body, "max_tokens", None, 1, None)
+    return _common(body, max_n, chat=True, messages=tuple(_message(m, i) for i, m in enumerate(messages)),
+                   prompts=(), max_tokens=max_tokens, logprobs=logprobs, top_logprobs=top)
+
+
+def parse_completion(body: Any, *, max_n: int) -> CompletionRequest:
+    body = _object(body)
+    logprobs = _int(body, "logprobs", None, 0, MAX_LOGPROBS_COMPLETION)
+    return _common(body, max_n, chat=False, messages=(), prompts=_prompts(body.get("prompt")),
+                   max_tokens=_int(body, "max_tokens", None, 1, None),
+                   logprobs=logprobs is not None, top_logprobs=logprobs or 0)
+
+
+def _common(body: dict, max_n: int, **fields: Any) -> CompletionRequest:
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise InvalidRequestError("'model' must be a string", param="model")
+    stream = _bool(body, "stream", False)
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise InvalidRequestError("'stream_options' must be an object", param="stream_options")
+    include_usage = _bool(options or {}, "include_usage", False, label="stream_options.include_usage")
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise InvalidRequestError("'user' must be a string", param="user")
+    top_k = _int(body, "top_k", 0, -1, None)
+    sampling = SamplingParams(
+        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=_number(body, "top_p", 1.0, 0.0, 1.0, open_low=True),
+        top_k=max(top_k, 0),  # -1 is llama.cpp's "off"
+        min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
+        presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        repetition_penalty=_number(body, "repetition_penalty", 1.0, 0.0, 10.0, open_low=True),
+        logit_bias=_logit_bias(body.get("logit_bias")),
+        seed=_int(body, "seed", None, -(2 ** 63), 2 ** 63 - 1),
+    )
+    return CompletionRequest(model=model, sampling=sampling, stop=_stops(body.get("stop")),
+                             n=_int(body, "n", 1, 1, max_n), stream=stream, include_usage=include_usage,
+                             user=user, **fields)
+
+
+# ---- field readers: each names the field in its error -------------------------------------------
+
+def _object(body: Any) -> dict:
+    if not isinstance(body, dict):
+        raise InvalidRequestError("the request body must be a JSON object")
+    return body
+
+
+def _bool(body: dict, name: str, default: bool, *, label: str | None = None) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        label = label or name
+        raise InvalidRequestError(f"'{label}' must be a boolean", param=label)
+    return value
+
+
+def _int(body: dict, name: str, default: int | None, low: int | None, high: int | None) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidRequestError(f"'{name}' must be an integer", param=name)
+    if (low is not None and value < low) or (high is not None and value > high):
+        raise InvalidRequestError(f"'{name}' is {value}; it must be {_range(low, high)}", param=name)
+    return value
+
+
+def _number(body: dict, name: str, default: float, low: float, high: float, *, open_low: bool = False) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise InvalidRequestError(f"'{name}' must be a number", param=name)
+    if value > high or value < low or (open_low and value == low):
+        bound = f"greater than {low}" if open_low else f"at least {low}"
+        raise InvalidRequestError(f"'{name}' is {value}; it must be {bound} and at most {high}", param=name)
+    return float(value)
+
+
+def _range(low: int | None, high: int | None) -> str:
+    if high is None:
+        return f"at least {low}"
+    return f"between {low} and {high}"
+
+
+def _stops(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+        raise InvalidRequestError("'stop' must be a string or an array of strings", param="stop")
+    if len(value) > MAX_STOPS:
+        raise InvalidRequestError(f"'stop' has {len(value)} entries; at most {MAX_STOPS} are allowed", param="stop")
+    return tuple(s for s in value if s)
+
+
+def _logit_bias(value: Any) -> dict[int, float]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise InvalidRequestError("'logit_bias' must be an object of token id → bias", param="logit_bias")
+    bias = {}
+    for key, amount in value.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise InvalidRequestError(f"'logit_bias' key {key!r} is not a token id", param="logit_bias") from None
+        if token < 0:
+            raise InvalidRequestError(f"'logit_bias' key {key!r} is not a token id", param="logit_bias")
+        if isinstance(amount, bool) or not isinstance(amount, (int, float)) or not -100 <= amount <= 100:
+            raise InvalidRequestError(f"'logit_bias' value for {key} must be a number from -100 to 100",
+                                      param="logit_bias")
+        bias[token] = float(amount)
+    return bias
+
+
+def _message(message: Any, index: int) -> dict:
+    where = f"messages[{index}]"
+    if not isinstance(message, dict):
+        raise InvalidRequestError(f"'{where}' must be an object", param=where)
+    role = message.get("role")
+    if role not in _ROLES:
+        raise InvalidRequestError(f"'{where}.role' must be one of {sorted(_ROLES)}", param=f"{where}.role")
+    content = message.get("content")
+    if content is None:
+        if role != "assistant":  # an assistant turn may carry only tool calls
+            raise InvalidRequestError(f"'{where}.content' is required", param=f"{where}.content")
+        content = ""
+    elif isinstance(content, list):
+        content = "".join(_text_part(part, f"{where}.content[{i}]") for i, part in enumerate(content))
+    elif not isinstance(content, str):
+        raise InvalidRequestError(f"'{where}.content' must be a string or an array of text parts",
+                                  param=f"{where}.content")
+    return {**message, "content": content}
+
+
+def _text_part(part: Any, where: str) -> str:
+    if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+        raise InvalidRequestError(f"'{where}' must be a text part ({{\"type\": \"text\", \"text\": ...}}); "
+                                  "this server serves text-only models", param=where)
+    return part["text"]
+
+
+def _prompts(value: Any) -> tuple[str | tuple[int, ...], ...]:
+    """`prompt` may be a string, an array of strings, an array of token ids, or an array of those."""
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, list) and value:
+        if all(_is_token(v) for v in value):
+            return (tuple(value),)
+        if all(isinstance(v, str) for v in value):
+            return tuple(value)
+        if all(isinstance(v, list) and v and all(_is_token(t) for t in v) for v in value):
+            return tuple(tuple(v) for v in value)
+    raise InvalidRequestError("'prompt' must be a string, an array of strings, an array of token ids, "
+                              "or an array of token-id arrays (none empty)", param="prompt")
+
+
+def _is_token(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0

@@ -1,0 +1,96 @@
+"""HTTP handlers: the OpenAI routes, /health and /metrics.
+
+Handlers turn a request into token ids and hand them to `completion.complete`; everything they
+raise is a ReameError, which the error middleware turns into the OpenAI envelope.
+"""
+from __future__ import annotations
+
+import time
+
+import orjson
+from aiohttp import web
+
+from gateway.state import STATE, GatewayState
+from gateway.completion import complete
+from gateway.errors import ModelNotFoundError, PayloadTooLargeError
+from gateway.metrics import CONTENT_TYPE
+from gateway.requests import parse_chat, parse_completion
+from shared.errors import InvalidRequestError, TokenizerError
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    arrived = time.perf_counter()
+    state = request.app[STATE]
+    req = parse_chat(await _read_json(request, state), max_n=state.config.gateway.max_n)
+    _check_model(state, req.model)
+    try:
+        text = state.template.render(list(req.messages), add_generation_prompt=True)
+    except TokenizerError as exc:  # e.g. a template that insists on alternating roles
+        raise InvalidRequestError(f"the chat template rejected these messages: {exc.message}",
+                                  param="messages") from None
+    # The template may already begin with the BOS token's text; adding another would change the prompt.
+    add_special = not (state.bos_text and text.startswith(state.bos_text))
+    ids = state.tokenizer.encode(text, add_special=add_special, parse_special=True)
+    return await complete(state, request, req, [ids], arrived)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    arrived = time.perf_counter()
+    state = request.app[STATE]
+    req = parse_completion(await _read_json(request, state), max_n=state.config.gateway.max_n)
+    _check_model(state, req.model)
+    prompts = [list(p) if isinstance(p, tuple) else state.tokenizer.encode(p, add_special=True, parse_special=True)
+               for p in req.prompts]
+    return await complete(state, request, req, prompts, arrived)
+
+
+async def models(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    entry = {"id": state.model_id, "object": "model", "created": state.created, "owned_by": "reame"}
+    return _json({"object": "list", "data": [entry]})
+
+
+async def health(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    ready = len(state.pool.ready)
+    body = {"status": "ok" if ready else "unavailable", "workers": ready, "queued": len(state.pool.queue)}
+    return _json(body, status=200 if ready else 503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    return web.Response(body=state.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+
+
+async def _read_json(request: web.Request, state: GatewayState) -> object:
+    limit = state.config.gateway.max_body_bytes
+    if request.content_length is not None and request.content_length > limit:
+        raise PayloadTooLargeError(f"the request body is {request.content_length} bytes; the limit is {limit}")
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise PayloadTooLargeError(f"the request body is over the limit of {limit} bytes") from None
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidRequestError(f"the request body is not valid JSON: {exc}") from None
+
+
+def _check_model(state: GatewayState, name: str | None) -> None:
+    # A missing `model` means the one model this server has, as with llama.cpp's server.
+    if name is None or name in state.model_aliases or name in state.pool.model_names:
+        return
+    raise ModelNotFoundError(f"The model '{name}' does not exist; this server serves '{state.model_id}'",
+                             param="model")
+
+
+def _json(body: object, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(body), status=status, content_type="application/json")

@@ -1,0 +1,45 @@
+"""Server-sent events in the shape OpenAI clients parse: `data: <json>\\n\\n`, then `data: [DONE]`.
+
+The response is prepared lazily, on the first event: until then a request can still fail
+with a normal HTTP status, or be moved to another worker without the client noticing.
+"""
+from __future__ import annotations
+
+import orjson
+from aiohttp import web
+
+from shared.errors import ReameError
+
+_HEADERS = {
+    "Content-Type": "text/event-stream; charset=utf-8",
+    "Cache-Control": "no-cache",
+    "X-Accel-Buffering": "no",  # nginx and friends must not buffer a token stream
+}
+
+
+class EventStream:
+    def __init__(self, request: web.Request):
+        self.request = request
+        self.response: web.StreamResponse | None = None
+
+    @property
+    def started(self) -> bool:
+        return self.response is not None
+
+    async def send(self, event: dict) -> None:
+        await self._write(b"data: " + orjson.dumps(event) + b"\n\n")
+
+    async def done(self) -> None:
+        await self._write(b"data: [DONE]\n\n")
+        await self.response.write_eof()
+
+    async def fail(self, exc: ReameError) -> None:
+        """End a stream that is under way with an error event (the openai client raises on it)."""
+        await self.send(exc.to_openai())
+        await self.response.write_eof()
+
+    async def _write(self, data: bytes) -> None:
+        if self.response is None:
+            self.response = web.StreamResponse(status=200, headers=_HEADERS)
+            await self.response.prepare(self.request)
+        await self.response.write(data)

@@ -1,0 +1,65 @@
+"""Everything the handlers share: config, tokenizer, chat template, worker pool, metrics."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from aiohttp import web
+
+from gateway.choice import Decoder
+from gateway.metrics import Metrics
+from gateway.workers import WorkerPool
+from shared.config import Config
+
+
+@dataclass
+class GatewayState:
+    config: Config
+    tokenizer: Any  # gateway.tokenizer.Tokenizer, or a test double with the same methods
+    template: Any  # gateway.chat_template.ChatTemplate: render(messages, add_generation_prompt)
+    decoder: Callable[[], Decoder]  # a fresh incremental decoder per choice
+    pool: WorkerPool
+    metrics: Metrics
+    model_id: str
+    model_aliases: frozenset[str]  # names a request's `model` may use
+    stop_token_ids: tuple[int, ...]  # end-of-generation tokens the engine stops on
+    hidden_ids: frozenset[int]  # tokens never shown as text (the same set)
+    bos_text: str
+    created: int
+
+
+STATE = web.AppKey("state", GatewayState)
+
+
+def build_state(config: Config, tokenizer: Any, template: Any, decoder: Callable[[], Decoder],
+                model_path: Path) -> GatewayState:
+    metrics = Metrics()
+    pool = WorkerPool(config.endpoint, metrics, heartbeat_interval=config.server.heartbeat_interval,
+                      worker_timeout=config.server.worker_timeout, max_queue=config.gateway.max_queue,
+                      queue_timeout=config.gateway.queue_timeout)
+    end_ids = set(tokenizer.eot_ids)
+    if tokenizer.eos_id is not None:
+        end_ids.add(tokenizer.eos_id)
+    bos_text = ""
+    if tokenizer.bos_id is not None:
+        bos_text = tokenizer.token_bytes(tokenizer.bos_id).decode("utf-8", errors="replace")
+    model_id = config.model.model_id
+    return GatewayState(
+        config=config, tokenizer=tokenizer, template=template, decoder=decoder, pool=pool, metrics=metrics,
+        model_id=model_id, model_aliases=frozenset({model_id, model_path.name, model_path.stem}),
+        stop_token_ids=tuple(sorted(end_ids)), hidden_ids=frozenset(end_ids), bos_text=bos_text,
+        created=int(time.time()))
+
+
+def load_state(config: Config, model_path: Path) -> GatewayState:
+    """The real thing: tokenizer and chat template read from the model's GGUF."""
+    from gateway.chat_template import ChatTemplate
+    from gateway.tokenizer import Tokenizer
+    from gateway.tokenizer.stream import StreamDecoder
+
+    tokenizer = Tokenizer.from_gguf(model_path)
+    override = config.resolve_path(config.model.chat_template) if config.model.chat_template else None
+    template = ChatTemplate.for_tokenizer(tokenizer, override)
+    return build_state(config, tokenizer, template, lambda: StreamDecoder(tokenizer), model_path)

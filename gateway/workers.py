@@ -1,0 +1,341 @@
+"""The gateway's side of ZeroMQ: registered workers, the queue of requests waiting for a slot,
+and what happens when a worker goes away.
+
+Requests wait here (not in the workers) until a worker has a free slot, so a worker that dies
+takes only its running requests with it. Those are re-run elsewhere when no output has reached
+the client yet (`Job.delivered`); otherwise their consumer gets a WorkerLostError. A worker is
+dropped when it says it is leaving, goes silent for `worker_timeout`, or — when it runs on this
+host — its process no longer exists (noticed within a sweep, far sooner than a timeout).
+
+Each Generate gets exactly one terminal answer from a live worker (Finished or Error), so a
+slot is freed only on that answer; an Abort merely asks for it sooner.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import psutil
+import zmq
+import zmq.asyncio
+
+from gateway.errors import OverloadedError, ServiceUnavailableError
+from gateway.metrics import Metrics
+from gateway.router import Candidate, Router
+from shared import protocol
+from shared.protocol import Abort, Drain, Error, Finished, Generate, Heartbeat, Register, TokenChunk
+from worker.sampling_params import SamplingParams
+
+log = logging.getLogger("reame.gateway")
+
+MAX_ATTEMPTS = 3  # runs of one request across workers before it fails
+
+
+@dataclass(frozen=True)
+class Restarted:
+    """Sink event: the job's worker was lost before any output was delivered; it runs again."""
+    request_id: str
+
+
+@dataclass(eq=False)
+class Job:
+    """One choice of one HTTP request, as it travels to a worker and back."""
+    request_id: str
+    index: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    sink: asyncio.Queue  # receives (job, TokenChunk | Finished | Error | Restarted)
+    key: bytes  # prefix-affinity key
+    worker_id: str | None = None
+    delivered: bool = False  # output reached the client: it can no longer move to another worker
+    closed: bool = False  # the HTTP side is done with it
+    attempts: int = 0
+    queued_at: float = 0.0
+
+
+@dataclass(eq=False)
+class WorkerHandle:
+    info: Register
+    identity: bytes
+    last_seen: float
+    local: bool  # runs on this host, so its pid can be checked
+    draining: bool = False
+    jobs: dict[str, Job] = field(default_factory=dict)
+
+    @property
+    def worker_id(self) -> str:
+        return self.info.worker_id
+
+    @property
+    def has_slot(self) -> bool:
+        return not self.draining and len(self.jobs) < self.info.capacity
+
+
+class WorkerPool:
+    def __init__(self, endpoint: str, metrics: Metrics, *, heartbeat_interval: float = 1.0,
+                 worker_timeout: float = 10.0, max_queue: int = 256, queue_timeout: float = 60.0,
+                 clock: Callable[[], float] = time.monotonic):
+        self.endpoint = endpoint
+        self.metrics = metrics
+        self.worker_timeout = worker_timeout
+        self.max_queue = max_queue
+        self.queue_timeout = queue_timeout
+        self.sweep_interval = min(0.25, heartbeat_interval / 2)
+        self.clock = clock
+        self.router = Router()
+        self.workers: dict[bytes, WorkerHandle] = {}
+        self.queue: deque[Job] = deque()
+        self.n_ctx = 0  # of the registered model; kept when workers leave
+        self.model_names: set[str] = set()
+        self._ready = asyncio.Event()
+        self._host = socket.gethostname()
+        self._context = zmq.asyncio.Context()
+        self._socket = self._context.socket(zmq.ROUTER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted worker may reuse its id
+        self._tasks: list[asyncio.Task] = []
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._socket.bind(self.endpoint)
+        self._tasks = [asyncio.create_task(self._receive_loop()), asyncio.create_task(self._sweep_loop())]
+        log.info("gateway: waiting for workers on %s", self.endpoint)
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._socket.close(linger=0)
+        self._context.term()
+
+    # ---- what the HTTP side uses -------------------------------------------------------------
+
+    @property
+    def ready(self) -> list[WorkerHandle]:
+        return [w for w in self.workers.values() if not w.draining]
+
+    async def wait_ready(self, timeout: float) -> None:
+        """Wait until some worker has registered; ServiceUnavailableError after `timeout`."""
+        if self.ready:
+            return
+        try:
+            await asyncio.wait_for(self._ready.wait(), timeout)
+        except asyncio.TimeoutError:
+            raise ServiceUnavailableError("no worker is ready to serve requests; try again shortly") from None
+
+    def submit(self, jobs: list[Job]) -> None:
+        if len(self.queue) + len(jobs) > self.max_queue:
+            raise OverloadedError(f"the server is overloaded ({len(self.queue)} requests waiting); retry shortly")
+        now = self.clock()
+        for job in jobs:
+            job.queued_at = now
+            self.queue.append(job)
+        self._dispatch()
+
+    def release(self, job: Job) -> None:
+        """The HTTP side is done with a job: drop it from the queue, or ask its worker to abort it."""
+        if job.closed:
+            return
+        job.closed = True
+        if job.worker_id is None:
+            try:
+                self.queue.remove(job)
+            except ValueError:
+                pass
+            self._update_gauges()
+            return
+        worker = self._worker_by_id(job.worker_id)
+        if worker is not None and job.request_id in worker.jobs:
+            self._send(worker.identity, Abort(job.request_id))
+
+    # ---- messages from workers ---------------------------------------------------------------
+
+    async def _receive_loop(self) -> None:
+        while True:
+            frames = await self._socket.recv_multipart()
+            if len(frames) != 2:
+                log.warning("gateway: dropped a message of %d frames", len(frames))
+                continue
+            identity, frame = frames
+            try:
+                message = protocol.decode(frame)
+            except protocol.ProtocolError as exc:
+                log.warning("gateway: dropped a bad frame from %r: %s", identity, exc)
+                continue
+            try:
+                self._on_message(identity, message)
+            except Exception:  # one bad message must not stop the loop that serves every request
+                log.exception("gateway: failed to handle %s", type(message).__name__)
+
+    def _on_message(self, identity: bytes, message: protocol.Message) -> None:
+        if isinstance(message, Register):
+            self._register(identity, message)
+            return
+        worker = self.workers.get(identity)
+        if worker is None:
+            if isinstance(message, Heartbeat):  # we restarted, or dropped it: ask it to register again
+                self._send(identity, Heartbeat(message.worker_id, registered=False))
+            return
+        worker.last_seen = self.clock()
+        if isinstance(message, TokenChunk):
+            job = worker.jobs.get(message.request_id)
+            self.metrics.generated_tokens.inc(len(message.tokens))
+            if job is not None and not job.closed:
+                job.sink.put_nowait((job, message))
+        elif isinstance(message, (Finished, Error)) and message.request_id:
+            job = worker.jobs.pop(message.request_id, None)
+            if job is not None and not job.closed:
+                job.sink.put_nowait((job, message))
+            self._dispatch()
+        elif isinstance(message, Error):
+            log.error("worker %s failed: %s", worker.worker_id, message.message)
+            if message.fatal:
+                self._drop(worker, "reported a fatal error")
+        elif isinstance(message, Drain):
+            if message.done:
+                self._drop(worker, "left")
+            else:
+                log.info("worker %s: draining", worker.worker_id)
+                worker.draining = True
+                self._update_gauges()
+                self._dispatch()
+        elif isinstance(message, Heartbeat):
+            pass  # last_seen is all a heartbeat carries that we act on
+
+    def _register(self, identity: bytes, info: Register) -> None:
+        if info.version != protocol.PROTOCOL_VERSION:
+            log.error("worker %s speaks protocol %d, this gateway %d: ignored",
+                      info.worker_id, info.version, protocol.PROTOCOL_VERSION)
+            return
+        known = self.workers.get(identity)
+        if known is not None:
+            known.info = info
+            known.last_seen = self.clock()
+        else:
+            self.workers[identity] = WorkerHandle(info, identity, self.clock(), local=info.host == self._host)
+            log.info("worker %s registered: node %d, cpus %s, model %s, context %d",
+                     info.worker_id, info.numa_node, _cpu_ranges(info.cpus), info.model_name, info.n_ctx)
+        self.n_ctx = min(w.info.n_ctx for w in self.workers.values())
+        self.model_names.add(info.model_name)
+        self._update_gauges()
+        self._dispatch()
+
+    # ---- liveness ----------------------------------------------------------------------------
+
+    async def _sweep_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.sweep_interval)
+            try:
+                self._sweep()
+            except Exception:
+                log.exception("gateway: worker sweep failed")
+
+    def _sweep(self) -> None:
+        now = self.clock()
+        for worker in list(self.workers.values()):
+            if now - worker.last_seen > self.worker_timeout:
+                self._drop(worker, f"silent for {now - worker.last_seen:.1f}s")
+            elif worker.local and not _process_alive(worker.info.pid):
+                self._drop(worker, "its process exited")
+        if not self.ready:  # nobody to wait for: requests give up after queue_timeout
+            for job in [j for j in self.queue if now - j.queued_at > self.queue_timeout]:
+                self.queue.remove(job)
+                job.sink.put_nowait((job, Error(job.request_id, "ServiceUnavailableError",
+                                                "no worker became ready to serve this request")))
+            self._update_gauges()
+
+    def _drop(self, worker: WorkerHandle, reason: str) -> None:
+        log.log(logging.INFO if reason == "left" else logging.WARNING, "worker %s dropped: %s (%d requests running)",
+                worker.worker_id, reason, len(worker.jobs))
+        del self.workers[worker.identity]
+        self.router.forget(worker.worker_id)
+        if reason != "left":
+            self.metrics.workers_lost.inc()
+        self.metrics.set_worker(worker.worker_id, worker.info.numa_node, None)
+        moved = []
+        for job in worker.jobs.values():
+            if job.closed:
+                continue
+            self._send(worker.identity, Abort(job.request_id))  # in case it is alive but stalled
+            job.worker_id = None
+            if not job.delivered and job.attempts < MAX_ATTEMPTS:
+                moved.append(job)
+                job.sink.put_nowait((job, Restarted(job.request_id)))
+            else:
+                job.sink.put_nowait((job, Error(job.request_id, "WorkerLostError",
+                                                f"the worker running this request stopped ({reason})")))
+        self.queue.extendleft(reversed(moved))  # they were first in line once already
+        self._update_gauges()
+        self._dispatch()
+
+    # ---- dispatch ----------------------------------------------------------------------------
+
+    def _dispatch(self) -> None:
+        while self.queue:
+            free = [w for w in self.workers.values() if w.has_slot]
+            if not free:
+                break
+            job = self.queue.popleft()
+            candidates = [Candidate(w.worker_id, len(w.jobs), w.info.capacity) for w in free]
+            worker = self._worker_by_id(self.router.choose(candidates, job.key))
+            worker.jobs[job.request_id] = job
+            job.worker_id = worker.worker_id
+            job.attempts += 1
+            self._send(worker.identity, Generate(job.request_id, job.prompt_ids, job.params))
+        self._update_gauges()
+
+    def _update_gauges(self) -> None:
+        ready = self.ready
+        if ready:
+            self._ready.set()
+        else:
+            self._ready.clear()
+        self.metrics.workers_ready.set(len(ready))
+        self.metrics.queue_depth.set(len(self.queue))
+        self.metrics.running.set(sum(len(w.jobs) for w in self.workers.values()))
+        for w in self.workers.values():
+            self.metrics.set_worker(w.worker_id, w.info.numa_node, "draining" if w.draining else "ready", len(w.jobs))
+
+    def _worker_by_id(self, worker_id: str) -> WorkerHandle | None:
+        for worker in self.workers.values():
+            if worker.worker_id == worker_id:
+                return worker
+        return None
+
+    def _send(self, identity: bytes, message: protocol.Message) -> None:
+        # ROUTER sends never block: a message for a peer that is gone or full is dropped, and
+        # heartbeats and timeouts deal with such peers.
+        future = self._socket.send_multipart([identity, protocol.encode(message)], flags=zmq.NOBLOCK)
+        future.add_done_callback(_consume_result)
+
+
+def _consume_result(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _cpu_ranges(cpus: list[int]) -> str:
+    if not cpus:
+        return "-"
+    parts, start, prev = [], cpus[0], cpus[0]
+    for cpu in cpus[1:] + [None]:
+        if cpu is not None and cpu == prev + 1:
+            prev = cpu
+            continue
+        parts.append(f"{start}-{prev}" if prev != start else str(start))
+        if cpu is not None:
+            start = prev = cpu
+    return ",".join(parts)
