@@ -6,7 +6,7 @@ import sys
 
 import orjson
 
-from shared.errors import InvalidRequestError
+from shared.errors import InvalidRequestError, ReameError
 
 
 def add_parser(sub) -> None:
@@ -48,6 +48,8 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidRequestError(f"--max-tokens must be at least 1, got {args.max_tokens}")
     say = (lambda m: print(m, file=sys.stderr)) if not args.json else (lambda m: None)
     engine = load_engine_from_config(config, model=args.model, kernels=args.kernels, progress=say)
+    say("warming up kernels")
+    engine.warm_up()
     tokenizer = _tokenizer(engine, needed=ids is None)
     if ids is None:
         ids = tokenizer.encode(args.prompt)
@@ -75,10 +77,10 @@ def run(args: argparse.Namespace) -> int:
 
 def _tokenizer(engine, needed: bool):
     """The model's tokenizer; optional for --prompt-ids (output is then ids only)."""
+    from gateway.tokenizer import Tokenizer
     try:
-        from gateway.tokenizer import Tokenizer
-    except ImportError:
+        return Tokenizer.from_gguf(engine.gguf.path)
+    except ReameError:
         if needed:
-            raise InvalidRequestError("--prompt needs the tokenizer, which is not available") from None
+            raise
         return None
-    return Tokenizer.from_gguf(engine.gguf.path)
