@@ -34,7 +34,6 @@ class EngineSection:
     max_context: int = 8192
     prefill_chunk: int = 512
     prefill_weights: str = "auto"  # auto | f32 | dequantize
-    numba_cache_dir: str = "~/.cache/reame/numba"
 
 
 @dataclass(frozen=True)

@@ -10,3 +10,10 @@ Public surface (what the worker, the CLI and the benchmarks use):
 
 Stopping iteration early (generator close) abandons the sequence and frees its KV.
 """
+from __future__ import annotations
+
+import os
+
+# Compiled kernels are cached on disk so a restart does not recompile (seconds, not a minute).
+# numba reads this when a kernel module is imported, so it is set here, before any of them.
+os.environ.setdefault("NUMBA_CACHE_DIR", os.path.expanduser("~/.cache/reame/numba"))

@@ -9,7 +9,6 @@ Kernel sets:
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
@@ -153,9 +152,7 @@ def _top_logits(logits: np.ndarray, k: int) -> list[tuple[int, float]]:
     return [(int(i), float(logits[i])) for i in best]
 
 
-def _configure_numba(cache_dir: str | None, threads: int) -> None:
-    if cache_dir and "NUMBA_CACHE_DIR" not in os.environ:
-        os.environ["NUMBA_CACHE_DIR"] = os.path.expanduser(cache_dir)
+def _configure_numba(threads: int) -> None:
     import numba
     if threads > 0:
         numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
@@ -163,13 +160,12 @@ def _configure_numba(cache_dir: str | None, threads: int) -> None:
 
 def load_engine(path, kernels: str = "auto", threads: int = 0, context_length: int = 0,
                 max_context: int = 8192, prefill_weights: str = "auto", prefill_chunk: int = 512,
-                numba_cache_dir: str | None = "~/.cache/reame/numba",
                 progress: Progress | None = None) -> Engine:
     """Open a GGUF model and make it ready to generate."""
     if kernels not in KERNEL_SETS:
         raise ModelLoadError(f"unknown kernel set {kernels!r}; choose one of {', '.join(KERNEL_SETS)}")
     say = progress or (lambda msg: log.info("%s", msg))
-    _configure_numba(numba_cache_dir, threads)
+    _configure_numba(threads)
     t0 = time.perf_counter()
     g = GGUFFile(path)
     trained = int(g.get(f"{g.arch}.context_length") or 2048)
@@ -245,4 +241,4 @@ def load_engine_from_config(config, model: str | None = None, kernels: str | Non
     return load_engine(path, kernels=kernels or e.kernels, threads=e.threads,
                        context_length=e.context_length, max_context=e.max_context,
                        prefill_weights=e.prefill_weights, prefill_chunk=e.prefill_chunk,
-                       numba_cache_dir=e.numba_cache_dir, progress=progress)
+                       progress=progress)

@@ -1,0 +1,128 @@
+"""Engine benchmark: prefill of a 512-token prompt and decode of 128 tokens, per thread count,
+beside llama.cpp (through llama-cpp-python) on the same file when it is installed.
+
+    python bench/engine.py [--models smollm2-135m gemma3-270m] [--threads 1 2] [--runs 3]
+
+Prints medians of --runs runs and the ratio to the peer. Not a test: machines are shared and
+noisy, so read ratios from one run, not absolute numbers across runs.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from shared import blas_env  # noqa: E402
+
+blas_env.prefer_native_blas()  # before numpy loads OpenBLAS
+
+import numpy as np  # noqa: E402
+
+PROMPT_TOKENS, DECODE_TOKENS = 512, 128
+MODELS_DIR = Path(os.environ.get("REAME_TEST_MODELS", "~/.cache/reame/models")).expanduser()
+
+
+def say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def prompt_ids(vocab: int) -> list[int]:
+    return np.random.default_rng(0).integers(100, min(vocab, 30000), PROMPT_TOKENS).tolist()
+
+
+def bench_reame(path: Path, threads: int, runs: int) -> tuple[float, float]:
+    import numba
+    from threadpoolctl import threadpool_limits
+
+    from worker.engine.engine import load_engine
+    from worker.sampling_params import SamplingParams
+
+    engine = load_engine(path, threads=threads, context_length=1024, progress=say)
+    numba.set_num_threads(threads)
+    ids = prompt_ids(engine.vocab_size)
+    params = SamplingParams(max_tokens=DECODE_TOKENS + 1, temperature=0.0)
+    prefill, decode = [], []
+    with threadpool_limits(limits=threads, user_api="blas"):
+        engine.warm_up()
+        for run in range(runs):
+            for _ in engine.generate(ids, params):
+                pass
+            t = engine.times
+            prefill.append(t.prefill_tokens / t.prefill_s)
+            decode.append((t.decode_tokens - 1) / t.decode_s)  # the first token comes from prefill
+            say(f"  reame {threads}t run {run + 1}/{runs}: prefill {prefill[-1]:.0f} tok/s, decode {decode[-1]:.1f} tok/s")
+    return statistics.median(prefill), statistics.median(decode)
+
+
+def bench_llama_cpp(path: Path, threads: int, runs: int) -> tuple[float, float] | None:
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return None
+    llm = Llama(model_path=str(path), n_ctx=1024, n_batch=512, n_threads=threads,
+                n_threads_batch=threads, verbose=False)
+    ids = prompt_ids(llm.n_vocab())
+    prefill, decode = [], []
+    for run in range(runs):
+        llm.reset()
+        t0 = time.perf_counter()
+        llm.eval(ids)
+        prefill.append(len(ids) / (time.perf_counter() - t0))
+        token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        t0 = time.perf_counter()
+        for _ in range(DECODE_TOKENS):
+            llm.eval([token])
+            token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        decode.append(DECODE_TOKENS / (time.perf_counter() - t0))
+        say(f"  llama.cpp {threads}t run {run + 1}/{runs}: prefill {prefill[-1]:.0f} tok/s, decode {decode[-1]:.1f} tok/s")
+    return statistics.median(prefill), statistics.median(decode)
+
+
+def environment() -> str:
+    import numba
+    from threadpoolctl import threadpool_info
+    blas = next((i for i in threadpool_info() if i.get("user_api") == "blas"), {})
+    numba.njit(parallel=True)(lambda a: a.sum())(np.ones(4))  # start the layer so it can be named
+    return (f"BLAS: {blas.get('internal_api', '?')} {blas.get('version', '')} ({blas.get('architecture', '?')} kernels); "
+            f"numba {numba.__version__}, threading layer {numba.threading_layer()}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=["smollm2-135m"])
+    parser.add_argument("--threads", nargs="+", type=int, default=[1, 2])
+    parser.add_argument("--runs", type=int, default=3)
+    args = parser.parse_args()
+
+    from shared.model_store import ensure_model
+    rows = []
+    for name in args.models:
+        path = ensure_model(name, MODELS_DIR, progress=say)
+        for threads in args.threads:
+            say(f"{name}, {threads} thread(s)")
+            ours = bench_reame(path, threads, args.runs)
+            peer = bench_llama_cpp(path, threads, args.runs)
+            rows.append((name, threads, ours, peer))
+
+    print(f"\nprompt {PROMPT_TOKENS} tokens, decode {DECODE_TOKENS} tokens, median of {args.runs} runs")
+    print(environment())
+    print(blas_env.describe())
+    peer_note = "" if any(r[3] for r in rows) else " (llama-cpp-python not installed: no peer numbers)"
+    print(f"peer: llama.cpp through llama-cpp-python{peer_note}\n")
+    header = f"{'model':<14} {'thr':>3} {'prefill tok/s':>14} {'peer':>8} {'ratio':>6} {'decode tok/s':>13} {'peer':>8} {'ratio':>6}"
+    print(header)
+    print("-" * len(header))
+    for name, threads, (p, d), peer in rows:
+        pp, pd = peer if peer else (None, None)
+        fmt = lambda v, spec: format(v, spec) if v else "-"
+        print(f"{name:<14} {threads:>3} {p:>14.0f} {fmt(pp, '8.0f'):>8} {fmt(pp and p / pp, '6.2f'):>6} "
+              f"{d:>13.1f} {fmt(pd, '8.1f'):>8} {fmt(pd and d / pd, '6.2f'):>6}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
