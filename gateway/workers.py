@@ -88,7 +88,7 @@ class WorkerPool:
         self.sweep_interval = min(0.25, heartbeat_interval / 2)
         self.clock = clock
         self.router = Router()
-        self.workers: dict[bytes, WorkerHandle] = {}
+        self.workers: dict[str, WorkerHandle] = {}  # by worker id, which is also its socket's routing id
         self.queue: deque[Job] = deque()
         self.n_ctx = 0  # of the registered model; kept when workers leave
         self.model_names: set[str] = set()
@@ -150,7 +150,7 @@ class WorkerPool:
                 pass
             self._update_gauges()
             return
-        worker = self._worker_by_id(job.worker_id)
+        worker = self.workers.get(job.worker_id)
         if worker is not None and job.request_id in worker.jobs:
             self._send(worker.identity, Abort(job.request_id))
 
@@ -177,10 +177,17 @@ class WorkerPool:
         if isinstance(message, Register):
             self._register(identity, message)
             return
-        worker = self.workers.get(identity)
-        if worker is None:
-            if isinstance(message, Heartbeat):  # we restarted, or dropped it: ask it to register again
+        if isinstance(message, Heartbeat):
+            # Heartbeats come from the worker's pulse thread on a socket of its own, so the
+            # worker is found by the id inside the message, not by the routing id.
+            worker = self.workers.get(message.worker_id)
+            if worker is None:  # we restarted, or dropped it: ask it to register again
                 self._send(identity, Heartbeat(message.worker_id, registered=False))
+            else:
+                worker.last_seen = self.clock()
+            return
+        worker = self.workers.get(identity.decode(errors="replace"))
+        if worker is None:
             return
         worker.last_seen = self.clock()
         if isinstance(message, TokenChunk):
@@ -205,20 +212,21 @@ class WorkerPool:
                 worker.draining = True
                 self._update_gauges()
                 self._dispatch()
-        elif isinstance(message, Heartbeat):
-            pass  # last_seen is all a heartbeat carries that we act on
 
     def _register(self, identity: bytes, info: Register) -> None:
         if info.version != protocol.PROTOCOL_VERSION:
             log.error("worker %s speaks protocol %d, this gateway %d: ignored",
                       info.worker_id, info.version, protocol.PROTOCOL_VERSION)
             return
-        known = self.workers.get(identity)
+        if identity != info.worker_id.encode():
+            log.error("worker %s registered from routing id %r: ignored", info.worker_id, identity)
+            return
+        known = self.workers.get(info.worker_id)
         if known is not None:
             known.info = info
             known.last_seen = self.clock()
         else:
-            self.workers[identity] = WorkerHandle(info, identity, self.clock(), local=info.host == self._host)
+            self.workers[info.worker_id] = WorkerHandle(info, identity, self.clock(), local=info.host == self._host)
             log.info("worker %s registered: node %d, cpus %s, model %s, context %d",
                      info.worker_id, info.numa_node, _cpu_ranges(info.cpus), info.model_name, info.n_ctx)
         self.n_ctx = min(w.info.n_ctx for w in self.workers.values())
@@ -253,7 +261,7 @@ class WorkerPool:
     def _drop(self, worker: WorkerHandle, reason: str) -> None:
         log.log(logging.INFO if reason == "left" else logging.WARNING, "worker %s dropped: %s (%d requests running)",
                 worker.worker_id, reason, len(worker.jobs))
-        del self.workers[worker.identity]
+        del self.workers[worker.worker_id]
         self.router.forget(worker.worker_id)
         if reason != "left":
             self.metrics.workers_lost.inc()
@@ -283,7 +291,7 @@ class WorkerPool:
                 break
             job = self.queue.popleft()
             candidates = [Candidate(w.worker_id, len(w.jobs), w.info.capacity) for w in free]
-            worker = self._worker_by_id(self.router.choose(candidates, job.key))
+            worker = self.workers[self.router.choose(candidates, job.key)]
             worker.jobs[job.request_id] = job
             job.worker_id = worker.worker_id
             job.attempts += 1
@@ -301,12 +309,6 @@ class WorkerPool:
         self.metrics.running.set(sum(len(w.jobs) for w in self.workers.values()))
         for w in self.workers.values():
             self.metrics.set_worker(w.worker_id, w.info.numa_node, "draining" if w.draining else "ready", len(w.jobs))
-
-    def _worker_by_id(self, worker_id: str) -> WorkerHandle | None:
-        for worker in self.workers.values():
-            if worker.worker_id == worker_id:
-                return worker
-        return None
 
     def _send(self, identity: bytes, message: protocol.Message) -> None:
         # ROUTER sends never block: a message for a peer that is gone or full is dropped, and

@@ -145,6 +145,7 @@ class FakeWorker:
     """A real WorkerService around a FakeEngine, in a thread."""
 
     def __init__(self, config: Config, name: str, step_s: float = 0.0):
+        from worker.pulse import Pulse
         from worker.service import WorkerService
 
         self.engine = FakeEngine(step_s)
@@ -155,8 +156,9 @@ class FakeWorker:
         sock.connect(config.endpoint)
         info = Register(name, 0, [0], self.engine.model_name, "/fake.gguf", "fake", self.engine.n_ctx,
                         self.engine.vocab_size, 1, "elsewhere", 0)
-        self.service = WorkerService(self.engine, sock, info, heartbeat_interval=config.server.heartbeat_interval,
-                                     drain_timeout=5.0)
+        self.service = WorkerService(self.engine, sock, info, drain_timeout=5.0)
+        self.pulse = Pulse(self.context, config.endpoint, self.service, config.server.heartbeat_interval)
+        self.pulse.start()
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 
@@ -164,11 +166,13 @@ class FakeWorker:
         try:
             self.service.run()
         finally:
+            self.pulse.stop()
             self.service.socket.close()
             self.context.term()
 
     def crash(self) -> None:
         """Stop without a goodbye, as a killed process would."""
+        self.pulse.stop()
         self.service._send = lambda message: None
         self.service.request_stop()
         self.thread.join(5)

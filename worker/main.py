@@ -60,39 +60,39 @@ def choose_cpus(node: int, subset: str | None) -> list[int]:
     return usable
 
 
-def pin(cpus: list[int], config: Config) -> int:
-    """Pin this process and size numba's pool; returns the thread count. Runs before numba loads."""
+def pin(cpus: list[int], config: Config) -> Config:
+    """Pin this process and size numba's and BLAS's thread pools to its CPUs. Runs before numpy
+    and numba load, because both size their pools once, on import."""
     import psutil
 
+    from shared import blas_env
+
+    blas_env.prefer_native_blas()
     psutil.Process().cpu_affinity(cpus)
     threads = config.engine.threads or len(cpus)
     os.environ.setdefault("NUMBA_NUM_THREADS", str(threads))
-    os.environ.setdefault("NUMBA_CACHE_DIR", str(config.resolve_path(config.engine.numba_cache_dir)))
-    return threads
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", str(threads))
+    return override(config, "engine", threads=threads)
 
 
-def load(config: Config, threads: int):
-    import numba
-
+def load(config: Config):
+    from shared import blas_env
     from shared.model_store import resolve_model
-    from worker.engine import load_engine
+    from worker.engine.engine import load_engine_from_config
 
-    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
     path = resolve_model(config.model_reference(), config.resolve_path(config.model.models_dir))
     started = time.perf_counter()
-    log.info("loading %s (%d threads, kernels %s)", path, threads, config.engine.kernels)
-    engine = load_engine(path, kernels=config.engine.kernels, threads=threads,
-                         context_length=config.engine.context_length or config.engine.max_context,
-                         progress=_progress)
-    log.info("loaded %s (%s, context %d) in %.1fs", engine.model_name, engine.arch, engine.n_ctx,
-             time.perf_counter() - started)
+    log.info("loading %s (%d threads, kernels %s)", path, config.engine.threads, config.engine.kernels)
+    engine = load_engine_from_config(config, model=str(path), progress=_progress)
+    log.info("loaded %s (%s, context %d) in %.1fs; %s", engine.model_name, engine.arch, engine.n_ctx,
+             time.perf_counter() - started, blas_env.describe())
     if config.worker.warmup:
         _warm(engine)
     return engine, path
 
 
-def _progress(*parts: object) -> None:
-    log.info("loading: %s", " ".join(str(p) for p in parts))
+def _progress(line: str) -> None:
+    log.info("loading: %s", line)
 
 
 def _warm(engine) -> None:
@@ -109,6 +109,7 @@ def serve(config: Config, node: int, cpus: list[int], engine, path: Path) -> Non
     import zmq
 
     from shared.protocol import Register
+    from worker.pulse import Pulse
     from worker.sampler import validate_params
     from worker.service import WorkerService
 
@@ -122,8 +123,9 @@ def serve(config: Config, node: int, cpus: list[int], engine, path: Path) -> Non
     sock.setsockopt(zmq.IDENTITY, worker_id.encode())
     sock.setsockopt(zmq.LINGER, 2000)  # long enough for the goodbye to reach the gateway
     sock.connect(config.endpoint)
-    service = WorkerService(engine, sock, info, heartbeat_interval=config.server.heartbeat_interval,
-                            drain_timeout=config.worker.drain_timeout, validate_params=validate_params)
+    service = WorkerService(engine, sock, info, drain_timeout=config.worker.drain_timeout,
+                            validate_params=validate_params)
+    pulse = Pulse(context, config.endpoint, service, config.server.heartbeat_interval)
 
     def on_signal(signum, _frame) -> None:
         if service.drain_requested:
@@ -134,9 +136,11 @@ def serve(config: Config, node: int, cpus: list[int], engine, path: Path) -> Non
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     log.info("worker %s: registering with %s", worker_id, config.endpoint)
+    pulse.start()
     try:
         service.run()
     finally:
+        pulse.stop()
         sock.close()
         context.term()
 
@@ -147,9 +151,9 @@ def main(argv: list[str] | None = None) -> int:
         config = configure(args)
         setup_logging(config.logging.level, f"worker[{args.numa_node}]")
         cpus = choose_cpus(args.numa_node, args.cpus)
-        threads = pin(cpus, config)
+        config = pin(cpus, config)
         log.info("NUMA node %d: pinned to CPUs %s", args.numa_node, ",".join(map(str, cpus)))
-        engine, path = load(config, threads)
+        engine, path = load(config)
         serve(config, args.numa_node, cpus, engine, path)
     except ReameError as exc:
         print(f"reame-worker: error: {exc.message}", file=sys.stderr)

@@ -1,8 +1,8 @@
 """The worker's serve loop: ZeroMQ messages in, one engine step at a time, token chunks out.
 
 Generation is synchronous CPU work, so the loop interleaves: read every waiting message
-(Generate, Abort, Heartbeat), then run one engine step, then heartbeat when due. An Abort
-therefore takes effect within one step, and heartbeats keep flowing while a request runs.
+(Generate, Abort, Heartbeat), then run one engine step. An Abort therefore takes effect within
+one step. Heartbeats come from worker.pulse, a thread that keeps beating through long steps.
 The engine's sequence runs one request at a time (capacity 1); further requests wait in a
 FIFO here, so a burst from the gateway is never lost.
 """
@@ -38,18 +38,17 @@ class EngineLike(Protocol):
 class _Running:
     request: Generate
     steps: Iterator  # the engine's generator; close() abandons the sequence
+    started: float
     generated: int = 0
 
 
 class WorkerService:
-    def __init__(self, engine: EngineLike, socket: zmq.Socket, info: Register, *,
-                 heartbeat_interval: float = 1.0, drain_timeout: float = 120.0,
+    def __init__(self, engine: EngineLike, socket: zmq.Socket, info: Register, *, drain_timeout: float = 120.0,
                  validate_params: Callable[[SamplingParams, int], None] | None = None,
                  clock: Callable[[], float] = time.monotonic):
         self.engine = engine
         self.socket = socket
         self.info = info
-        self.heartbeat_interval = heartbeat_interval
         self.drain_timeout = drain_timeout
         self.validate_params = validate_params
         self.clock = clock
@@ -57,10 +56,10 @@ class WorkerService:
         self.running: _Running | None = None
         self.drain_requested = False  # set from a signal handler; acted on by the loop
         self.stop_requested = False
+        self.register_requested = False
         self._drain_deadline: float | None = None
-        self._next_heartbeat = 0.0
 
-    # ---- control (safe to call from a signal handler: they only set flags) -------------------
+    # ---- control (safe from a signal handler or the pulse thread: they only set flags) -------
 
     def request_drain(self) -> None:
         self.drain_requested = True
@@ -68,14 +67,24 @@ class WorkerService:
     def request_stop(self) -> None:
         self.stop_requested = True
 
+    def request_register(self) -> None:
+        self.register_requested = True
+
+    def load(self) -> tuple[int, int]:
+        """(running, queued), for heartbeats."""
+        return int(self.running is not None), len(self.queue)
+
     # ---- the loop ----------------------------------------------------------------------------
 
     def run(self) -> None:
         self._send(self.info)
-        self._next_heartbeat = self.clock() + self.heartbeat_interval
         while not self.stop_requested:
             busy = self.running is not None or bool(self.queue) or self.drain_requested
-            self._read_messages(0 if busy else self._idle_wait_ms())
+            # Idle, wake every 100 ms anyway to notice a flag set by a signal or the pulse.
+            self._read_messages(0 if busy else 100)
+            if self.register_requested:
+                self.register_requested = False
+                self._send(self.info)
             if self.drain_requested and self._drain_deadline is None:
                 self._begin_drain()
             if self._drain_deadline is not None:
@@ -88,16 +97,10 @@ class WorkerService:
                 self._start(self.queue.popleft())
             if self.running is not None:
                 self._step()
-            if self.clock() >= self._next_heartbeat:
-                self._heartbeat()
         if self.stop_requested:
             self._fail_all()
         self._send(Drain(self.info.worker_id, done=True))
         log.info("worker %s: leaving", self.info.worker_id)
-
-    def _idle_wait_ms(self) -> int:
-        # Wake for the next heartbeat, and at least every 100 ms to notice a drain request.
-        return max(0, min(100, int((self._next_heartbeat - self.clock()) * 1000)))
 
     def _begin_drain(self) -> None:
         self._drain_deadline = self.clock() + self.drain_timeout
@@ -127,7 +130,7 @@ class WorkerService:
             self._abort(message.request_id)
         elif isinstance(message, Heartbeat):
             if not message.registered:  # a gateway that restarted does not know us yet
-                self._send(self.info)
+                self.register_requested = True
         else:
             log.warning("worker %s: unexpected %s", self.info.worker_id, type(message).__name__)
 
@@ -161,7 +164,9 @@ class WorkerService:
         except ReameError as exc:
             self._send_error(request.request_id, exc)
             return
-        self.running = _Running(request, steps)
+        self.running = _Running(request, steps, started=self.clock())
+        log.debug("request %s: started (%d prompt tokens, max %d)", request.request_id,
+                  len(request.prompt_ids), request.params.max_tokens)
 
     def _step(self) -> None:
         running = self.running
@@ -190,6 +195,8 @@ class WorkerService:
     def _finish(self, running: _Running, reason: str) -> None:
         self.running = None
         running.steps.close()
+        log.debug("request %s: %s after %d tokens in %.3fs", running.request.request_id, reason,
+                  running.generated, self.clock() - running.started)
         self._send(Finished(running.request.request_id, reason,
                             len(running.request.prompt_ids), running.generated))
 
@@ -200,10 +207,6 @@ class WorkerService:
             self.running.steps.close()
             self.running = None
         self.queue.clear()
-
-    def _heartbeat(self) -> None:
-        self._next_heartbeat = self.clock() + self.heartbeat_interval
-        self._send(Heartbeat(self.info.worker_id, active=int(self.running is not None), queued=len(self.queue)))
 
     def _send_error(self, request_id: str, exc: ReameError) -> None:
         self._send(Error(request_id, type(exc).__name__, exc.message, exc.param, exc.code))

@@ -271,3 +271,14 @@ def test_drain_finishes_work_in_flight(tmp_path):
         srv.wait_until(lambda: not srv.state.pool.workers)
     finally:
         srv.close()
+
+
+def test_a_step_longer_than_the_timeout_keeps_its_worker(tmp_path):
+    # worker_timeout is 0.6 s here; the pulse thread beats while the engine is busy.
+    srv = FakeServer(tmp_path, step_s=0.8)
+    try:
+        r = post(srv, "/v1/completions", {"prompt": "x", "max_tokens": 2, "temperature": 0})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == REPLY[:2]
+        assert srv.state.pool.metrics.workers_lost._value.get() == 0
+    finally:
+        srv.close()

@@ -17,10 +17,9 @@ INFO = Register("w", 0, [0], "fake", "/f.gguf", "fake", 256, 259, 1, "h", 1)
 class ScriptedSocket:
     """Delivers queued frames to the loop; `on_send` lets a test react to what the worker sent."""
 
-    def __init__(self, service_ref):
+    def __init__(self):
         self.inbox: deque[bytes] = deque()
         self.sent: list = []
-        self.service_ref = service_ref
         self.on_send = None
 
     def poll(self, timeout_ms):
@@ -42,10 +41,9 @@ class ScriptedSocket:
 
 
 def make(step_s=0.0):
-    holder = {}
-    sock = ScriptedSocket(holder)
+    sock = ScriptedSocket()
     engine = FakeEngine(step_s)
-    service = WorkerService(engine, sock, INFO, heartbeat_interval=3600, drain_timeout=5)
+    service = WorkerService(engine, sock, INFO, drain_timeout=5)
     return service, sock, engine
 
 
