@@ -1,0 +1,238 @@
+"""Text <-> token ids for a GGUF model, giving the same ids as llama.cpp.
+
+encode = cut special tokens out (specials.py) -> split each raw fragment into words
+(pretokenize.py for byte-level BPE; the whole fragment, spaces as "▁", for SentencePiece)
+-> merge every word in one call into the Rust `tokenizers` model (merging.py) -> splice the
+special ids back between the fragments' tokens.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+from shared.errors import InvalidRequestError, TokenizerError
+
+from .merging import build_merger
+from .pretokenize import PreTokenizer
+from .specials import SpecialSplitter
+from .vocab import (BYTE, CONTROL, END_OF_TURN_TEXTS, NORMAL, UNKNOWN, USER_DEFINED, Vocab,
+                    read_vocab)
+
+SPACE_MARK = "\u2581"   # SentencePiece's visible space "▁"
+
+
+class Tokenizer:
+    """Immutable and thread-safe once built; share one per model."""
+
+    def __init__(self, vocab: Vocab):
+        self._vocab = vocab
+        self._spm = vocab.model == "llama"
+        self._pre = None if self._spm else PreTokenizer(vocab.pre, source=vocab.source)
+        self._merger = build_merger(vocab)
+        self._ids = {text: i for i, text in enumerate(vocab.tokens)}
+        self._pieces = _piece_table(vocab)
+        # Control and unknown tokens render as nothing when special tokens are skipped.
+        self._hidden = frozenset(i for i, t in enumerate(vocab.types) if t in (CONTROL, UNKNOWN))
+        specials = [(text, i) for i, (text, t) in enumerate(zip(vocab.tokens, vocab.types))
+                    if t in (CONTROL, USER_DEFINED, UNKNOWN)]
+        self._split_all = SpecialSplitter(specials)
+        # Without special parsing llama.cpp still cuts out user-defined tokens.
+        self._split_user = SpecialSplitter(
+            [(text, i) for text, i in specials if vocab.types[i] == USER_DEFINED])
+        eot = {i for text, i in self._ids.items() if text in END_OF_TURN_TEXTS}
+        eot.update(i for i in (vocab.eos_id, vocab.eot_id) if i is not None)
+        self._eot_ids = frozenset(eot)
+
+    @classmethod
+    def from_gguf(cls, path: str | Path) -> Tokenizer:
+        """Build from the file's `tokenizer.ggml.*` keys; one build per file version per process."""
+        path = Path(path).resolve()
+        try:
+            stat = os.stat(path)
+        except OSError as exc:
+            raise TokenizerError(f"cannot read tokenizer from {path}: {exc.strerror}") from exc
+        # gguf.GGUFReader makes Python objects for every vocabulary entry (~10 s for Gemma's
+        # 262k), so repeated requests for the same unchanged file share one Tokenizer.
+        return _cached(str(path), stat.st_mtime_ns, stat.st_size)
+
+    # -- encoding --------------------------------------------------------------------------
+
+    def encode(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        """Token ids of `text`, as llama.cpp's llama_tokenize(add_special, parse_special)."""
+        if not isinstance(text, str):
+            raise InvalidRequestError(f"text to tokenize must be a string, not {type(text).__name__}")
+        vocab = self._vocab
+        pieces = (self._split_all if parse_special else self._split_user).split(text)
+        words: list[str] = []
+        layout: list[tuple[int, int]] = []    # (special id, -1) or (-1, number of words)
+        prev_special = True
+        for piece in pieces:
+            if isinstance(piece, int):
+                layout.append((piece, -1))
+                prev_special = True
+            elif self._spm:
+                if vocab.add_space_prefix and prev_special:
+                    piece = " " + piece
+                words.append(piece.replace(" ", SPACE_MARK))
+                layout.append((-1, 1))
+                prev_special = False
+            else:
+                split = self._pre.split(piece)
+                words.extend(split)
+                layout.append((-1, len(split)))
+                prev_special = False
+
+        ids: list[int] = [vocab.bos_id] if add_special and vocab.add_bos else []
+        if words:
+            encoding = self._merger.encode(words, is_pretokenized=True, add_special_tokens=False)
+            if len(layout) == 1:
+                ids.extend(encoding.ids)
+            else:
+                _splice(ids, layout, encoding.ids, encoding.word_ids)
+            dropped = len(vocab.tokens)     # merging.DROPPED_BYTE
+            if dropped in ids:
+                ids = [i for i in ids if i != dropped]
+        else:
+            ids.extend(special for special, _ in layout)
+        if add_special and vocab.add_eos:
+            ids.append(vocab.eos_id)
+        return ids
+
+    # -- decoding --------------------------------------------------------------------------
+
+    def token_bytes(self, token_id: int, skip_special: bool = False) -> bytes:
+        """The bytes one token stands for (llama.cpp's token_to_piece); may be part of a character."""
+        if not 0 <= token_id < len(self._pieces):
+            raise InvalidRequestError(
+                f"token id {token_id} is out of range for a vocabulary of {len(self._pieces)}")
+        if skip_special and token_id in self._hidden:
+            return b""
+        return self._pieces[token_id]
+
+    def decode(self, ids: Iterable[int], skip_special: bool = True) -> str:
+        """Text of `ids`, as llama.cpp's llama_detokenize(remove_special=unparse_special=skip_special).
+
+        Invalid UTF-8 (a cut multi-byte character) becomes U+FFFD. llama.cpp's `clean_spaces`
+        post-pass (some BPE pre-types) is not applied: the server streams pieces as they come.
+        """
+        ids = list(ids)
+        strip_space = self._vocab.add_space_prefix
+        if ids and skip_special and self._vocab.add_bos and ids[0] == self._vocab.bos_id:
+            strip_space = False     # as llama.cpp: a leading BOS keeps the next token's space
+        parts = [self.token_bytes(i, skip_special) for i in ids]
+        if parts and strip_space and parts[0].startswith(b" "):
+            parts[0] = parts[0][1:]
+        return b"".join(parts).decode("utf-8", errors="replace")
+
+    # -- facts -------------------------------------------------------------------------------
+
+    def token_id(self, text: str) -> int | None:
+        """The id of the token whose text is exactly `text`, if any."""
+        return self._ids.get(text)
+
+    def token_text(self, token_id: int) -> str:
+        return self._vocab.tokens[token_id]
+
+    @property
+    def vocab(self) -> Vocab:
+        """The GGUF tokenizer metadata this was built from."""
+        return self._vocab
+
+    @property
+    def bos_id(self) -> int | None:
+        return self._vocab.bos_id
+
+    @property
+    def eos_id(self) -> int | None:
+        return self._vocab.eos_id
+
+    @property
+    def eot_ids(self) -> frozenset[int]:
+        """Ids that end a turn: EOS, the chat end-of-turn tokens present, and eot_token_id."""
+        return self._eot_ids
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._vocab.tokens)
+
+    @property
+    def add_bos(self) -> bool:
+        return self._vocab.add_bos
+
+    @property
+    def add_eos(self) -> bool:
+        return self._vocab.add_eos
+
+    @property
+    def add_space_prefix(self) -> bool:
+        return self._vocab.add_space_prefix
+
+    @property
+    def chat_template(self) -> str | None:
+        return self._vocab.chat_template
+
+    @property
+    def arch(self) -> str:
+        return self._vocab.arch
+
+    @property
+    def model(self) -> str:
+        """tokenizer.ggml.model: "gpt2" or "llama"."""
+        return self._vocab.model
+
+    def __repr__(self) -> str:
+        return (f"Tokenizer({self._vocab.source}: {self._vocab.model}/{self._vocab.pre}, "
+                f"{self.vocab_size} tokens)")
+
+
+@functools.lru_cache(maxsize=4)
+def _cached(path: str, mtime_ns: int, size: int) -> Tokenizer:
+    return Tokenizer(read_vocab(path))
+
+
+def _splice(out: list[int], layout: list[tuple[int, int]], ids: list[int], word_ids: list) -> None:
+    """Append fragment tokens and special ids in text order, using each token's word index."""
+    j, first_word = 0, 0
+    for special, n_words in layout:
+        if n_words < 0:
+            out.append(special)
+            continue
+        first_word += n_words
+        while j < len(ids) and word_ids[j] < first_word:
+            out.append(ids[j])
+            j += 1
+
+
+def _piece_table(vocab: Vocab) -> list[bytes]:
+    """bytes of every token as llama.cpp's token_to_piece(special=True) renders it."""
+    to_byte = {ch: b for b, ch in enumerate(_byte_alphabet())}
+    pieces: list[bytes] = []
+    for text, kind in zip(vocab.tokens, vocab.types):
+        if kind in (CONTROL, UNKNOWN, USER_DEFINED):
+            pieces.append(text.encode())
+        elif kind == NORMAL:
+            if vocab.model == "llama":
+                pieces.append(text.replace(SPACE_MARK, " ").encode())
+            else:
+                pieces.append(bytes(to_byte[ch] for ch in text) if all(ch in to_byte for ch in text)
+                              else text.encode())
+        elif kind == BYTE:
+            pieces.append(bytes([int(text[3:5], 16)]) if text.startswith("<0x") else text.encode())
+        else:
+            pieces.append(b"")      # unused / undefined tokens print nothing, as in llama.cpp
+    return pieces
+
+
+@functools.cache
+def _byte_alphabet() -> list[str]:
+    """GPT-2's printable stand-in for each byte value (index = byte)."""
+    kept = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    alphabet = {b: chr(b) for b in kept}
+    extra = 0
+    for b in range(256):
+        if b not in alphabet:
+            alphabet[b] = chr(256 + extra)
+            extra += 1
+    return [alphabet[b] for b in range(256)]

@@ -1,0 +1,141 @@
+"""The vocabulary of a GGUF model: every `tokenizer.ggml.*` key, read once, nothing interpreted yet.
+
+Defaults and overrides follow llama.cpp's `llama_vocab::impl::load` (llama-vocab.cpp), so that a
+file missing a key behaves as it does under llama.cpp.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from shared.errors import TokenizerError
+
+log = logging.getLogger(__name__)
+
+# GGUF `tokenizer.ggml.token_type` values (llama.h, enum llama_token_type).
+UNDEFINED, NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = range(7)
+
+# Token texts llama.cpp treats as end-of-generation whatever their stored type; it also forces them
+# to CONTROL, which makes them parse as special and hide in decoded text. "</s>" is left out: in
+# Gemma 3 it is an HTML tag (user-defined), and llama.cpp lists it only for one OCR model.
+END_OF_TURN_TEXTS = frozenset({
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>",
+    "<|eom_id|>", "<EOT>", "_<EOT>", "<end_of_utterance>",
+})
+
+# tokenizer.ggml.pre values whose llama.cpp pre-type turns on `add_bos` and `ignore_merges`.
+_LLAMA3_PRE = frozenset({"llama3", "llama-v3", "llama-bpe"})
+
+
+@dataclass(frozen=True, eq=False)
+class Vocab:
+    model: str                  # tokenizer.ggml.model: "gpt2" (byte-level BPE) or "llama" (SentencePiece)
+    pre: str                    # tokenizer.ggml.pre ("default" when absent, as llama.cpp does)
+    tokens: list[str]           # [n_vocab] token texts; id = index
+    types: list[int]            # [n_vocab] token types (constants above), END_OF_TURN_TEXTS forced to CONTROL
+    scores: list[float]         # [n_vocab] SentencePiece merge priority (higher merges first); 0.0 if absent
+    merges: list[str]           # BPE merges "left right", rank = index; empty for "llama"
+    bos_id: int | None
+    eos_id: int | None
+    eot_id: int | None          # tokenizer.ggml.eot_token_id when set
+    add_bos: bool
+    add_eos: bool
+    add_space_prefix: bool      # SentencePiece: prepend " " to text at the start and after a special token
+    ignore_merges: bool         # BPE: a pre-token already in the vocabulary is kept whole (llama3 family)
+    chat_template: str | None
+    arch: str                   # general.architecture
+    source: str                 # file name, for error messages
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+def read_vocab(path: str | Path) -> Vocab:
+    """Read the tokenizer keys of a GGUF file (memory-mapped by gguf.GGUFReader)."""
+    from gguf import GGUFReader
+
+    path = Path(path)
+    try:
+        reader = GGUFReader(path, "r")
+    except (OSError, ValueError) as exc:
+        raise TokenizerError(f"cannot read tokenizer from {path}: {exc}") from exc
+    fields = reader.fields
+    name = path.name
+
+    def scalar(key: str, default=None):
+        field = fields.get(key)
+        return default if field is None else field.contents()
+
+    def array(key: str) -> list | None:
+        field = fields.get(key)
+        if field is None:
+            return None
+        if not field.types or field.types[0].name != "ARRAY":
+            raise TokenizerError(f"{name}: {key} is not an array")
+        try:
+            return field.contents()
+        except UnicodeDecodeError as exc:
+            raise TokenizerError(f"{name}: {key} holds text that is not UTF-8") from exc
+
+    model = scalar("tokenizer.ggml.model")
+    if model is None:
+        raise TokenizerError(f"{name} has no tokenizer (tokenizer.ggml.model is missing)")
+    if model not in ("gpt2", "llama"):
+        raise TokenizerError(f"{name}: tokenizer model '{model}' is not supported (supported: gpt2, llama)")
+
+    tokens = array("tokenizer.ggml.tokens")
+    if not tokens:
+        raise TokenizerError(f"{name} has no vocabulary (tokenizer.ggml.tokens is missing)")
+    n_vocab = len(tokens)
+    # llama.cpp names empty entries so that every id keeps a distinct text.
+    tokens = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
+
+    types = array("tokenizer.ggml.token_type") or [NORMAL] * n_vocab
+    scores = array("tokenizer.ggml.scores") or [0.0] * n_vocab
+    if len(types) < n_vocab or len(scores) < n_vocab:
+        raise TokenizerError(f"{name}: token types or scores are shorter than the vocabulary")
+    types = [t if 0 <= t <= BYTE else UNDEFINED for t in types[:n_vocab]]
+    for i, text in enumerate(tokens):
+        if text in END_OF_TURN_TEXTS:
+            types[i] = CONTROL
+
+    pre = scalar("tokenizer.ggml.pre")
+    if model == "gpt2":
+        merges = array("tokenizer.ggml.merges")
+        if merges is None:
+            raise TokenizerError(f"{name}: BPE tokenizer without tokenizer.ggml.merges")
+        if pre is None:
+            log.warning("%s has no tokenizer.ggml.pre; using 'default' as llama.cpp does", name)
+            pre = "default"
+        bos, eos, add_bos, space_prefix = 11, 11, pre in _LLAMA3_PRE, False
+    else:
+        merges = []
+        pre = pre or "default"
+        bos, eos, add_bos, space_prefix = 1, 2, True, True
+
+    def token_id(key: str, default: int | None) -> int | None:
+        value = scalar(key)
+        if value is not None and 0 <= int(value) < n_vocab:
+            return int(value)
+        return default if default is not None and default < n_vocab else None
+
+    bos_id = token_id("tokenizer.ggml.bos_token_id", bos)
+    eos_id = token_id("tokenizer.ggml.eos_token_id", eos)
+    add_bos = bool(scalar("tokenizer.ggml.add_bos_token", add_bos))
+    add_eos = bool(scalar("tokenizer.ggml.add_eos_token", False))
+    if add_bos and bos_id is None:
+        raise TokenizerError(f"{name}: add_bos_token is true but the file has no BOS token")
+    if add_eos and eos_id is None:
+        raise TokenizerError(f"{name}: add_eos_token is true but the file has no EOS token")
+
+    return Vocab(
+        model=model, pre=str(pre), tokens=tokens, types=types,
+        scores=[float(s) for s in scores[:n_vocab]], merges=list(merges),
+        bos_id=bos_id, eos_id=eos_id, eot_id=token_id("tokenizer.ggml.eot_token_id", None),
+        add_bos=add_bos, add_eos=add_eos,
+        add_space_prefix=bool(scalar("tokenizer.ggml.add_space_prefix", space_prefix)),
+        ignore_merges=model == "gpt2" and pre in _LLAMA3_PRE,
+        chat_template=scalar("tokenizer.chat_template"),
+        arch=str(scalar("general.architecture", "")), source=name,
+    )
