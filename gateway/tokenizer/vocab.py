@@ -9,6 +9,8 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from shared.errors import TokenizerError
 
 log = logging.getLogger(__name__)
@@ -53,28 +55,24 @@ class Vocab:
 
 def read_vocab(path: str | Path) -> Vocab:
     """Read the tokenizer keys of a GGUF file (memory-mapped by gguf.GGUFReader)."""
-    from gguf import GGUFReader
-
     path = Path(path)
-    try:
-        reader = GGUFReader(path, "r")
-    except (OSError, ValueError) as exc:
-        raise TokenizerError(f"cannot read tokenizer from {path}: {exc}") from exc
-    fields = reader.fields
     name = path.name
+    values = _read_fields(path)
 
     def scalar(key: str, default=None):
-        field = fields.get(key)
-        return default if field is None else field.contents()
+        value = values.get(key)
+        if isinstance(value, _Array):
+            raise TokenizerError(f"{name}: {key} is an array, not a single value")
+        return default if value is None else value
 
     def array(key: str) -> list | None:
-        field = fields.get(key)
-        if field is None:
+        value = values.get(key)
+        if value is None:
             return None
-        if not field.types or field.types[0].name != "ARRAY":
+        if not isinstance(value, _Array):
             raise TokenizerError(f"{name}: {key} is not an array")
         try:
-            return field.contents()
+            return value.to_list()
         except UnicodeDecodeError as exc:
             raise TokenizerError(f"{name}: {key} holds text that is not UTF-8") from exc
 
@@ -139,3 +137,55 @@ def read_vocab(path: str | Path) -> Vocab:
         chat_template=scalar("tokenizer.chat_template"),
         arch=str(scalar("general.architecture", "")), source=name,
     )
+
+
+class _Array:
+    """A GGUF array copied out of the reader as one buffer (bytes + lengths, or numbers)."""
+
+    def __init__(self, data, lengths=None):
+        self.data, self.lengths = data, lengths
+
+    def to_list(self) -> list:
+        if self.lengths is None:
+            return self.data.tolist()
+        out, pos = [], 0
+        for n in self.lengths.tolist():
+            out.append(self.data[pos:pos + n].decode("utf-8"))
+            pos += n
+        return out
+
+
+def _read_fields(path: Path) -> dict[str, object]:
+    """tokenizer.* and general.architecture values: scalars as Python values, arrays as _Array.
+
+    GGUFReader makes a few small numpy objects per array element (~1.5 M for Gemma's vocabulary).
+    Copying arrays into single buffers while it lives, and making the Python strings only after
+    it is gone, lets the allocator give that memory back (~80 MB kept instead of ~220 MB).
+    """
+    from gguf import GGUFReader, GGUFValueType
+
+    try:
+        reader = GGUFReader(path, "r")
+    except Exception as exc:    # GGUFReader raises assorted errors on truncated or foreign files
+        raise TokenizerError(f"cannot read tokenizer from {path}: {_one_line(exc)}") from exc
+    values: dict[str, object] = {}
+    for key, field in reader.fields.items():
+        if not (key.startswith("tokenizer.") or key == "general.architecture") or not field.types:
+            continue
+        if field.types[0] != GGUFValueType.ARRAY:
+            try:
+                values[key] = field.contents()
+            except UnicodeDecodeError as exc:
+                raise TokenizerError(f"{path.name}: {key} holds text that is not UTF-8") from exc
+        elif field.types[-1] == GGUFValueType.STRING:
+            parts = [field.parts[i] for i in field.data]
+            lengths = np.fromiter((p.nbytes for p in parts), dtype=np.int64, count=len(parts))
+            values[key] = _Array(b"".join(p.tobytes() for p in parts), lengths)
+        else:
+            parts = [field.parts[i] for i in field.data]
+            values[key] = _Array(np.concatenate(parts) if parts else np.zeros(0))
+    return values
+
+
+def _one_line(exc: Exception) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__

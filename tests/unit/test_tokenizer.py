@@ -236,6 +236,11 @@ def test_pretokenizers_match_llama_cpp_splitters(text):
     assert PreTokenizer("smollm").split(text) == [w for p in _isolate_numbers(text) for w in split_gpt2(p)]
 
 
+def test_default_pretokenizer_runs_its_four_stages_in_turn():
+    # punctuation runs, then GPT-2 words, then number runs, then groups of three digits
+    assert PreTokenizer("default").split("a, 12345 b!!") == ["a", ",", " ", "123", "45", " b", "!!"]
+
+
 @settings(max_examples=300, deadline=None)
 @given(text=st.text(alphabet="abcx<>", max_size=16))
 def test_special_splitter_matches_llama_cpp_partition(text):
