@@ -1,0 +1,28 @@
+"""One gateway + one worker (real processes, real model) shared by the e2e tests of this folder;
+tests that kill or drain workers start their own (test_serve.py)."""
+from __future__ import annotations
+
+import openai
+import pytest
+
+from tests.e2e.servers import API_KEY, Processes, free_port, write_config
+
+
+@pytest.fixture(scope="session")
+def server(smollm2_gguf, tmp_path_factory):
+    directory = tmp_path_factory.mktemp("e2e")
+    port = free_port()
+    config = write_config(directory, smollm2_gguf, port)
+    procs = Processes(directory, port)
+    procs.start("gateway", "-m", "gateway.main", "--config", str(config))
+    procs.start("worker", "-m", "worker.main", "--config", str(config), "--numa-node", "0")
+    try:
+        procs.wait_ready()
+        yield procs
+    finally:
+        procs.stop()
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)

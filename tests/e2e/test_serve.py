@@ -1,0 +1,129 @@
+"""`reame serve` with two workers: losing a worker mid-request, draining one, stopping everything.
+
+SIGKILL one of two workers while requests are in flight: the non-streamed request is re-run
+elsewhere and succeeds, the stream already under way ends with an error, the gateway stays
+healthy and `reame serve` restarts the worker.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import openai
+import psutil
+import pytest
+import requests
+
+from tests.e2e.servers import API_KEY, NO_END, REPO, Processes, free_port, metric, worker_processes, write_config
+
+
+@pytest.fixture(scope="module")
+def serve(smollm2_gguf, tmp_path_factory):
+    directory = tmp_path_factory.mktemp("serve")
+    port = free_port()
+    config = write_config(directory, smollm2_gguf, port)
+    procs = Processes(directory, port)
+    procs.start("serve", "-m", "reame.cli", "serve", "--config", str(config), "--workers", "2")
+    try:
+        procs.wait_ready(workers=2)
+        yield procs
+    finally:
+        procs.stop()
+
+
+@pytest.fixture
+def client(serve):
+    return openai.OpenAI(base_url=serve.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+def serve_pid(serve) -> int:
+    return serve.procs[0][1].pid
+
+
+def busy_workers(serve) -> dict[int, float]:
+    """pid → requests running, from the gateway's per-worker gauge (worker id = host/nodeN/pid)."""
+    samples = metric(serve.url, "reame_worker_active_requests")
+    return {int(dict(k)["worker"].rsplit("/", 1)[1]): v for k, v in samples.items()}
+
+
+def wait_for(condition, timeout=120.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def healthy_workers(serve) -> int:
+    r = requests.get(serve.url + "/health", timeout=2)
+    return r.json()["workers"] if r.status_code == 200 else 0
+
+
+def test_prints_the_url_and_runs_two_pinned_workers(serve):
+    ready = f"Reame is ready: point an OpenAI client at {serve.url}/v1"
+    wait_for(lambda: ready in (serve.directory / "serve.log").read_text(), timeout=10, what="the URL")
+    workers = worker_processes(serve_pid(serve))
+    assert len(workers) == 2
+    assert sorted(len(w.cpu_affinity()) for w in workers) == [1, 1]  # the one node's CPUs, split
+
+
+def test_sigkill_with_requests_in_flight(serve, client):
+    story = [{"role": "user", "content": "Tell me a long story."}]
+    stream = client.chat.completions.create(model="reame", messages=story, max_tokens=3000, stream=True,
+                                            logit_bias=NO_END)
+    chunks = iter(stream)
+    next(chunks)
+    wait_for(lambda: sum(busy_workers(serve).values()) == 1, what="the stream to start")
+    stream_pid = next(pid for pid, n in busy_workers(serve).items() if n)
+    with cf.ThreadPoolExecutor(1) as pool:
+        plain = pool.submit(client.completions.create, model="reame", prompt="Once", max_tokens=40,
+                            logit_bias=NO_END, temperature=0)
+        wait_for(lambda: sum(busy_workers(serve).values()) == 2, what="both workers busy")
+        plain_pid = next(pid for pid, n in busy_workers(serve).items() if n and pid != stream_pid)
+        os.kill(plain_pid, signal.SIGKILL)
+        # The other worker still serves: the gateway is healthy while the killed one restarts.
+        assert requests.get(serve.url + "/health").status_code == 200
+        result = plain.result(timeout=180)  # re-run from scratch once a worker is free
+        assert result.usage.completion_tokens == 40 and result.choices[0].finish_reason == "length"
+    os.kill(stream_pid, signal.SIGKILL)
+    with pytest.raises(openai.APIError):
+        for _ in chunks:
+            pass
+    stream.close()
+    assert requests.get(serve.url + "/health").status_code in (200, 503)
+    wait_for(lambda: healthy_workers(serve) == 2, what="both workers restarted")
+    assert metric(serve.url, "reame_workers_lost_total")[()] >= 2
+
+
+def test_sigterm_drains_the_worker(serve, client):
+    with cf.ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(client.completions.create, model="reame", prompt="Once", max_tokens=60,
+                              logit_bias=NO_END, temperature=0)
+        wait_for(lambda: sum(busy_workers(serve).values()) == 1, what="the request to start")
+        pid = next(pid for pid, n in busy_workers(serve).items() if n)
+        os.kill(pid, signal.SIGTERM)
+        result = pending.result(timeout=120)
+    assert result.usage.completion_tokens == 60  # finished, not cut off
+    wait_for(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE,
+             timeout=30, what="the drained worker to exit")
+    assert "draining" in (serve.directory / "serve.log").read_text()
+    wait_for(lambda: healthy_workers(serve) == 2, what="the worker to be restarted")
+
+
+def test_unknown_numa_node_is_a_clear_error(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "worker.main", "--numa-node", "7"], cwd=REPO, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 1 and "NUMA node 7 does not exist" in r.stderr
+
+
+def test_sigterm_stops_everything(serve):
+    proc = serve.procs[0][1]
+    children = psutil.Process(proc.pid).children(recursive=True)
+    assert len(children) == 3
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) == 0
+    gone, alive = psutil.wait_procs(children, timeout=10)
+    assert not alive
