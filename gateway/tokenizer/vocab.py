@@ -1,4 +1,4 @@
-"""The vocabulary of a GGUF model: every `tokenizer.ggml.*` key, read once, nothing interpreted yet.
+"""The vocabulary of a GGUF model: its `tokenizer.ggml.*` keys, read once, with llama.cpp's defaults.
 
 Defaults and overrides follow llama.cpp's `llama_vocab::impl::load` (llama-vocab.cpp), so that a
 file missing a key behaves as it does under llama.cpp.

@@ -265,14 +265,16 @@ def test_round_trip_on_golden_texts(name, request):
 
 
 def spellable(tok: Tokenizer, text: str) -> bool:
-    """False when the vocabulary lacks a byte of the text (SmolLM2 has no 0x04, no 0xF1, ...):
-    llama.cpp drops such bytes, so no round trip is possible."""
+    """False where no round trip is possible: SmolLM2 lacks some bytes (0x04, 0xF1, ...), which
+    llama.cpp drops; SentencePiece reads a literal "▁" as a space."""
+    if tok.model != "gpt2":
+        return "\u2581" not in text
     alphabet, table = byte_alphabet(), tok_ids(tok)
-    return tok.model != "gpt2" or all(alphabet[b] in table for b in text.encode())
+    return all(alphabet[b] in table for b in text.encode())
 
 
 @SETTINGS
-@given(text=st.text(max_size=60))
+@given(text=st.text(max_size=60) | TEXTS)
 def test_round_trip_on_random_unicode(tok, text):
     assume(spellable(tok, text))
     assert tok.decode(tok.encode(text, parse_special=False)) == text
