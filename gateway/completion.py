@@ -30,8 +30,8 @@ if TYPE_CHECKING:
     from gateway.state import GatewayState
 
 
-async def complete(state: GatewayState, request: web.Request, req: CompletionRequest,
-                   prompts: list[list[int]], arrived: float) -> web.StreamResponse:
+async def complete(state: GatewayState, request: web.Request, req: CompletionRequest, prompts: list[list[int]],
+                   arrived: float, extra_stops: tuple[str, ...] = ()) -> web.StreamResponse:
     await state.pool.wait_ready(state.config.gateway.queue_timeout)  # n_ctx is known from here on
     param = "messages" if req.chat else "prompt"
     _check_vocab(state, req, prompts)
@@ -44,7 +44,7 @@ async def complete(state: GatewayState, request: web.Request, req: CompletionReq
                             sink, prefix_key(ids)))
     state.pool.submit(jobs)
     state.metrics.prompt_tokens.inc(sum(len(ids) for ids in prompts))
-    run = _Run(state, req, jobs, sink, arrived, sum(len(ids) for ids in prompts))
+    run = _Run(state, req, jobs, sink, arrived, sum(len(ids) for ids in prompts), req.stop + extra_stops)
     try:
         if req.stream:
             return await run.stream(request)
@@ -87,8 +87,9 @@ def _check_vocab(state: GatewayState, req: CompletionRequest, prompts: list[list
 
 class _Run:
     def __init__(self, state: GatewayState, req: CompletionRequest, jobs: list[Job], sink: asyncio.Queue,
-                 arrived: float, prompt_tokens: int):
+                 arrived: float, prompt_tokens: int, stops: tuple[str, ...]):
         self.state = state
+        self.stops = stops
         self.req = req
         self.sink = sink
         self.arrived = arrived
@@ -103,7 +104,7 @@ class _Run:
         self._last_token: dict[Job, float] = {}
 
     def _new_choice(self, job: Job) -> Choice:
-        return Choice(job.index, self.state.decoder, self.req.stop, self.state.hidden_ids)
+        return Choice(job.index, self.state.decoder, self.stops, self.state.hidden_ids)
 
     # ---- the two ways to answer --------------------------------------------------------------
 

@@ -28,10 +28,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     except TokenizerError as exc:  # e.g. a template that insists on alternating roles
         raise InvalidRequestError(f"the chat template rejected these messages: {exc.message}",
                                   param="messages") from None
-    # The template may already begin with the BOS token's text; adding another would change the prompt.
-    add_special = not (state.bos_text and text.startswith(state.bos_text))
-    ids = state.tokenizer.encode(text, add_special=add_special, parse_special=True)
-    return await complete(state, request, req, [ids], arrived)
+    # The template leaves BOS out when the tokenizer adds it, so specials are added here.
+    ids = state.tokenizer.encode(text, add_special=True, parse_special=True)
+    return await complete(state, request, req, [ids], arrived, extra_stops=state.chat_stops)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:

@@ -12,13 +12,14 @@ from gateway.choice import Decoder
 from gateway.metrics import Metrics
 from gateway.workers import WorkerPool
 from shared.config import Config
+from shared.errors import ConfigError
 
 
 @dataclass
 class GatewayState:
     config: Config
     tokenizer: Any  # gateway.tokenizer.Tokenizer, or a test double with the same methods
-    template: Any  # gateway.chat_template.ChatTemplate: render(messages, add_generation_prompt)
+    template: Any  # gateway.chat_template.ChatTemplate: render(), stop_strings
     decoder: Callable[[], Decoder]  # a fresh incremental decoder per choice
     pool: WorkerPool
     metrics: Metrics
@@ -26,7 +27,7 @@ class GatewayState:
     model_aliases: frozenset[str]  # names a request's `model` may use
     stop_token_ids: tuple[int, ...]  # end-of-generation tokens the engine stops on
     hidden_ids: frozenset[int]  # tokens never shown as text (the same set)
-    bos_text: str
+    chat_stops: tuple[str, ...]  # end-of-turn markers the template writes as text, not as one token
     created: int
 
 
@@ -42,15 +43,12 @@ def build_state(config: Config, tokenizer: Any, template: Any, decoder: Callable
     end_ids = set(tokenizer.eot_ids)
     if tokenizer.eos_id is not None:
         end_ids.add(tokenizer.eos_id)
-    bos_text = ""
-    if tokenizer.bos_id is not None:
-        bos_text = tokenizer.token_bytes(tokenizer.bos_id).decode("utf-8", errors="replace")
     model_id = config.model.model_id
     return GatewayState(
         config=config, tokenizer=tokenizer, template=template, decoder=decoder, pool=pool, metrics=metrics,
         model_id=model_id, model_aliases=frozenset({model_id, model_path.name, model_path.stem}),
-        stop_token_ids=tuple(sorted(end_ids)), hidden_ids=frozenset(end_ids), bos_text=bos_text,
-        created=int(time.time()))
+        stop_token_ids=tuple(sorted(end_ids)), hidden_ids=frozenset(end_ids),
+        chat_stops=tuple(getattr(template, "stop_strings", ())), created=int(time.time()))
 
 
 def load_state(config: Config, model_path: Path) -> GatewayState:
@@ -60,6 +58,12 @@ def load_state(config: Config, model_path: Path) -> GatewayState:
     from gateway.tokenizer.stream import StreamDecoder
 
     tokenizer = Tokenizer.from_gguf(model_path)
-    override = config.resolve_path(config.model.chat_template) if config.model.chat_template else None
+    override = None
+    if config.model.chat_template:
+        template_path = config.resolve_path(config.model.chat_template)
+        try:
+            override = template_path.read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError(f"cannot read chat template {template_path}: {exc.strerror}") from None
     template = ChatTemplate.for_tokenizer(tokenizer, override)
     return build_state(config, tokenizer, template, lambda: StreamDecoder(tokenizer), model_path)
