@@ -4,12 +4,17 @@ from __future__ import annotations
 import numpy as np
 
 
-def rope_tables(n_ctx: int, rope_dim: int, base: float, freq_factors: np.ndarray | None = None):
-    """(n_ctx, rope_dim/2) float32 cos and sin for theta_i = pos * base^(-2i/rope_dim)."""
+def rope_tables(n_ctx: int, rope_dim: int, base: float, freq_factors: np.ndarray | None = None,
+                positions: np.ndarray | None = None):
+    """(n_ctx, rope_dim/2) float32 cos and sin for theta_i = pos * base^(-2i/rope_dim) / factor_i.
+
+    positions: the (possibly scaled) position of each cache slot; default 0..n_ctx-1.
+    """
     inv_freq = base ** (-np.arange(0, rope_dim, 2, dtype=np.float64) / rope_dim)
     if freq_factors is not None:
         inv_freq = inv_freq / freq_factors.astype(np.float64)
-    angles = np.arange(n_ctx, dtype=np.float64)[:, None] * inv_freq[None, :]
+    pos = np.arange(n_ctx, dtype=np.float64) if positions is None else positions.astype(np.float64)
+    angles = pos[:, None] * inv_freq[None, :]
     return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
 
 

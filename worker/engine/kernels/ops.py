@@ -16,10 +16,11 @@ _JIT = dict(fastmath=True, cache=True, nogil=True)
 
 @njit(**_JIT)
 def rmsnorm(x, weight, eps, out):
-    ss = np.float32(0.0)
+    """out = x / rms(x) * weight; out may be x itself. The sum of squares is kept in float64."""
+    ss = 0.0
     for i in range(x.shape[0]):
-        ss += x[i] * x[i]
-    inv = np.float32(1.0) / np.sqrt(ss / np.float32(x.shape[0]) + np.float32(eps))
+        ss += np.float64(x[i]) * x[i]
+    inv = np.float32(1.0 / np.sqrt(ss / x.shape[0] + eps))
     for i in range(x.shape[0]):
         out[i] = x[i] * inv * weight[i]
 

@@ -4,10 +4,14 @@ from __future__ import annotations
 from shared.errors import ModelLoadError
 from worker.engine.gguf_file import GGUFFile
 
+SUPPORTED = ("llama", "gemma3")
+
 
 def build_model(g: GGUFFile, n_ctx: int, progress=None):
     if g.arch == "llama":
-        from worker.engine.models.llama import Llama, LlamaHParams, load_weights
-        hp = LlamaHParams.from_gguf(g)
-        return Llama(hp, load_weights(g, hp, progress), n_ctx)
-    raise ModelLoadError(f"{g.path}: unsupported architecture '{g.arch}' (supported: llama)")
+        from worker.engine.models.llama import Llama
+        return Llama(g, n_ctx, progress)
+    if g.arch == "gemma3":
+        from worker.engine.models.gemma3 import Gemma3
+        return Gemma3(g, n_ctx, progress)
+    raise ModelLoadError(f"{g.path}: unsupported architecture '{g.arch}' (supported: {', '.join(SUPPORTED)})")

@@ -1,0 +1,190 @@
+"""Gemma 3: scaled embeddings, QK-norm, pre- and post-norms, GELU-gated FFN, and interleaved
+local (sliding-window) and global attention layers with their own RoPE bases.
+
+Two metadata facts are absent from the published GGUF files and are fixed by llama.cpp for
+this architecture; they are used only when the file does not say otherwise:
+every 6th layer is global (the others local), and local layers use RoPE base 10,000.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from numba import njit
+
+from shared.errors import ModelLoadError
+from worker.engine.gguf_file import GGUFFile
+from worker.engine.kernels.matvec import linear
+from worker.engine.kernels.ops import attention_decode, dequant_row, gelu_tanh_mul, rmsnorm, rope_halves
+from worker.engine.kernels.packing import TILE
+from worker.engine.kv_cache import KVCache
+from worker.engine.layers import causal_attention, gelu_tanh, rms_norm
+from worker.engine.models.common import DecodeBuffers, load_packed, project
+from worker.engine.rope import apply_rope_halves, rope_tables
+
+Q, K, V, O, GATE, UP, DOWN = range(7)
+DEFAULT_SWA_PATTERN = 6  # llama.cpp's fixed value for gemma3: layers 5, 11, 17… are global
+DEFAULT_LOCAL_ROPE_BASE = 10000.0
+LAYER_VECTORS = ("attn_norm", "attn_q_norm", "attn_k_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm")
+
+
+@dataclass(frozen=True)
+class Gemma3HParams:
+    n_layers: int
+    d_model: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    d_ff: int
+    vocab_size: int
+    n_ctx_train: int
+    rope_base_global: float
+    rope_base_local: float
+    rope_scale_global: float  # positions are divided by this on global layers (linear scaling)
+    sliding_window: int
+    swa_pattern: int
+    rms_eps: float
+
+    @classmethod
+    def from_gguf(cls, g: GGUFFile) -> "Gemma3HParams":
+        a = g.arch
+        n_heads = int(g.require(f"{a}.attention.head_count"))
+        scale = 1.0
+        if g.get(f"{a}.rope.scaling.type") == "linear":
+            scale = float(g.get(f"{a}.rope.scaling.factor", 1.0))
+        hp = cls(
+            n_layers=int(g.require(f"{a}.block_count")),
+            d_model=int(g.require(f"{a}.embedding_length")),
+            n_heads=n_heads,
+            n_kv_heads=int(g.get(f"{a}.attention.head_count_kv", n_heads)),
+            head_dim=int(g.require(f"{a}.attention.key_length")),
+            d_ff=int(g.require(f"{a}.feed_forward_length")),
+            vocab_size=int(g.get(f"{a}.vocab_size") or g.tensor("token_embd.weight").shape[0]),
+            n_ctx_train=int(g.require(f"{a}.context_length")),
+            rope_base_global=float(g.get(f"{a}.rope.freq_base", 1000000.0)),
+            rope_base_local=float(g.get(f"{a}.rope.freq_base_swa", DEFAULT_LOCAL_ROPE_BASE)),
+            rope_scale_global=scale,
+            sliding_window=int(g.require(f"{a}.attention.sliding_window")),
+            swa_pattern=int(g.get(f"{a}.attention.sliding_window_pattern", DEFAULT_SWA_PATTERN)),
+            rms_eps=float(g.require(f"{a}.attention.layer_norm_rms_epsilon")),
+        )
+        if hp.n_heads % hp.n_kv_heads:
+            raise ModelLoadError(f"{g.path}: {hp.n_heads} heads not divisible by {hp.n_kv_heads} KV heads")
+        return hp
+
+    def is_global(self, layer: int) -> bool:
+        return (layer + 1) % self.swa_pattern == 0
+
+    def layer_matrices(self) -> dict[str, tuple[int, int]]:
+        d, q, kv = self.d_model, self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        return {"attn_q": (q, d), "attn_k": (kv, d), "attn_v": (kv, d), "attn_output": (d, q),
+                "ffn_gate": (self.d_ff, d), "ffn_up": (self.d_ff, d), "ffn_down": (d, self.d_ff)}
+
+
+class Gemma3:
+    def __init__(self, g: GGUFFile, n_ctx: int, progress=None):
+        self.hp = hp = Gemma3HParams.from_gguf(g)
+        self.w = load_packed(g, hp.n_layers, hp.vocab_size, hp.d_model, hp.layer_matrices(), LAYER_VECTORS, progress)
+        positions_global = np.arange(n_ctx) / hp.rope_scale_global
+        self.rope_local = rope_tables(n_ctx, hp.head_dim, hp.rope_base_local)
+        self.rope_global = rope_tables(n_ctx, hp.head_dim, hp.rope_base_global, positions=positions_global)
+        self.is_global = np.array([hp.is_global(i) for i in range(hp.n_layers)])
+        self.scale = 1.0 / np.sqrt(hp.head_dim)
+        self.embed_scale = np.float32(np.sqrt(hp.d_model))
+        self.buffers = DecodeBuffers(hp.d_model, hp.n_heads * hp.head_dim, hp.n_kv_heads * hp.head_dim,
+                                     hp.d_ff, hp.n_heads, n_ctx, hp.vocab_size)
+
+    # ---------------------------------------------------------------- batched (BLAS)
+    def forward(self, tokens: np.ndarray, start: int, kv: KVCache, dense, logits_of_last) -> np.ndarray:
+        hp, w, vec = self.hp, self.w, self.w.vectors
+        t = tokens.shape[0]
+        x = dense(w.token_embd)[tokens].astype(np.float32) * self.embed_scale
+        for layer in range(hp.n_layers):
+            m = w.mats[layer]
+            cos, sin = self.rope_global if self.is_global[layer] else self.rope_local
+            cos, sin = cos[start:start + t], sin[start:start + t]
+            h = rms_norm(x, vec["attn_norm"][layer], hp.rms_eps)
+            q = (h @ dense(m[Q]).T).reshape(t, hp.n_heads, hp.head_dim)
+            k = (h @ dense(m[K]).T).reshape(t, hp.n_kv_heads, hp.head_dim)
+            v = (h @ dense(m[V]).T).reshape(t, hp.n_kv_heads, hp.head_dim)
+            q = apply_rope_halves(rms_norm(q, vec["attn_q_norm"][layer], hp.rms_eps), cos, sin)
+            k = apply_rope_halves(rms_norm(k, vec["attn_k_norm"][layer], hp.rms_eps), cos, sin)
+            kv.store(layer, start, k, v)
+            window = 0 if self.is_global[layer] else hp.sliding_window
+            a = causal_attention(q, kv.k[layer, :, :start + t], kv.v[layer, :, :start + t], start, self.scale, window)
+            x = x + rms_norm(a @ dense(m[O]).T, vec["post_attention_norm"][layer], hp.rms_eps)
+            h = rms_norm(x, vec["ffn_norm"][layer], hp.rms_eps)
+            f = (gelu_tanh(h @ dense(m[GATE]).T) * (h @ dense(m[UP]).T)) @ dense(m[DOWN]).T
+            x = x + rms_norm(f, vec["post_ffw_norm"][layer], hp.rms_eps)
+        h = rms_norm(x[-1:], w.output_norm, hp.rms_eps)[0]
+        return logits_of_last(h)
+
+    # ---------------------------------------------------------------- fused decode (numba)
+    def decode_step(self, token: int, pos: int, kv: KVCache) -> np.ndarray:
+        hp, w, b, t, vec = self.hp, self.w, self.buffers, self.w.table, self.w.vectors
+        _gemma3_decode(token, pos, t.data, t.scales, t.biases, t.meta, w.mats, w.token_embd, w.output,
+                       vec["attn_norm"], vec["attn_q_norm"], vec["attn_k_norm"], vec["post_attention_norm"],
+                       vec["ffn_norm"], vec["post_ffw_norm"], w.output_norm, np.float32(hp.rms_eps),
+                       self.embed_scale, hp.n_heads, hp.n_kv_heads, hp.head_dim, self.is_global, hp.sliding_window,
+                       self.rope_local[0][pos], self.rope_local[1][pos],
+                       self.rope_global[0][pos], self.rope_global[1][pos], np.float32(self.scale), kv.k, kv.v,
+                       b.x, b.h[:hp.d_model], b.qkv, b.att, b.proj, b.gu, b.act, b.scores, b.tiles, b.logits)
+        return b.logits[:hp.vocab_size]
+
+    def project(self, h: np.ndarray) -> np.ndarray:
+        return project(self.w, self.buffers, h, self.hp.vocab_size)
+
+
+@njit(cache=True, nogil=True)
+def _gemma3_decode(token, pos, data, scales, biases, meta, mats, token_embd, output,
+                   attn_norm, q_norm, k_norm, post_attn_norm, ffn_norm, post_ffw_norm, output_norm, eps,
+                   embed_scale, n_heads, n_kv, head_dim, is_global, window, cos_local, sin_local,
+                   cos_global, sin_global, scale, k_cache, v_cache,
+                   x, h, qkv, att, proj, gu, act, scores, tiles, logits):
+    d = x.shape[0]
+    q_rows, kv_rows = n_heads * head_dim, n_kv * head_dim
+    k_off = -(-q_rows // TILE) * TILE
+    v_off = k_off + -(-kv_rows // TILE) * TILE
+    ff = act.shape[0]
+    up_off = -(-ff // TILE) * TILE
+    dequant_row(data, scales, biases, meta[token_embd], token, x)
+    for i in range(d):
+        x[i] *= embed_scale
+    for layer in range(mats.shape[0]):
+        m = mats[layer]
+        rmsnorm(x, attn_norm[layer], eps, h)
+        linear(data, scales, biases, meta, m[0:3], h, qkv, tiles)
+        q = qkv[:q_rows]
+        k = qkv[k_off:k_off + kv_rows]
+        v = qkv[v_off:v_off + kv_rows]
+        for hh in range(n_heads):
+            rmsnorm(q[hh * head_dim:(hh + 1) * head_dim], q_norm[layer], eps, q[hh * head_dim:(hh + 1) * head_dim])
+        for hh in range(n_kv):
+            rmsnorm(k[hh * head_dim:(hh + 1) * head_dim], k_norm[layer], eps, k[hh * head_dim:(hh + 1) * head_dim])
+        if is_global[layer]:
+            rope_halves(q, n_heads, head_dim, cos_global, sin_global)
+            rope_halves(k, n_kv, head_dim, cos_global, sin_global)
+            first = 0
+        else:
+            rope_halves(q, n_heads, head_dim, cos_local, sin_local)
+            rope_halves(k, n_kv, head_dim, cos_local, sin_local)
+            first = max(0, pos + 1 - window)
+        for hh in range(n_kv):
+            k_cache[layer, hh, pos] = k[hh * head_dim:(hh + 1) * head_dim]
+            v_cache[layer, hh, pos] = v[hh * head_dim:(hh + 1) * head_dim]
+        attention_decode(q, k_cache[layer], v_cache[layer], pos + 1, first, scale, att, scores)
+        linear(data, scales, biases, meta, m[3:4], att, proj, tiles)
+        rmsnorm(proj[:d], post_attn_norm[layer], eps, proj[:d])
+        for i in range(d):
+            x[i] += proj[i]
+        rmsnorm(x, ffn_norm[layer], eps, h)
+        linear(data, scales, biases, meta, m[4:6], h, gu, tiles)
+        gelu_tanh_mul(gu[:ff], gu[up_off:up_off + ff], act)
+        linear(data, scales, biases, meta, m[6:7], act, proj, tiles)
+        rmsnorm(proj[:d], post_ffw_norm[layer], eps, proj[:d])
+        for i in range(d):
+            x[i] += proj[i]
+    rmsnorm(x, output_norm, eps, h)
+    out_mat = np.empty(1, np.int64)
+    out_mat[0] = output
+    linear(data, scales, biases, meta, out_mat, h, logits, tiles)
