@@ -189,3 +189,16 @@ def _normalize(messages: Sequence[Mapping]) -> list[dict]:
 
 def _one_line(text: str) -> str:
     return " ".join(text.split())
+
+
+def template_for(tok: Tokenizer, config) -> ChatTemplate:
+    """The chat template reame.conf asks for: `[model] chat_template` file if set, else for_tokenizer."""
+    from shared.errors import ConfigError
+    override = None
+    if config.model.chat_template:
+        path = config.resolve_path(config.model.chat_template)
+        try:
+            override = path.read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError(f"cannot read chat template {path}: {exc.strerror}") from None
+    return ChatTemplate.for_tokenizer(tok, override)

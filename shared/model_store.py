@@ -274,3 +274,24 @@ def _is_verified(spec: ModelSpec, path: Path) -> bool:
     except OSError:
         return False
     return fresh and bool(recorded) and recorded[0] == spec.sha256 and _is_present(spec, path)
+
+
+def model_file(config, model: str | None = None, progress: Progress = _silent) -> Path:
+    """The GGUF a command or process should serve, pulled first when that is possible.
+
+    `model` (a --model flag: known name, or path relative to the current directory) wins over
+    reame.conf's model_path (relative to the config file). A known name is pulled into
+    models_dir; a missing file whose name is a known model's file (the shipped reame.conf
+    names the default model's file) is pulled to where it is expected.
+    """
+    models_dir = config.resolve_path(config.model.models_dir)
+    ref = str(model) if model is not None else config.model_reference()
+    if ref in CATALOGUE:
+        return pull(ref, models_dir, progress)
+    path = Path(ref).expanduser()
+    if not path.is_file():
+        spec = next((s for s in CATALOGUE.values() if s.file == path.name), None)
+        if spec is not None:
+            progress(f"{path} is not there yet: pulling {spec.name}")
+            return pull(spec.name, path.parent, progress)
+    return resolve_model(path, models_dir)

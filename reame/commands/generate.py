@@ -38,7 +38,7 @@ def parse_ids(text: str) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from shared.config import load_config
+    from shared.config import load_config, model_flag
     from worker.engine.engine import load_engine_from_config
     from worker.sampling_params import SamplingParams
 
@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
     if args.max_tokens <= 0:
         raise InvalidRequestError(f"--max-tokens must be at least 1, got {args.max_tokens}")
     say = (lambda m: print(m, file=sys.stderr)) if not args.json else (lambda m: None)
-    engine = load_engine_from_config(config, model=args.model, kernels=args.kernels, progress=say)
+    engine = load_engine_from_config(config, model=model_flag(args.model), kernels=args.kernels, progress=say)
     say("warming up kernels")
     engine.warm_up()
     tokenizer = _tokenizer(engine, needed=ids is None)

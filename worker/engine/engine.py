@@ -230,13 +230,9 @@ class _WithEmbedding:
 def load_engine_from_config(config, model: str | None = None, kernels: str | None = None,
                             progress: Progress | None = None) -> Engine:
     """load_engine with the [model] and [engine] settings of reame.conf (flags override)."""
-    from shared.model_store import CATALOGUE, ensure_model, resolve_model
-    models_dir = config.resolve_path(config.model.models_dir)
-    wanted = model or config.model.model_path
-    if wanted in CATALOGUE:
-        path = ensure_model(wanted, models_dir, progress=progress or (lambda m: log.info("%s", m)))
-    else:
-        path = resolve_model(wanted if model else config.resolve_path(wanted), models_dir)
+    from shared.model_store import model_file
+    say = progress or (lambda m: log.info("%s", m))
+    path = model_file(config, model, progress=say)
     e = config.engine
     return load_engine(path, kernels=kernels or e.kernels, threads=e.threads,
                        context_length=e.context_length, max_context=e.max_context,
