@@ -4,7 +4,7 @@ from __future__ import annotations
 from shared.errors import ModelLoadError
 from worker.engine.gguf_file import GGUFFile
 
-SUPPORTED = ("llama", "gemma3")
+SUPPORTED = ("llama", "gemma3", "qwen2", "qwen3")
 
 
 def build_model(g: GGUFFile, n_ctx: int, progress=None):
@@ -14,4 +14,7 @@ def build_model(g: GGUFFile, n_ctx: int, progress=None):
     if g.arch == "gemma3":
         from worker.engine.models.gemma3 import Gemma3
         return Gemma3(g, n_ctx, progress)
+    if g.arch in ("qwen2", "qwen3"):
+        from worker.engine.models.qwen import Qwen
+        return Qwen(g, n_ctx, progress)
     raise ModelLoadError(f"{g.path}: unsupported architecture '{g.arch}' (supported: {', '.join(SUPPORTED)})")

@@ -19,7 +19,7 @@ from worker.engine.kernels.ops import attention_decode, dequant_row, rmsnorm, ro
 from worker.engine.kernels.packing import TILE
 from worker.engine.kv_cache import KVCache
 from worker.engine.layers import causal_attention, rms_norm, silu
-from worker.engine.models.common import DecodeBuffers, PackedWeights, load_packed, project
+from worker.engine.models.common import DecodeBuffers, load_packed, project, vector
 from worker.engine.rope import apply_rope_pairs, rope_tables
 
 # Per-layer matrices, in the column order of PackedWeights.mats.
@@ -37,6 +37,7 @@ class LlamaHParams:
     vocab_size: int
     n_ctx_train: int
     rope_base: float
+    rope_linear_factor: float  # positions are divided by this ("linear" rope scaling); 1 = none
     rms_eps: float
 
     @classmethod
@@ -55,8 +56,13 @@ class LlamaHParams:
             vocab_size=int(vocab),
             n_ctx_train=int(g.require(f"{a}.context_length")),
             rope_base=float(g.get(f"{a}.rope.freq_base", 10000.0)),
+            rope_linear_factor=_linear_rope_factor(g),
             rms_eps=float(g.require(f"{a}.attention.layer_norm_rms_epsilon")),
         )
+        rope_dim = g.get(f"{a}.rope.dimension_count")
+        if rope_dim is not None and int(rope_dim) != hp.head_dim:
+            raise ModelLoadError(f"{g.path}: partial rotary embeddings (rope.dimension_count {rope_dim} < "
+                                 f"head dim {hp.head_dim}) are not supported")
         if hp.n_heads % hp.n_kv_heads:
             raise ModelLoadError(f"{g.path}: {hp.n_heads} heads not divisible by {hp.n_kv_heads} KV heads")
         return hp
@@ -67,12 +73,25 @@ class LlamaHParams:
                 "ffn_gate": (self.d_ff, d), "ffn_up": (self.d_ff, d), "ffn_down": (d, self.d_ff)}
 
 
+def _linear_rope_factor(g: GGUFFile) -> float:
+    kind = g.get(f"{g.arch}.rope.scaling.type")
+    if kind in (None, "none"):
+        return 1.0
+    if kind == "linear":
+        return float(g.get(f"{g.arch}.rope.scaling.factor", 1.0))
+    raise ModelLoadError(f"{g.path}: rope scaling type '{kind}' is not supported (supported: linear, "
+                         f"and Llama 3 frequency factors in rope_freqs.weight)")
+
+
 class Llama:
     def __init__(self, g: GGUFFile, n_ctx: int, progress=None):
         self.hp = hp = LlamaHParams.from_gguf(g)
         self.w = load_packed(g, hp.n_layers, hp.vocab_size, hp.d_model, hp.layer_matrices(),
                              ("attn_norm", "ffn_norm"), progress)
-        self.cos, self.sin = rope_tables(n_ctx, hp.head_dim, hp.rope_base)
+        # Llama 3.1+ files carry per-frequency divisors (the "llama3" rope scaling) as a tensor.
+        freq_factors = vector(g, "rope_freqs.weight") if "rope_freqs.weight" in g.tensors else None
+        self.cos, self.sin = rope_tables(n_ctx, hp.head_dim, hp.rope_base, freq_factors,
+                                         positions=np.arange(n_ctx) / hp.rope_linear_factor)
         self.scale = 1.0 / np.sqrt(hp.head_dim)
         self.buffers = DecodeBuffers(hp.d_model, hp.n_heads * hp.head_dim, hp.n_kv_heads * hp.head_dim,
                                      hp.d_ff, hp.n_heads, n_ctx, hp.vocab_size)
