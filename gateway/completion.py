@@ -9,6 +9,7 @@ handler is cancelled, or a write fails) stops its generation within one engine s
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from typing import TYPE_CHECKING
@@ -28,6 +29,8 @@ from shared.protocol import Error, Finished, TokenChunk
 
 if TYPE_CHECKING:
     from gateway.state import GatewayState
+
+log = logging.getLogger("reame.gateway")
 
 
 async def complete(state: GatewayState, request: web.Request, req: CompletionRequest, prompts: list[list[int]],
@@ -52,6 +55,7 @@ async def complete(state: GatewayState, request: web.Request, req: CompletionReq
     finally:
         for job in jobs:
             state.pool.release(job)
+        run.log(prompts)
 
 
 def _max_tokens(state: GatewayState, req: CompletionRequest, ids: list[int], param: str) -> int:
@@ -135,6 +139,14 @@ class _Run:
                 raise  # nothing sent yet: an ordinary HTTP error response
             await out.fail(exc)
             return out.response
+        except (ConnectionError, asyncio.CancelledError):
+            raise  # the client left; `complete` releases the jobs
+        except Exception:
+            if not out.started:
+                raise
+            log.exception("request %s: failed mid-stream", self.id)
+            await out.fail(ReameError("internal server error"))
+            return out.response
         if self.req.include_usage:
             await out.send(responses.chunk(self.req.chat, self.id, self.created, self.model, [],
                                            self._usage(), with_usage=True))
@@ -184,6 +196,18 @@ class _Run:
         if last is not None:
             self.state.metrics.itl.observe((now - last) / count)
         self._last_token[job] = now
+
+    def log(self, prompts: list[list[int]]) -> None:
+        if not log.isEnabledFor(logging.DEBUG):
+            return
+        tokens = sum(c.num_tokens for c in self.choices.values())
+        log.debug("request %s: %d prompt + %d generated tokens in %.3fs", self.id, self.prompt_tokens, tokens,
+                  time.perf_counter() - self.arrived)
+        if self.state.config.logging.log_prompts:  # user data: only when asked for
+            for ids in prompts:
+                log.debug("request %s prompt: %r", self.id, self.state.tokenizer.decode(ids, skip_special=False))
+            for choice in self._ordered():
+                log.debug("request %s choice %d: %r", self.id, choice.index, choice.text)
 
     # ---- shapes ------------------------------------------------------------------------------
 

@@ -193,7 +193,9 @@ class WorkerPool:
         if isinstance(message, TokenChunk):
             job = worker.jobs.get(message.request_id)
             self.metrics.generated_tokens.inc(len(message.tokens))
-            if job is not None and not job.closed:
+            if job is None:  # work we gave up on (we restarted, or dropped the worker): stop it
+                self._send(identity, Abort(message.request_id))
+            elif not job.closed:
                 job.sink.put_nowait((job, message))
         elif isinstance(message, (Finished, Error)) and message.request_id:
             job = worker.jobs.pop(message.request_id, None)

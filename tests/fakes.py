@@ -60,7 +60,8 @@ class FakeDecoder:
 
 class FakeTemplate:
     def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        return "".join(f"<{m['role']}>{m['content']}\n" for m in messages) + ("<assistant>" if add_generation_prompt else "")
+        turns = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
+        return turns + ("<assistant>" if add_generation_prompt else "")
 
 
 @dataclasses.dataclass
@@ -186,10 +187,15 @@ class FakeServer:
     """Gateway (aiohttp, own event loop in a thread) + fake workers; `url` is its base URL."""
 
     def __init__(self, tmp: Path, extra: str = "", workers: int = 1, step_s: float = 0.0):
+        self.config = fake_config(tmp, extra)
+        self._start_gateway()
+        self.workers = [FakeWorker(self.config, f"w{i}", step_s) for i in range(workers)]
+        self.wait_until(lambda: len(self.state.pool.ready) == workers)
+
+    def _start_gateway(self) -> None:
         from gateway.app import build_app
         from gateway.state import build_state
 
-        self.config = fake_config(tmp, extra)
         self.state = build_state(self.config, FakeTokenizer(), FakeTemplate(), FakeDecoder, Path("/m/fake.gguf"))
         self.app = build_app(self.state)
         self.loop = asyncio.new_event_loop()
@@ -197,8 +203,11 @@ class FakeServer:
         self.thread = threading.Thread(target=self._serve, args=(started,), daemon=True)
         self.thread.start()
         started.wait(10)
-        self.workers = [FakeWorker(self.config, f"w{i}", step_s) for i in range(workers)]
-        self.wait_until(lambda: len(self.state.pool.ready) == workers)
+
+    def restart_gateway(self) -> None:
+        """A new gateway on the same endpoint; the workers stay as they are."""
+        self._stop_gateway()
+        self._start_gateway()
 
     def _serve(self, started: threading.Event) -> None:
         asyncio.set_event_loop(self.loop)
@@ -226,6 +235,9 @@ class FakeServer:
     def close(self) -> None:
         for worker in self.workers:
             worker.stop()
+        self._stop_gateway()
+
+    def _stop_gateway(self) -> None:
         asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(5)

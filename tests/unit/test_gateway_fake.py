@@ -282,3 +282,14 @@ def test_a_step_longer_than_the_timeout_keeps_its_worker(tmp_path):
         assert srv.state.pool.metrics.workers_lost._value.get() == 0
     finally:
         srv.close()
+
+
+def test_workers_register_again_with_a_restarted_gateway(tmp_path):
+    srv = FakeServer(tmp_path, workers=2)
+    try:
+        srv.restart_gateway()
+        srv.wait_until(lambda: len(srv.state.pool.ready) == 2)
+        r = post(srv, "/v1/completions", {"prompt": "x", "max_tokens": 3, "temperature": 0})
+        assert r.json()["choices"][0]["text"] == REPLY[:3]
+    finally:
+        srv.close()
