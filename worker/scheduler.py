@@ -1,0 +1,259 @@
+"""Continuous batching: which sequences feed which tokens to the next engine step.
+
+One token budget per step, no separate prefill and decode phases. A sequence's next chunk is
+always [num_computed_tokens, num_computed_tokens + n) with
+    n = min(tokens not yet computed, prefill_chunk, budget left),
+so decoding is just the case "one token not yet computed" (the one sampled last step).
+
+Each `schedule(now)`:
+1. Running sequences, oldest first, get their next chunk while budget and max_batch_size allow.
+   When the block pool cannot hold a chunk, the NEWEST running sequence is preempted (recompute):
+   its blocks are freed, num_computed_tokens goes back to 0 (generated tokens stay and are
+   recomputed like prompt), and it returns to the FRONT of the waiting queue. If the newest is
+   the sequence asking, it preempts itself.
+2. If nothing was preempted this step (blocks are short: admitting would only thrash), waiting
+   sequences are admitted in FCFS order while budget, max_batch_size and blocks allow. The head of
+   the queue is never skipped: if it does not fit, admission stops.
+Sequences added between steps are admitted at the next step at the earliest.
+
+Ordering invariant: every running sequence was added before every waiting one. Admission appends
+the oldest waiting sequence; preemption moves the newest running one to the front of the queue.
+So the oldest unfinished sequence is never preempted by another and gets >= 1 token each step:
+no starvation.
+
+No deadlock: `add()` rejects a sequence whose prompt + max_tokens needs more blocks than the whole
+pool, so a sequence running alone always fits (waiting sequences hold no blocks).
+
+Batching window: when nothing is running and fewer than max_batch_size sequences wait, admission
+is held until the oldest waiting sequence's arrival_time + batching_window_ms / 1000; the empty
+batch then carries `hold_until`, the time to call `schedule()` again. Arrivals inside the window
+are admitted together in one step, so one weight read serves all of them. While anything runs
+there is no hold: arrivals join the next step, which pays for the weight read anyway.
+
+The step protocol: schedule(now) -> the engine runs the batch -> update(batch, sampled). A
+non-empty batch must be updated before the next schedule(). If the engine fails, abort the
+batch's sequences and call update(batch, {}).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from shared.errors import ContextLengthError, InvalidRequestError
+from worker.block_manager import BlockManager
+from worker.sequence import Sequence, SequenceStatus
+from worker.tuning_state import SchedulerKnobs, TuningState
+
+
+@dataclass(frozen=True, eq=False)
+class ScheduledChunk:
+    seq: Sequence
+    start: int  # position of the first token fed; == seq.num_computed_tokens at schedule time
+    num_tokens: int
+    samples: bool  # the chunk ends at the last known token: the engine returns logits, we sample
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.seq.token_ids[self.start:self.start + self.num_tokens]
+
+
+@dataclass(frozen=True, eq=False)
+class ScheduledBatch:
+    chunks: tuple[ScheduledChunk, ...]
+    knobs: SchedulerKnobs  # in force for this whole step (the engine reads attention_chunk here)
+    preempted: tuple[Sequence, ...] = ()  # newest first, in the order they were preempted
+    hold_until: float | None = None  # set when admission waits for the batching window
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(chunk.num_tokens for chunk in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+    def __len__(self) -> int:
+        return len(self.chunks)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, tuning: TuningState | None = None):
+        self.block_manager = block_manager
+        self.tuning = tuning if tuning is not None else TuningState()
+        self._waiting: deque[Sequence] = deque()  # oldest first
+        self._running: list[Sequence] = []  # oldest first
+        self._seqs: dict[str, Sequence] = {}  # every unfinished sequence, by id
+        self._in_flight: ScheduledBatch | None = None
+
+    # ---- observation ---------------------------------------------------------------------------
+
+    @property
+    def waiting(self) -> tuple[Sequence, ...]:
+        return tuple(self._waiting)
+
+    @property
+    def running(self) -> tuple[Sequence, ...]:
+        return tuple(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    def get(self, seq_id: str) -> Sequence | None:
+        return self._seqs.get(seq_id)
+
+    def has_work(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    # ---- add / abort ---------------------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a fresh sequence; raise InvalidRequestError (ContextLengthError if too long)."""
+        if seq.status is not SequenceStatus.WAITING or seq.num_computed_tokens or seq.block_table:
+            raise ValueError(f"add() takes a fresh sequence, got {seq!r}")
+        if seq.seq_id in self._seqs:
+            raise InvalidRequestError(f"request id {seq.seq_id!r} is already in use", param="id")
+        if seq.num_tokens == 0:
+            raise InvalidRequestError("the prompt has no tokens", param="prompt")
+        max_tokens = seq.params.max_tokens
+        if not isinstance(max_tokens, int) or max_tokens < 1:
+            raise InvalidRequestError(f"max_tokens must be >= 1, got {max_tokens!r}", param="max_tokens")
+        manager = self.block_manager
+        if manager.blocks_needed(seq.max_num_tokens) > manager.num_blocks:
+            raise ContextLengthError(
+                f"prompt ({seq.num_prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds the KV "
+                f"cache ({manager.num_blocks * manager.block_size} tokens)", param="max_tokens")
+        self._seqs[seq.seq_id] = seq
+        self._waiting.append(seq)
+
+    def abort(self, seq_id: str) -> Sequence | None:
+        """Finish seq_id as FINISHED_ABORTED and free its blocks now; None if it is unknown/finished."""
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            return None
+        if seq.status is SequenceStatus.WAITING:
+            self._waiting.remove(seq)
+        self._finish(seq, SequenceStatus.FINISHED_ABORTED)
+        return seq
+
+    # ---- schedule / update ---------------------------------------------------------------------
+
+    def schedule(self, now: float) -> ScheduledBatch:
+        if self._in_flight is not None:
+            raise RuntimeError("schedule() called before update() of the previous batch")
+        knobs = self.tuning.current()  # read once: a knob change never lands mid-step
+        budget = knobs.token_budget
+        chunks: list[ScheduledChunk] = []
+        preempted: list[Sequence] = []
+
+        i = 0
+        while i < len(self._running) and budget > 0 and len(chunks) < knobs.max_batch_size:
+            seq = self._running[i]
+            num_tokens = min(seq.num_uncomputed_tokens, knobs.prefill_chunk, budget)
+            if not self._make_room(seq, num_tokens, preempted):
+                break  # seq preempted itself; it was the last running sequence
+            chunks.append(self._take(seq, num_tokens))
+            budget -= num_tokens
+            i += 1
+
+        hold_until = None
+        if not preempted:
+            hold_until = self._hold_until(knobs, now)
+            if hold_until is None:
+                self._admit(knobs, budget, chunks)
+
+        batch = ScheduledBatch(tuple(chunks), knobs, tuple(preempted), hold_until)
+        if chunks:
+            self._in_flight = batch
+        return batch
+
+    def update(self, batch: ScheduledBatch, sampled: dict[str, int]) -> list[Sequence]:
+        """Advance the batch's sequences by what the engine computed; return those that finished.
+
+        sampled maps seq_id -> token for every chunk with samples=True (aborted sequences may be
+        missing). A sampled stop token is appended, then the sequence is FINISHED_STOPPED.
+        """
+        if batch.is_empty:
+            return []
+        if batch is not self._in_flight:
+            raise RuntimeError("update() takes the batch returned by the last schedule()")
+        live = [chunk for chunk in batch.chunks if chunk.seq.status is SequenceStatus.RUNNING]
+        missing = [c.seq.seq_id for c in live if c.samples and c.seq.seq_id not in sampled]
+        if missing:  # checked before changing anything, so the caller can retry
+            raise ValueError(f"no sampled token for {missing}")
+        self._in_flight = None
+
+        finished = []
+        for chunk in live:
+            seq = chunk.seq
+            seq.num_computed_tokens += chunk.num_tokens
+            if not chunk.samples:
+                continue
+            token = sampled[seq.seq_id]
+            seq.append_token(token)
+            if token in seq.params.stop_token_ids:
+                self._finish(seq, SequenceStatus.FINISHED_STOPPED)
+            elif seq.num_output_tokens >= seq.params.max_tokens:
+                self._finish(seq, SequenceStatus.FINISHED_LENGTH)
+            else:
+                continue
+            finished.append(seq)
+        return finished
+
+    # ---- steps of schedule() -------------------------------------------------------------------
+
+    def _make_room(self, seq: Sequence, num_tokens: int, preempted: list[Sequence]) -> bool:
+        """Preempt newest-first until seq's chunk fits; False if seq itself had to go."""
+        while not self.block_manager.can_allocate(seq, num_tokens):
+            victim = self._running[-1]
+            if victim is seq and len(self._running) == 1:
+                # add() guarantees a lone sequence fits in the whole pool, so this is a bug.
+                raise RuntimeError(f"{seq!r} does not fit in an otherwise empty block pool")
+            self._running.pop()
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _hold_until(self, knobs: SchedulerKnobs, now: float) -> float | None:
+        if self._running or not self._waiting or len(self._waiting) >= knobs.max_batch_size:
+            return None
+        deadline = self._waiting[0].arrival_time + knobs.batching_window_ms / 1000.0
+        return deadline if now < deadline else None
+
+    def _admit(self, knobs: SchedulerKnobs, budget: int, chunks: list[ScheduledChunk]) -> None:
+        # len(chunks) <= len(running) always, so capping running also caps the batch.
+        while self._waiting and budget > 0 and len(self._running) < knobs.max_batch_size:
+            seq = self._waiting[0]
+            num_tokens = min(seq.num_uncomputed_tokens, knobs.prefill_chunk, budget)
+            if not self.block_manager.can_allocate(seq, num_tokens):
+                break  # FCFS: a newer sequence never passes the head of the queue
+            self._waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self._running.append(seq)
+            chunks.append(self._take(seq, num_tokens))
+            budget -= num_tokens
+
+    def _take(self, seq: Sequence, num_tokens: int) -> ScheduledChunk:
+        self.block_manager.allocate(seq, num_tokens)
+        start = seq.num_computed_tokens
+        return ScheduledChunk(seq, start, num_tokens, samples=start + num_tokens == seq.num_tokens)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self._waiting.appendleft(seq)
+
+    def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        if seq.status is SequenceStatus.RUNNING:
+            self._running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = status
+        del self._seqs[seq.seq_id]
