@@ -108,7 +108,7 @@ def _warm(engine) -> None:
 def serve(config: Config, node: int, cpus: list[int], engine, path: Path) -> None:
     import zmq
 
-    from shared.protocol import Register
+    from shared.protocol import Error, Register, encode
     from worker.pulse import Pulse
     from worker.sampler import validate_params
     from worker.service import WorkerService
@@ -139,6 +139,11 @@ def serve(config: Config, node: int, cpus: list[int], engine, path: Path) -> Non
     pulse.start()
     try:
         service.run()
+    except Exception as exc:
+        # Tell the gateway before dying, so it moves this worker's requests at once.
+        log.exception("worker %s: serve loop failed", worker_id)
+        sock.send(encode(Error("", type(exc).__name__, f"worker failed: {exc}", fatal=True)))
+        raise
     finally:
         pulse.stop()
         sock.close()

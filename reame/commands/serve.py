@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import time
@@ -44,7 +45,8 @@ def configure(args: argparse.Namespace) -> Config:
     if args.workers is not None and args.workers < 0:
         raise ConfigError(f"--workers {args.workers}: give 0 (one per NUMA node) or more")
     config = override(config, "model", model_path=model_flag(args.model))
-    config = override(config, "gateway", host=args.host, port=args.port, api_key=args.api_key)
+    config = override(config, "gateway", host=args.host, port=args.port,
+                      api_key=args.api_key or os.environ.get("REAME_API_KEY") or None)
     config = override(config, "serve", workers=args.workers)
     state_dir = str(Path(args.state_dir).expanduser().resolve()) if args.state_dir else None
     return override(config, "server", state_dir=state_dir)
