@@ -20,8 +20,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from shared.config import Config, is_model_name, load_config, model_flag, override
-from shared.errors import ConfigError, ModelLoadError
+from shared.config import Config, load_config, model_flag, override
+from shared.errors import ConfigError
 from shared.logs import setup_logging
 
 log = logging.getLogger("reame.serve")
@@ -50,25 +50,6 @@ def configure(args: argparse.Namespace) -> Config:
     config = override(config, "serve", workers=args.workers)
     state_dir = str(Path(args.state_dir).expanduser().resolve()) if args.state_dir else None
     return override(config, "server", state_dir=state_dir)
-
-
-def locate_model(config: Config) -> Path:
-    """The model file, pulled first when it is a known model that is not on disk yet."""
-    from shared.model_store import CATALOGUE, ensure_model
-
-    ref = config.model_reference()
-    say = lambda line: log.info("%s", line)  # noqa: E731
-    if is_model_name(ref):
-        return ensure_model(ref, config.resolve_path(config.model.models_dir), say)
-    path = Path(ref)
-    if path.is_file():
-        return path
-    # The default reame.conf names the default model's file: fetch it to where it is expected.
-    spec = next((s for s in CATALOGUE.values() if s.file == path.name), None)
-    if spec is None:
-        raise ModelLoadError(f"model file not found: {path}")
-    log.info("%s is not there yet: pulling %s", path, spec.name)
-    return ensure_model(spec.name, path.parent, say)
 
 
 def plan_workers(wanted: int, nodes: dict[int, list[int]]) -> list[tuple[int, list[int] | None]]:
@@ -123,7 +104,9 @@ def run(args: argparse.Namespace) -> int:
 
     config = configure(args)
     setup_logging(config.logging.level, "serve")
-    model = locate_model(config)
+    from shared.model_store import model_file
+
+    model = model_file(config, progress=lambda line: log.info("%s", line))
     gateway, workers = build_children(config, model)
     supervisor = Supervisor([gateway, *workers], config.serve.restart_backoff_max)
     signals = []

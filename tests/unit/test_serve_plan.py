@@ -46,17 +46,3 @@ def test_flags_override_the_config(tmp_path):
     assert (config.gateway.port, config.serve.workers, config.gateway.api_key) == (9100, 3, "k")
     assert config.model.model_path.endswith("/m.gguf") and config.server.state_dir.startswith("/")
 
-
-def test_a_missing_default_model_file_is_pulled_where_it_is_expected(tmp_path, monkeypatch):
-    import shared.model_store as store
-    from reame.commands.serve import locate_model
-    from shared.config import parse_config
-
-    pulled = []
-    monkeypatch.setattr(store, "ensure_model", lambda name, where, say=None: pulled.append((name, where)) or where)
-    spec = store.CATALOGUE["smollm2-135m"]
-    config = parse_config(f"[model]\nmodel_path = {tmp_path}/models/{spec.file}\n")
-    locate_model(config)
-    assert pulled == [("smollm2-135m", tmp_path / "models")]
-    with pytest.raises(Exception, match="not found"):
-        locate_model(parse_config(f"[model]\nmodel_path = {tmp_path}/other.gguf\n"))
