@@ -27,16 +27,16 @@ def _run(variant, table, index, w, x):
     t = table
     if variant.op == "matvec":
         out = np.zeros(t.padded_rows(index), np.float32)
-        scratch = np.zeros((t.padded_rows(index) // TILE, TILE), np.float32)
-        fn(t.data, t.scales, t.biases, t.meta, np.array([index]), x, out, scratch)
+        scratch = np.zeros((t.padded_rows(index) // TILE, 3, TILE), np.float32)
+        fn(t.data, t.scales, t.scales16, t.meta, np.array([index]), x, out, scratch)
         return out[:w.shape[0]], w.astype(np.float64) @ x.astype(np.float64)
     if variant.op == "unpack":
         out = np.zeros(w.shape, np.float32)
-        fn(t.data, t.scales, t.biases, t.meta, index, out)
+        fn(t.data, t.scales, t.scales16, t.meta, index, out)
         return out, w
     if variant.op == "row":
         out = np.zeros(w.shape[1], np.float32)
-        fn(t.data, t.scales, t.biases, t.meta[index], 37, out)
+        fn(t.data, t.scales, t.scales16, t.meta[index], 37, out)
         return out, w[37]
     raise AssertionError(f"no test for op {variant.op}")
 
@@ -77,11 +77,20 @@ def test_one_launch_computes_several_matrices_of_different_formats():
     x = np.random.default_rng(0).standard_normal(256).astype(np.float32)
     widths = [table.padded_rows(i) for i in range(3)]
     out = np.zeros(sum(widths), np.float32)
-    linear(table.data, table.scales, table.biases, table.meta, np.arange(3), x, out,
-           np.zeros((sum(widths) // TILE, TILE), np.float32))
+    linear(table.data, table.scales, table.scales16, table.meta, np.arange(3), x, out,
+           np.zeros((sum(widths) // TILE, 3, TILE), np.float32))
     start = 0
     for i, (raw, qtype) in enumerate(raws):
         w = dequantize(raw, qtype)
         expected = w.astype(np.float64) @ x
         np.testing.assert_allclose(out[start:start + w.shape[0]], expected, atol=2e-5 * np.abs(expected).max())
         start += widths[i]
+
+
+def test_scales_are_stored_as_float16_only_when_exact():
+    from gguf import GGMLQuantizationType as QT
+    fp16_scaled = pack(random_tensor(QT.Q4_1, 64, 256, 1), QT.Q4_1)
+    assert fp16_scaled.half and fp16_scaled.bias.dtype == np.float16
+    # Q6_K scales are fp16 × int8 products: not representable in fp16 in general.
+    products = pack(random_tensor(QT.Q6_K, 64, 256, 2), QT.Q6_K)
+    assert not products.half and products.scale.dtype == np.float32

@@ -37,7 +37,7 @@ class PackedDense:
         n, k = int(self._table.meta[index, M_N]), int(self._table.meta[index, M_K])
         out = np.empty((n, k), np.float32) if into is None else into[:n * k].reshape(n, k)
         t = self._table
-        unpack_f32(t.data, t.scales, t.biases, t.meta, index, out)
+        unpack_f32(t.data, t.scales, t.scales16, t.meta, index, out)
         return out
 
     def __call__(self, index: int) -> np.ndarray:

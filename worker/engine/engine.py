@@ -18,6 +18,7 @@ import numpy as np
 from shared.errors import ContextLengthError, InvalidRequestError, ModelLoadError
 from worker.engine.dense import PackedDense, ReferenceDense
 from worker.engine.gguf_file import GGUFFile
+from worker.engine.kernels.packing import M_K
 from worker.engine.kv_cache import KVCache
 from worker.engine.models import build_model
 from worker.sampler import Sampler, validate_params
@@ -211,10 +212,10 @@ class _RowLookup:
     def __getitem__(self, tokens) -> np.ndarray:
         from worker.engine.kernels.ops import dequant_row
         t = self._table
-        k = int(t.meta[self._index, 2])
+        k = int(t.meta[self._index, M_K])
         out = np.empty((len(tokens), k), np.float32)
         for i, tok in enumerate(np.asarray(tokens).reshape(-1)):
-            dequant_row(t.data, t.scales, t.biases, t.meta[self._index], int(tok), out[i])
+            dequant_row(t.data, t.scales, t.scales16, t.meta[self._index], int(tok), out[i])
         return out
 
 

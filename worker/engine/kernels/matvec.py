@@ -15,25 +15,61 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from worker.engine.kernels.half import f16_to_f32
 from worker.engine.kernels.ops import dequant_row
-from worker.engine.kernels.packing import (FMT_F32, FMT_Q4, M_BIAS, M_DATA, M_FMT, M_GROUP,
+from worker.engine.kernels.packing import (FMT_F32, FMT_Q4, M_BIAS, M_DATA, M_FMT, M_GROUP, M_HALF,
                                            M_K, M_SCALE, M_TILES, TILE)
 
 _JIT = dict(fastmath=True, cache=True, nogil=True)
 
 
 @njit(**_JIT)
-def _tile_q4(data, scales, biases, meta, tile, x, o, gacc):
+def _load_group(scales, scales16, meta, tile, groups, g, width, sbuf, mbuf):
+    """Scale (and bias) of group g for the tile's outputs into float32 buffers; True if a bias."""
+    base = (tile * groups + g) * width
+    has_bias = meta[M_BIAS] >= 0
+    if meta[M_HALF]:
+        s16 = scales16[meta[M_SCALE] + base:meta[M_SCALE] + base + width]
+        for t in range(width):
+            sbuf[t] = f16_to_f32(s16[t])
+        if has_bias:
+            m16 = scales16[meta[M_BIAS] + base:meta[M_BIAS] + base + width]
+            for t in range(width):
+                mbuf[t] = f16_to_f32(m16[t])
+    else:
+        s32 = scales[meta[M_SCALE] + base:meta[M_SCALE] + base + width]
+        for t in range(width):
+            sbuf[t] = s32[t]
+        if has_bias:
+            m32 = scales[meta[M_BIAS] + base:meta[M_BIAS] + base + width]
+            for t in range(width):
+                mbuf[t] = m32[t]
+    return has_bias
+
+
+@njit(**_JIT)
+def _finish_group(x, g0, group, has_bias, gacc, sbuf, mbuf, o):
+    """o += scale * (Σ code·x over the group) + bias * Σ x over the group."""
+    width = o.shape[0]
+    if has_bias:
+        xs = np.float32(0.0)
+        for i in range(group):
+            xs += x[g0 + i]
+        for t in range(width):
+            o[t] += sbuf[t] * gacc[t] + mbuf[t] * xs
+    else:
+        for t in range(width):
+            o[t] += sbuf[t] * gacc[t]
+
+
+@njit(**_JIT)
+def _tile_q4(data, scales, scales16, meta, tile, x, o, work):
     k = meta[M_K]
     groups = k // 32
     width = o.shape[0]
+    gacc, sbuf, mbuf = work[0], work[1], work[2]
     base = meta[M_DATA] + tile * (k // 2) * width
     d = data[base:base + (k // 2) * width].reshape(k // 2, width)
-    s0 = meta[M_SCALE] + tile * groups * width
-    s = scales[s0:s0 + groups * width].reshape(groups, width)
-    has_bias = meta[M_BIAS] >= 0
-    m0 = meta[M_BIAS] + tile * groups * width if has_bias else 0
-    mb = biases[m0:m0 + groups * width].reshape(groups, width) if has_bias else s
     for t in range(width):
         o[t] = 0.0
     for g in range(groups):
@@ -46,32 +82,19 @@ def _tile_q4(data, scales, biases, meta, tile, x, o, gacc):
             for t in range(width):
                 v = row[t]
                 gacc[t] += np.float32(v & 15) * x0 + np.float32(v >> 4) * x1
-        sg = s[g]
-        if has_bias:
-            xs = np.float32(0.0)
-            for i in range(32):
-                xs += x[g * 32 + i]
-            mg = mb[g]
-            for t in range(width):
-                o[t] += sg[t] * gacc[t] + mg[t] * xs
-        else:
-            for t in range(width):
-                o[t] += sg[t] * gacc[t]
+        has_bias = _load_group(scales, scales16, meta, tile, groups, g, width, sbuf, mbuf)
+        _finish_group(x, g * 32, 32, has_bias, gacc, sbuf, mbuf, o)
 
 
 @njit(**_JIT)
-def _tile_q8(data, scales, biases, meta, tile, x, o, gacc):
+def _tile_q8(data, scales, scales16, meta, tile, x, o, work):
     k = meta[M_K]
     group = meta[M_GROUP]
     groups = k // group
     width = o.shape[0]
+    gacc, sbuf, mbuf = work[0], work[1], work[2]
     base = meta[M_DATA] + tile * k * width
     d = data[base:base + k * width].view(np.int8).reshape(k, width)
-    s0 = meta[M_SCALE] + tile * groups * width
-    s = scales[s0:s0 + groups * width].reshape(groups, width)
-    has_bias = meta[M_BIAS] >= 0
-    m0 = meta[M_BIAS] + tile * groups * width if has_bias else 0
-    mb = biases[m0:m0 + groups * width].reshape(groups, width) if has_bias else s
     for t in range(width):
         o[t] = 0.0
     for g in range(groups):
@@ -82,17 +105,8 @@ def _tile_q8(data, scales, biases, meta, tile, x, o, gacc):
             xv = x[g * group + j]
             for t in range(width):
                 gacc[t] += np.float32(row[t]) * xv
-        sg = s[g]
-        if has_bias:
-            xs = np.float32(0.0)
-            for i in range(group):
-                xs += x[g * group + i]
-            mg = mb[g]
-            for t in range(width):
-                o[t] += sg[t] * gacc[t] + mg[t] * xs
-        else:
-            for t in range(width):
-                o[t] += sg[t] * gacc[t]
+        has_bias = _load_group(scales, scales16, meta, tile, groups, g, width, sbuf, mbuf)
+        _finish_group(x, g * group, group, has_bias, gacc, sbuf, mbuf, o)
 
 
 @njit(**_JIT)
@@ -111,11 +125,11 @@ def _tile_f32(data, meta, tile, x, o):
 
 
 @njit(parallel=True, **_JIT)
-def linear(data, scales, biases, meta, mats, x, out, scratch):
+def linear(data, scales, scales16, meta, mats, x, out, scratch):
     """out[cols of mats[i]] = W[mats[i]] @ x for every listed matrix, in one launch.
 
     x: float32 (K,) shared by all listed matrices; out: float32 (Σ padded rows);
-    scratch: float32 (≥ Σ tiles, TILE) per-tile group accumulators.
+    scratch: float32 (≥ Σ tiles, 3, TILE) per-tile work rows (group sums, scales, biases).
     """
     n_mats = mats.shape[0]
     first_tile = np.zeros(n_mats + 1, np.int64)
@@ -129,15 +143,15 @@ def linear(data, scales, biases, meta, mats, x, out, scratch):
         tile = g - first_tile[i]
         o = out[g * TILE:(g + 1) * TILE]
         if m[M_FMT] == FMT_Q4:
-            _tile_q4(data, scales, biases, m, tile, x, o, scratch[g])
+            _tile_q4(data, scales, scales16, m, tile, x, o, scratch[g])
         elif m[M_FMT] == FMT_F32:
             _tile_f32(data, m, tile, x, o)
         else:
-            _tile_q8(data, scales, biases, m, tile, x, o, scratch[g])
+            _tile_q8(data, scales, scales16, m, tile, x, o, scratch[g])
 
 
 @njit(parallel=True, **_JIT)
-def unpack_f32(data, scales, biases, meta, mat, out):
+def unpack_f32(data, scales, scales16, meta, mat, out):
     """Dequantize packed matrix `mat` into out: float32 (n, K), row-major W."""
     for r in prange(out.shape[0]):
-        dequant_row(data, scales, biases, meta[mat], r, out[r])
+        dequant_row(data, scales, scales16, meta[mat], r, out[r])

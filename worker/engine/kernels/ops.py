@@ -9,7 +9,8 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from worker.engine.kernels.packing import FMT_F32, FMT_Q4, M_BIAS, M_DATA, M_FMT, M_GROUP, M_K, M_SCALE, TILE
+from worker.engine.kernels.half import f16_to_f32
+from worker.engine.kernels.packing import FMT_F32, FMT_Q4, M_BIAS, M_DATA, M_FMT, M_GROUP, M_HALF, M_K, M_SCALE, TILE
 
 _JIT = dict(fastmath=True, cache=True, nogil=True)
 
@@ -107,7 +108,12 @@ def gelu_tanh_mul(gate, up, out):
 
 
 @njit(**_JIT)
-def dequant_row(data, scales, biases, meta, token, out):
+def _group_value(scales, scales16, half, index):
+    return f16_to_f32(scales16[index]) if half else scales[index]
+
+
+@njit(**_JIT)
+def dequant_row(data, scales, scales16, meta, token, out):
     """Row `token` of a packed (n, K) matrix, dequantized into out (K,): embedding lookups."""
     k = meta[M_K]
     tile = token // TILE
@@ -121,10 +127,11 @@ def dequant_row(data, scales, biases, meta, token, out):
         return
     group = meta[M_GROUP]
     groups = k // group
-    s0 = meta[M_SCALE] + tile * groups * TILE
+    half = meta[M_HALF] == 1
     for g in range(groups):
-        sc = scales[s0 + g * TILE + t]
-        bi = biases[meta[M_BIAS] + (tile * groups + g) * TILE + t] if meta[M_BIAS] >= 0 else np.float32(0.0)
+        at = (tile * groups + g) * TILE + t
+        sc = _group_value(scales, scales16, half, meta[M_SCALE] + at)
+        bi = _group_value(scales, scales16, half, meta[M_BIAS] + at) if meta[M_BIAS] >= 0 else np.float32(0.0)
         if fmt == FMT_Q4:
             base = meta[M_DATA] + tile * (k // 2) * TILE
             for j in range(16):

@@ -3,7 +3,9 @@
 A matrix W (n outputs × k inputs) is cut into tiles of TILE output rows. Inside a tile the
 weights are stored transposed — for each input index, TILE consecutive bytes, one per output —
 so the inner kernel loop runs over outputs with `x[k]` broadcast and LLVM vectorizes it.
-Scales (and biases) are split out per group of 16/32 inputs, also TILE-wide.
+Scales (and biases) are split out per group of 16/32 inputs, also TILE-wide, as float16 when
+that is exact (the scales of Q4_0/Q4_1/Q5_x/Q8_0 are float16 in the file; decode is memory-bound,
+so the 2 bytes saved per group are ~15% of a Q4 matrix) and as float32 otherwise.
 
 Three formats cover every GGUF type (see `quants.py`, which decodes them all to
 `scale * code + bias`):
@@ -11,8 +13,9 @@ Three formats cover every GGUF type (see `quants.py`, which decodes them all to
   FMT_Q8  one int8 code per byte: Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
   FMT_F32 float32 weights: F32, F16, BF16
 
-All matrices of a model live in one `MatrixTable` (three flat arenas plus a metadata row per
-matrix) so a single compiled decode step can address any mix of formats.
+All matrices of a model live in one `MatrixTable` (three flat arenas — codes, float32 and
+float16 scales — plus a metadata row per matrix) so a single compiled decode step can address any
+mix of formats.
 """
 from __future__ import annotations
 
@@ -30,9 +33,10 @@ FORMAT_NAMES = {FMT_F32: "f32", FMT_Q4: "q4", FMT_Q8: "q8"}
 _Q4_TYPES = {QT.Q4_0, QT.Q4_1, QT.Q4_K}
 _Q8_TYPES = {QT.Q5_0, QT.Q5_1, QT.Q5_K, QT.Q6_K, QT.Q8_0}
 
-# Columns of MatrixTable.meta
-M_FMT, M_N, M_K, M_GROUP, M_DATA, M_SCALE, M_BIAS, M_TILES = range(8)
-META_COLS = 8
+# Columns of MatrixTable.meta. M_SCALE and M_BIAS index `scales16` when M_HALF is 1, else
+# `scales`; M_BIAS is -1 for types without a per-group minimum.
+M_FMT, M_N, M_K, M_GROUP, M_DATA, M_SCALE, M_BIAS, M_TILES, M_HALF = range(9)
+META_COLS = 9
 
 
 def format_for(qtype: QT) -> int:
@@ -63,8 +67,12 @@ class PackedMatrix:
     k: int
     group: int
     data: np.ndarray  # uint8, flattened (tiles, rows, TILE) in the format's element type
-    scale: np.ndarray  # float32 flattened (tiles, k // group, TILE); empty for f32
+    scale: np.ndarray  # float32 or float16, flattened (tiles, k // group, TILE); empty for f32
     bias: np.ndarray | None  # like scale, or None
+
+    @property
+    def half(self) -> bool:
+        return self.scale.dtype == np.float16
 
 
 def pack(raw: np.ndarray, qtype: QT) -> PackedMatrix:
@@ -91,9 +99,19 @@ def pack(raw: np.ndarray, qtype: QT) -> PackedMatrix:
         data = _tile_transpose(packed).ravel()
     else:
         data = _tile_transpose(codes).view(np.uint8).ravel()
+    scale, bias = _as_half_if_exact(scale, bias)
     return PackedMatrix(fmt, n, k, dec.group, data,
                         _tile_transpose(scale).ravel(),
                         None if bias is None else _tile_transpose(bias).ravel())
+
+
+def _as_half_if_exact(scale: np.ndarray, bias: np.ndarray | None):
+    """float16 copies when they round-trip exactly (always for the types with fp16 scales)."""
+    parts = [scale] if bias is None else [scale, bias]
+    halves = [p.astype(np.float16) for p in parts]
+    if all(np.array_equal(h.astype(np.float32), p) for h, p in zip(halves, parts)):
+        return halves[0], (halves[1] if bias is not None else None)
+    return scale, bias
 
 
 class MatrixTable:
@@ -102,8 +120,8 @@ class MatrixTable:
     def __init__(self) -> None:
         self._parts: list[PackedMatrix] = []
         self.data = np.zeros(0, np.uint8)
-        self.scales = np.zeros(0, np.float32)
-        self.biases = np.zeros(0, np.float32)
+        self.scales = np.zeros(1, np.float32)  # float32 scales and biases
+        self.scales16 = np.zeros(1, np.uint16)  # float16 scales and biases (as bits)
         self.meta = np.zeros((0, META_COLS), np.int64)
 
     def add(self, matrix: PackedMatrix) -> int:
@@ -113,26 +131,29 @@ class MatrixTable:
     def finalize(self) -> None:
         """Concatenate every added matrix into the arenas (call once, after the last add)."""
         meta = np.zeros((len(self._parts), META_COLS), np.int64)
-        d_off = s_off = b_off = 0
+        d_off, used = 0, {False: 0, True: 0}  # next free element in scales / scales16
         for i, m in enumerate(self._parts):
-            meta[i] = (m.fmt, m.n, m.k, m.group, d_off, s_off, -1 if m.bias is None else b_off, _tiles(m.n))
+            s_off = used[m.half]
+            b_off = -1 if m.bias is None else s_off + m.scale.size
+            used[m.half] += m.scale.size + (0 if m.bias is None else m.bias.size)
+            meta[i] = (m.fmt, m.n, m.k, m.group, d_off, s_off, b_off, _tiles(m.n), int(m.half))
             d_off += m.data.size
-            s_off += m.scale.size
-            b_off += 0 if m.bias is None else m.bias.size
         self.data = np.empty(d_off, np.uint8)
-        self.scales = np.empty(s_off, np.float32)
-        self.biases = np.empty(max(b_off, 1), np.float32)
+        self.scales = np.empty(max(used[False], 1), np.float32)
+        halves = np.empty(max(used[True], 1), np.float16)
         for i, m in enumerate(self._parts):
+            arena = halves if m.half else self.scales
             self.data[meta[i, M_DATA]:meta[i, M_DATA] + m.data.size] = m.data
-            self.scales[meta[i, M_SCALE]:meta[i, M_SCALE] + m.scale.size] = m.scale
+            arena[meta[i, M_SCALE]:meta[i, M_SCALE] + m.scale.size] = m.scale
             if m.bias is not None:
-                self.biases[meta[i, M_BIAS]:meta[i, M_BIAS] + m.bias.size] = m.bias
+                arena[meta[i, M_BIAS]:meta[i, M_BIAS] + m.bias.size] = m.bias
+        self.scales16 = halves.view(np.uint16)
         self.meta = meta
         self._parts = []
 
     @property
     def nbytes(self) -> int:
-        return self.data.nbytes + self.scales.nbytes + self.biases.nbytes
+        return self.data.nbytes + self.scales.nbytes + self.scales16.nbytes
 
     def padded_rows(self, index: int) -> int:
         return int(self.meta[index, M_TILES]) * TILE

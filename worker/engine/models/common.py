@@ -76,12 +76,12 @@ class DecodeBuffers:
         self.scores = np.zeros((n_heads, n_ctx), f32)
         self.logits = np.zeros(padded(vocab), f32)
         most_tiles = max(self.logits.shape[0], self.qkv.shape[0], self.gu.shape[0]) // TILE
-        self.tiles = np.zeros((most_tiles, TILE), f32)
+        self.tiles = np.zeros((most_tiles, 3, TILE), f32)  # per-tile work rows of matvec.linear
 
 
 def project(w: PackedWeights, buffers: DecodeBuffers, h: np.ndarray, vocab: int) -> np.ndarray:
     """Final hidden state (d,) → logits through the packed output matrix (numba)."""
     t = w.table
     buffers.h[:h.shape[0]] = h
-    linear(t.data, t.scales, t.biases, t.meta, np.array([w.output]), buffers.h[:h.shape[0]], buffers.logits, buffers.tiles)
+    linear(t.data, t.scales, t.scales16, t.meta, np.array([w.output]), buffers.h[:h.shape[0]], buffers.logits, buffers.tiles)
     return buffers.logits[:vocab]

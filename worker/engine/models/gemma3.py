@@ -122,7 +122,7 @@ class Gemma3:
     # ---------------------------------------------------------------- fused decode (numba)
     def decode_step(self, token: int, pos: int, kv: KVCache) -> np.ndarray:
         hp, w, b, t, vec = self.hp, self.w, self.buffers, self.w.table, self.w.vectors
-        _gemma3_decode(token, pos, t.data, t.scales, t.biases, t.meta, w.mats, w.token_embd, w.output,
+        _gemma3_decode(token, pos, t.data, t.scales, t.scales16, t.meta, w.mats, w.token_embd, w.output,
                        vec["attn_norm"], vec["attn_q_norm"], vec["attn_k_norm"], vec["post_attention_norm"],
                        vec["ffn_norm"], vec["post_ffw_norm"], w.output_norm, np.float32(hp.rms_eps),
                        self.embed_scale, hp.n_heads, hp.n_kv_heads, hp.head_dim, self.is_global, hp.sliding_window,
@@ -136,7 +136,7 @@ class Gemma3:
 
 
 @njit(cache=True, nogil=True)
-def _gemma3_decode(token, pos, data, scales, biases, meta, mats, token_embd, output,
+def _gemma3_decode(token, pos, data, scales, scales16, meta, mats, token_embd, output,
                    attn_norm, q_norm, k_norm, post_attn_norm, ffn_norm, post_ffw_norm, output_norm, eps,
                    embed_scale, n_heads, n_kv, head_dim, is_global, window, cos_local, sin_local,
                    cos_global, sin_global, scale, k_cache, v_cache,
@@ -147,13 +147,13 @@ def _gemma3_decode(token, pos, data, scales, biases, meta, mats, token_embd, out
     v_off = k_off + -(-kv_rows // TILE) * TILE
     ff = act.shape[0]
     up_off = -(-ff // TILE) * TILE
-    dequant_row(data, scales, biases, meta[token_embd], token, x)
+    dequant_row(data, scales, scales16, meta[token_embd], token, x)
     for i in range(d):
         x[i] *= embed_scale
     for layer in range(mats.shape[0]):
         m = mats[layer]
         rmsnorm(x, attn_norm[layer], eps, h)
-        linear(data, scales, biases, meta, m[0:3], h, qkv, tiles)
+        linear(data, scales, scales16, meta, m[0:3], h, qkv, tiles)
         q = qkv[:q_rows]
         k = qkv[k_off:k_off + kv_rows]
         v = qkv[v_off:v_off + kv_rows]
@@ -173,18 +173,18 @@ def _gemma3_decode(token, pos, data, scales, biases, meta, mats, token_embd, out
             k_cache[layer, hh, pos] = k[hh * head_dim:(hh + 1) * head_dim]
             v_cache[layer, hh, pos] = v[hh * head_dim:(hh + 1) * head_dim]
         attention_decode(q, k_cache[layer], v_cache[layer], pos + 1, first, scale, att, scores)
-        linear(data, scales, biases, meta, m[3:4], att, proj, tiles)
+        linear(data, scales, scales16, meta, m[3:4], att, proj, tiles)
         rmsnorm(proj[:d], post_attn_norm[layer], eps, proj[:d])
         for i in range(d):
             x[i] += proj[i]
         rmsnorm(x, ffn_norm[layer], eps, h)
-        linear(data, scales, biases, meta, m[4:6], h, gu, tiles)
+        linear(data, scales, scales16, meta, m[4:6], h, gu, tiles)
         gelu_tanh_mul(gu[:ff], gu[up_off:up_off + ff], act)
-        linear(data, scales, biases, meta, m[6:7], act, proj, tiles)
+        linear(data, scales, scales16, meta, m[6:7], act, proj, tiles)
         rmsnorm(proj[:d], post_ffw_norm[layer], eps, proj[:d])
         for i in range(d):
             x[i] += proj[i]
     rmsnorm(x, output_norm, eps, h)
     out_mat = np.empty(1, np.int64)
     out_mat[0] = output
-    linear(data, scales, biases, meta, out_mat, h, logits, tiles)
+    linear(data, scales, scales16, meta, out_mat, h, logits, tiles)

@@ -125,7 +125,7 @@ class Llama:
     # ---------------------------------------------------------------- fused decode (numba)
     def decode_step(self, token: int, pos: int, kv: KVCache) -> np.ndarray:
         hp, w, b, t = self.hp, self.w, self.buffers, self.w.table
-        _llama_decode(token, pos, t.data, t.scales, t.biases, t.meta, w.mats, w.token_embd, w.output,
+        _llama_decode(token, pos, t.data, t.scales, t.scales16, t.meta, w.mats, w.token_embd, w.output,
                       w.vectors["attn_norm"], w.vectors["ffn_norm"], w.output_norm, np.float32(hp.rms_eps),
                       hp.n_heads, hp.n_kv_heads, hp.head_dim, self.cos[pos], self.sin[pos],
                       np.float32(self.scale), kv.k, kv.v,
@@ -137,7 +137,7 @@ class Llama:
 
 
 @njit(cache=True, nogil=True)
-def _llama_decode(token, pos, data, scales, biases, meta, mats, token_embd, output,
+def _llama_decode(token, pos, data, scales, scales16, meta, mats, token_embd, output,
                   attn_norm, ffn_norm, output_norm, eps, n_heads, n_kv, head_dim, cos, sin, scale,
                   k_cache, v_cache, x, h, qkv, att, proj, gu, act, scores, tiles, logits):
     d = x.shape[0]
@@ -146,11 +146,11 @@ def _llama_decode(token, pos, data, scales, biases, meta, mats, token_embd, outp
     v_off = k_off + -(-kv_rows // TILE) * TILE
     ff = act.shape[0]
     up_off = -(-ff // TILE) * TILE
-    dequant_row(data, scales, biases, meta[token_embd], token, x)
+    dequant_row(data, scales, scales16, meta[token_embd], token, x)
     for layer in range(mats.shape[0]):
         m = mats[layer]
         rmsnorm(x, attn_norm[layer], eps, h)
-        linear(data, scales, biases, meta, m[0:3], h, qkv, tiles)
+        linear(data, scales, scales16, meta, m[0:3], h, qkv, tiles)
         q = qkv[:q_rows]
         k = qkv[k_off:k_off + kv_rows]
         v = qkv[v_off:v_off + kv_rows]
@@ -160,16 +160,16 @@ def _llama_decode(token, pos, data, scales, biases, meta, mats, token_embd, outp
             k_cache[layer, hh, pos] = k[hh * head_dim:(hh + 1) * head_dim]
             v_cache[layer, hh, pos] = v[hh * head_dim:(hh + 1) * head_dim]
         attention_decode(q, k_cache[layer], v_cache[layer], pos + 1, 0, scale, att, scores)
-        linear(data, scales, biases, meta, m[3:4], att, proj, tiles)
+        linear(data, scales, scales16, meta, m[3:4], att, proj, tiles)
         for i in range(d):
             x[i] += proj[i]
         rmsnorm(x, ffn_norm[layer], eps, h)
-        linear(data, scales, biases, meta, m[4:6], h, gu, tiles)
+        linear(data, scales, scales16, meta, m[4:6], h, gu, tiles)
         silu_mul(gu[:ff], gu[up_off:up_off + ff], act)
-        linear(data, scales, biases, meta, m[6:7], act, proj, tiles)
+        linear(data, scales, scales16, meta, m[6:7], act, proj, tiles)
         for i in range(d):
             x[i] += proj[i]
     rmsnorm(x, output_norm, eps, h)
     out_mat = np.empty(1, np.int64)
     out_mat[0] = output
-    linear(data, scales, biases, meta, out_mat, h, logits, tiles)
+    linear(data, scales, scales16, meta, out_mat, h, logits, tiles)
