@@ -3,14 +3,18 @@ beside llama.cpp (through llama-cpp-python) on the same file when it is installe
 
     python bench/engine.py [--models smollm2-135m gemma3-270m] [--threads 1 2] [--runs 3]
 
-Prints medians of --runs runs and the ratio to the peer. Not a test: machines are shared and
-noisy, so read ratios from one run, not absolute numbers across runs.
+Prints medians of --runs runs and the ratio to the peer. Each (engine, model, threads) runs in
+its own process, so neither thread pool outlives its measurement and disturbs the next one.
+Not a test: machines are shared and noisy, so read ratios from one run, not absolute numbers
+across runs.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -66,17 +70,19 @@ def bench_llama_cpp(path: Path, threads: int, runs: int) -> tuple[float, float] 
     llm = Llama(model_path=str(path), n_ctx=1024, n_batch=512, n_threads=threads,
                 n_threads_batch=threads, verbose=False)
     ids = prompt_ids(llm.n_vocab())
+    # llama-cpp-python keeps no logits unless logits_all; read the last token's from the context.
+    last_logits = lambda: np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))  # noqa: E731
     prefill, decode = [], []
     for run in range(runs):
         llm.reset()
         t0 = time.perf_counter()
         llm.eval(ids)
         prefill.append(len(ids) / (time.perf_counter() - t0))
-        token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        token = int(np.argmax(last_logits()))
         t0 = time.perf_counter()
         for _ in range(DECODE_TOKENS):
             llm.eval([token])
-            token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            token = int(np.argmax(last_logits()))
         decode.append(DECODE_TOKENS / (time.perf_counter() - t0))
         say(f"  llama.cpp {threads}t run {run + 1}/{runs}: prefill {prefill[-1]:.0f} tok/s, decode {decode[-1]:.1f} tok/s")
     return statistics.median(prefill), statistics.median(decode)
@@ -91,12 +97,28 @@ def environment() -> str:
             f"numba {numba.__version__}, threading layer {numba.threading_layer()}")
 
 
+def measure_in_subprocess(engine: str, path: Path, threads: int, runs: int):
+    """One measurement in a fresh process; (prefill, decode) medians, or None (peer missing)."""
+    proc = subprocess.run([sys.executable, __file__, "--one", engine, str(path), str(threads), str(runs)],
+                          stdout=subprocess.PIPE, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"{engine} benchmark failed (exit {proc.returncode})")
+    result = json.loads(proc.stdout)
+    return tuple(result) if result else None
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["smollm2-135m"])
     parser.add_argument("--threads", nargs="+", type=int, default=[1, 2])
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--one", nargs=4, metavar=("ENGINE", "PATH", "THREADS", "RUNS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.one:
+        engine, path, threads, runs = args.one
+        bench = bench_reame if engine == "reame" else bench_llama_cpp
+        print(json.dumps(bench(Path(path), int(threads), int(runs))))
+        return 0
 
     from shared.model_store import ensure_model
     rows = []
@@ -104,8 +126,8 @@ def main() -> int:
         path = ensure_model(name, MODELS_DIR, progress=say)
         for threads in args.threads:
             say(f"{name}, {threads} thread(s)")
-            ours = bench_reame(path, threads, args.runs)
-            peer = bench_llama_cpp(path, threads, args.runs)
+            ours = measure_in_subprocess("reame", path, threads, args.runs)
+            peer = measure_in_subprocess("llama.cpp", path, threads, args.runs)
             rows.append((name, threads, ours, peer))
 
     print(f"\nprompt {PROMPT_TOKENS} tokens, decode {DECODE_TOKENS} tokens, median of {args.runs} runs")

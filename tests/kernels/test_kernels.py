@@ -27,7 +27,7 @@ def _run(variant, table, index, w, x):
     t = table
     if variant.op == "matvec":
         out = np.zeros(t.padded_rows(index), np.float32)
-        scratch = np.zeros((t.padded_rows(index) // TILE, 3, TILE), np.float32)
+        scratch = np.zeros((t.padded_rows(index) // TILE, TILE), np.float32)
         fn(t.data, t.scales, t.scales16, t.meta, np.array([index]), x, out, scratch)
         return out[:w.shape[0]], w.astype(np.float64) @ x.astype(np.float64)
     if variant.op == "unpack":
@@ -78,7 +78,7 @@ def test_one_launch_computes_several_matrices_of_different_formats():
     widths = [table.padded_rows(i) for i in range(3)]
     out = np.zeros(sum(widths), np.float32)
     linear(table.data, table.scales, table.scales16, table.meta, np.arange(3), x, out,
-           np.zeros((sum(widths) // TILE, 3, TILE), np.float32))
+           np.zeros((sum(widths) // TILE, TILE), np.float32))
     start = 0
     for i, (raw, qtype) in enumerate(raws):
         w = dequantize(raw, qtype)

@@ -4,7 +4,7 @@ A matrix W (n outputs × k inputs) is cut into tiles of TILE output rows. Inside
 weights are stored transposed — for each input index, TILE consecutive bytes, one per output —
 so the inner kernel loop runs over outputs with `x[k]` broadcast and LLVM vectorizes it.
 Scales (and biases) are split out per group of 16/32 inputs, also TILE-wide, as float16 when
-that is exact (the scales of Q4_0/Q4_1/Q5_x/Q8_0 are float16 in the file; decode is memory-bound,
+that is exact (the scales of Q4_0/Q4_1/Q5_x/Q8_0 are float16 in the file; decode streams the weights,
 so the 2 bytes saved per group are ~15% of a Q4 matrix) and as float32 otherwise.
 
 Three formats cover every GGUF type (see `quants.py`, which decodes them all to
@@ -12,6 +12,9 @@ Three formats cover every GGUF type (see `quants.py`, which decodes them all to
   FMT_Q4  two 4-bit codes per byte (codes 0..15): Q4_0, Q4_1, Q4_K
   FMT_Q8  one int8 code per byte: Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
   FMT_F32 float32 weights: F32, F16, BF16
+(A packed 5-bit format — nibbles plus a bit plane — read 40% fewer bytes for Q5 types but its
+bit extraction made the kernel 1.4x slower at 1 thread and no faster at 2: decode here is not
+purely bandwidth-bound, so Q5 types stay one byte per weight.)
 
 All matrices of a model live in one `MatrixTable` (three flat arenas — codes, float32 and
 float16 scales — plus a metadata row per matrix) so a single compiled decode step can address any
@@ -88,13 +91,14 @@ def pack(raw: np.ndarray, qtype: QT) -> PackedMatrix:
     codes, scale, bias = dec.codes, dec.scale, dec.bias
     k = codes.shape[1]
     if fmt == FMT_Q4:
-        # Centre on 0..15 for unsigned nibbles; the shift moves into the bias.
+        # Unsigned codes 0..15: a signed type's centre moves into the bias.
         low = codes.min() if codes.size else 0
         if low < 0:
             shift = np.float32(-low)
             bias = (np.zeros_like(scale) if bias is None else bias) - scale * shift
             codes = codes + np.int8(-low)
         u = codes.astype(np.uint8).reshape(n, k // 32, 2, 16)
+        # Byte j of a group: element j in the low nibble, element j + 16 in the high one.
         packed = (u[:, :, 0, :] | (u[:, :, 1, :] << 4)).reshape(n, k // 2)
         data = _tile_transpose(packed).ravel()
     else:

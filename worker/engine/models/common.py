@@ -76,7 +76,7 @@ class DecodeBuffers:
         self.scores = np.zeros((n_heads, n_ctx), f32)
         self.logits = np.zeros(padded(vocab), f32)
         most_tiles = max(self.logits.shape[0], self.qkv.shape[0], self.gu.shape[0]) // TILE
-        self.tiles = np.zeros((most_tiles, 3, TILE), f32)  # per-tile work rows of matvec.linear
+        self.tiles = np.zeros((most_tiles, TILE), f32)  # per-tile group sums of matvec.linear
 
 
 def project(w: PackedWeights, buffers: DecodeBuffers, h: np.ndarray, vocab: int) -> np.ndarray:
