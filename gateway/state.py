@@ -12,7 +12,6 @@ from gateway.choice import Decoder
 from gateway.metrics import Metrics
 from gateway.workers import WorkerPool
 from shared.config import Config
-from shared.errors import ConfigError
 
 
 @dataclass
@@ -53,17 +52,10 @@ def build_state(config: Config, tokenizer: Any, template: Any, decoder: Callable
 
 def load_state(config: Config, model_path: Path) -> GatewayState:
     """The real thing: tokenizer and chat template read from the model's GGUF."""
-    from gateway.chat_template import ChatTemplate
+    from gateway.chat_template import template_for
     from gateway.tokenizer import Tokenizer
     from gateway.tokenizer.stream import StreamDecoder
 
     tokenizer = Tokenizer.from_gguf(model_path)
-    override = None
-    if config.model.chat_template:
-        template_path = config.resolve_path(config.model.chat_template)
-        try:
-            override = template_path.read_text(encoding="utf-8")
-        except OSError as exc:
-            raise ConfigError(f"cannot read chat template {template_path}: {exc.strerror}") from None
-    template = ChatTemplate.for_tokenizer(tokenizer, override)
+    template = template_for(tokenizer, config)
     return build_state(config, tokenizer, template, lambda: StreamDecoder(tokenizer), model_path)
