@@ -30,6 +30,12 @@ def _run(variant, table, index, w, x):
         scratch = np.zeros((t.padded_rows(index) // TILE, TILE), np.float32)
         fn(t.data, t.scales, t.scales16, t.meta, np.array([index]), x, out, scratch)
         return out[:w.shape[0]], w.astype(np.float64) @ x.astype(np.float64)
+    if variant.op == "matvec_batch":
+        xs = np.stack([x, -0.5 * x, np.roll(x, 7)])
+        out = np.zeros((3, t.padded_rows(index)), np.float32)
+        scratch = np.zeros((t.padded_rows(index) // TILE, 3 + 4 + 2, TILE), np.float32)
+        fn(t.data, t.scales, t.scales16, t.meta, np.array([index]), xs, out, scratch)
+        return out[:, :w.shape[0]], xs.astype(np.float64) @ w.T.astype(np.float64)
     if variant.op == "unpack":
         out = np.zeros(w.shape, np.float32)
         fn(t.data, t.scales, t.scales16, t.meta, index, out)

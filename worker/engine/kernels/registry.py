@@ -9,13 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from worker.engine.kernels import matvec, ops
+from worker.engine.kernels import matmul_batch, matvec, ops
 from worker.engine.quants import SPECS
 
 
 @dataclass(frozen=True)
 class KernelVariant:
-    op: str  # "matvec": W @ x for decode; "unpack": W → float32 for BLAS; "row": one row of W
+    op: str  # "matvec": W @ x; "matvec_batch": W @ x[b] for B vectors; "unpack": W → float32; "row": one row
     variant: str
     fn: Callable
     description: str
@@ -26,6 +26,8 @@ ALL_QUANT_TYPES = tuple(SPECS)  # F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, 
 KERNELS: dict[tuple[str, str], KernelVariant] = {
     ("matvec", "tiled"): KernelVariant("matvec", "tiled", matvec.linear,
                                        "transposed 64-row tiles, parallel over tiles, several matrices per launch"),
+    ("matvec_batch", "rows4"): KernelVariant("matvec_batch", "rows4", matmul_batch.linear_batch,
+                                             "weights converted once per step, applied to B vectors (batched decode)"),
     ("unpack", "rows"): KernelVariant("unpack", "rows", matvec.unpack_f32,
                                       "dequantize a packed matrix to float32, parallel over rows"),
     ("row", "gather"): KernelVariant("row", "gather", ops.dequant_row,
