@@ -20,6 +20,7 @@ from aiohttp import web
 from gateway import responses
 from gateway.choice import Choice, Delta
 from gateway.errors import error_from_worker
+from gateway.request_id import current_request_id
 from gateway.requests import CompletionRequest
 from gateway.router import prefix_key
 from gateway.sse import EventStream
@@ -46,8 +47,10 @@ async def complete(state: GatewayState, request: web.Request, req: CompletionReq
             jobs.append(Job(uuid.uuid4().hex, p * req.n + j, ids, req.params(max_tokens, state.stop_token_ids, j),
                             sink, prefix_key(ids)))
     state.pool.submit(jobs)
+    rid = current_request_id()
+    log.debug("request %s: %d job(s) on the workers: %s", rid, len(jobs), " ".join(j.request_id for j in jobs))
     state.metrics.prompt_tokens.inc(sum(len(ids) for ids in prompts))
-    run = _Run(state, req, jobs, sink, arrived, sum(len(ids) for ids in prompts), req.stop + extra_stops)
+    run = _Run(state, req, jobs, sink, arrived, sum(len(ids) for ids in prompts), req.stop + extra_stops, rid)
     try:
         if req.stream:
             return await run.stream(request)
@@ -91,8 +94,9 @@ def _check_vocab(state: GatewayState, req: CompletionRequest, prompts: list[list
 
 class _Run:
     def __init__(self, state: GatewayState, req: CompletionRequest, jobs: list[Job], sink: asyncio.Queue,
-                 arrived: float, prompt_tokens: int, stops: tuple[str, ...]):
+                 arrived: float, prompt_tokens: int, stops: tuple[str, ...], request_id: str):
         self.state = state
+        self.request_id = request_id  # names the request in logs; `id` is the response's id
         self.stops = stops
         self.req = req
         self.sink = sink
@@ -144,7 +148,7 @@ class _Run:
         except Exception:
             if not out.started:
                 raise
-            log.exception("request %s: failed mid-stream", self.id)
+            log.exception("request %s: failed mid-stream", self.request_id)
             await out.fail(ReameError("internal server error"))
             return out.response
         if self.req.include_usage:
@@ -201,13 +205,13 @@ class _Run:
         if not log.isEnabledFor(logging.DEBUG):
             return
         tokens = sum(c.num_tokens for c in self.choices.values())
-        log.debug("request %s: %d prompt + %d generated tokens in %.3fs", self.id, self.prompt_tokens, tokens,
-                  time.perf_counter() - self.arrived)
+        log.debug("request %s (%s): %d prompt + %d generated tokens in %.3fs", self.request_id, self.id,
+                  self.prompt_tokens, tokens, time.perf_counter() - self.arrived)
         if self.state.config.logging.log_prompts:  # user data: only when asked for
             for ids in prompts:
-                log.debug("request %s prompt: %r", self.id, self.state.tokenizer.decode(ids, skip_special=False))
+                log.debug("request %s prompt: %r", self.request_id, self.state.tokenizer.decode(ids, skip_special=False))
             for choice in self._ordered():
-                log.debug("request %s choice %d: %r", self.id, choice.index, choice.text)
+                log.debug("request %s choice %d: %r", self.request_id, choice.index, choice.text)
 
     # ---- shapes ------------------------------------------------------------------------------
 

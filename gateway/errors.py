@@ -13,6 +13,7 @@ import logging
 import orjson
 from aiohttp import web
 
+from gateway.request_id import current_request_id
 from shared import errors as shared_errors
 from shared.errors import InvalidRequestError, ReameError
 
@@ -37,6 +38,12 @@ class ModelNotFoundError(NotFoundError):
 class MethodNotAllowedError(InvalidRequestError):
     status = 405
     code = "method_not_allowed"
+
+
+class RequestTimeoutError(InvalidRequestError):
+    """The client took longer than `read_timeout` to send its request."""
+    status = 408
+    code = "request_timeout"
 
 
 class PayloadTooLargeError(InvalidRequestError):
@@ -72,13 +79,16 @@ def error_from_worker(name: str, message: str, param: str | None, code: str | No
     return cls(message, param=param, code=code)
 
 
-def error_response(exc: ReameError) -> web.Response:
-    headers = {}
+def error_response(exc: ReameError, headers: dict[str, str] | None = None) -> web.Response:
+    headers = dict(headers or {})
     retry_after = getattr(exc, "retry_after", None)
     if retry_after is not None:
         headers["Retry-After"] = str(retry_after)
-    return web.Response(status=exc.status, body=orjson.dumps(exc.to_openai()),
-                        content_type="application/json", headers=headers)
+    response = web.Response(status=exc.status, body=orjson.dumps(exc.to_openai()),
+                            content_type="application/json", headers=headers)
+    if exc.status == 408:  # the rest of a late body is not worth waiting for: hang up after answering
+        response.force_close()
+    return response
 
 
 _HTTP_ERRORS = {
@@ -96,15 +106,18 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
         return error_response(exc)
     except web.HTTPException as exc:
         if exc.status in _HTTP_ERRORS:
-            return error_response(_HTTP_ERRORS[exc.status](request))
+            # Keep what the status needs, e.g. the Allow header of a 405 (RFC 9110).
+            kept = {k: v for k, v in exc.headers.items() if k.lower() == "allow"}
+            return error_response(_HTTP_ERRORS[exc.status](request), kept)
         if exc.status < 400:
             raise
         return error_response(ReameError(exc.reason or "HTTP error") if exc.status >= 500
                               else InvalidRequestError(exc.reason or "bad request"))
     except (ConnectionResetError, OSError) as exc:
         # The client went away mid-response: nothing left to answer.
-        log.debug("%s %s: client connection lost: %s", request.method, request.path, exc)
+        log.debug("request %s: %s %s: client connection lost: %s", current_request_id(), request.method,
+                  request.path, exc)
         raise
     except Exception:
-        log.exception("%s %s: unhandled error", request.method, request.path)
+        log.exception("request %s: %s %s: unhandled error", current_request_id(), request.method, request.path)
         return error_response(ReameError("internal server error"))

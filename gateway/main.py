@@ -18,11 +18,13 @@ from pathlib import Path
 
 from aiohttp import web
 
-from shared.config import Config, load_config, model_flag, override
+from shared.config import Config, is_loopback, load_config, model_flag, override
 from shared.errors import ConfigError, ReameError
 from shared.logs import setup_logging
 
 log = logging.getLogger("reame.gateway")
+
+LINGER_S = 2.0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,7 +45,29 @@ def configure(args: argparse.Namespace) -> Config:
     config = override(config, "gateway", host=args.host, port=args.port,
                       api_key=args.api_key or os.environ.get("REAME_API_KEY") or None)
     state_dir = str(Path(args.state_dir).expanduser().resolve()) if args.state_dir else None
-    return override(config, "server", state_dir=state_dir)
+    config = override(config, "server", state_dir=state_dir)
+    check_exposure(config)
+    return config
+
+
+def check_exposure(config: Config) -> list[str]:
+    """Refuse a non-loopback HTTP address unless `allow_remote` is set; return the warnings to log
+    about what is reachable from other machines (`reame serve` checks before starting anything)."""
+    host = config.gateway.host
+    warnings = []
+    if not is_loopback(host):
+        if not config.gateway.allow_remote:
+            raise ConfigError(f"[gateway] host = {host} is reachable from other machines; set [gateway] "
+                              "allow_remote = true to listen there, or use 127.0.0.1")
+        if not config.gateway.api_key:
+            warnings.append(f"listening on {host} without an api_key: anyone who can reach port "
+                            f"{config.gateway.port} may use this server (set [gateway] api_key or $REAME_API_KEY)")
+    endpoint = config.endpoint
+    if endpoint.startswith("tcp://") and not is_loopback(endpoint[len("tcp://"):].rsplit(":", 1)[0]):
+        # ZeroMQ has no authentication: whoever reaches it can register as a worker and see prompts.
+        warnings.append(f"workers connect over {endpoint}, which other machines can reach; keep it on a "
+                        "private network")
+    return warnings
 
 
 def model_path(config: Config) -> Path:
@@ -61,9 +85,17 @@ async def serve(config: Config, path: Path) -> None:
 
     if config.endpoint.startswith("ipc://"):
         Path(config.endpoint[len("ipc://"):]).parent.mkdir(parents=True, exist_ok=True)
+    for warning in check_exposure(config):
+        log.warning("gateway: %s", warning)
     state = load_state(config, path)
+    # Slow clients: keepalive_timeout also bounds how long a new connection may take to send its
+    # headers (aiohttp starts that timer on connect), and the body has its own deadline in routes.
+    # After an answer to a body we did not read (401, 408, 413), aiohttp keeps reading ("lingers")
+    # so the client sees the answer rather than a reset; 2 s, not its 10, so a trickling client
+    # is let go soon.
     runner = web.AppRunner(build_app(state), access_log=None, handler_cancellation=True,
-                           shutdown_timeout=config.worker.drain_timeout)
+                           shutdown_timeout=config.worker.drain_timeout,
+                           keepalive_timeout=config.gateway.read_timeout, lingering_time=LINGER_S)
     await runner.setup()
     try:
         site = web.TCPSite(runner, config.gateway.host, config.gateway.port)

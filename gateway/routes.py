@@ -5,6 +5,7 @@ raise is a ReameError, which the error middleware turns into the OpenAI envelope
 """
 from __future__ import annotations
 
+import asyncio
 import time
 
 import orjson
@@ -12,7 +13,7 @@ from aiohttp import web
 
 from gateway.state import STATE, GatewayState
 from gateway.completion import complete
-from gateway.errors import ModelNotFoundError, PayloadTooLargeError
+from gateway.errors import ModelNotFoundError, PayloadTooLargeError, RequestTimeoutError
 from gateway.metrics import CONTENT_TYPE
 from gateway.requests import parse_chat, parse_completion
 from shared.errors import InvalidRequestError, TokenizerError
@@ -73,10 +74,16 @@ async def _read_json(request: web.Request, state: GatewayState) -> object:
     limit = state.config.gateway.max_body_bytes
     if request.content_length is not None and request.content_length > limit:
         raise PayloadTooLargeError(f"the request body is {request.content_length} bytes; the limit is {limit}")
+    timeout = state.config.gateway.read_timeout
     try:
-        raw = await request.read()
+        # One deadline for the whole body: a client trickling a byte at a time cannot hold the
+        # connection (and its place) for longer than read_timeout.
+        async with asyncio.timeout(timeout):
+            raw = await request.read()
     except web.HTTPRequestEntityTooLarge:
         raise PayloadTooLargeError(f"the request body is over the limit of {limit} bytes") from None
+    except TimeoutError:
+        raise RequestTimeoutError(f"the request body did not arrive within {timeout:g} seconds") from None
     try:
         return orjson.loads(raw)
     except orjson.JSONDecodeError as exc:

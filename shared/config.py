@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import configparser
 import dataclasses
+import ipaddress
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -55,8 +56,10 @@ class ServerSection:
 class GatewaySection:
     host: str = "127.0.0.1"
     port: int = 8000
+    allow_remote: bool = False  # a host other than loopback must be asked for explicitly
     api_key: str = ""  # "" = no authentication
     max_body_bytes: int = 4 * 1024 * 1024
+    read_timeout: float = 30.0  # seconds a client may take to send a request (slow-loris guard)
     max_queue: int = 256  # requests waiting for a worker slot before 429
     queue_timeout: float = 60.0  # seconds a request waits for a worker before 503
     default_max_tokens: int = 0  # when a request gives none; 0 = the rest of the context
@@ -179,6 +182,16 @@ def load_config(path: str | os.PathLike | None = None) -> Config:
     except OSError as exc:
         raise ConfigError(f"cannot read config file {candidate}: {exc.strerror}") from None
     return parse_config(text, str(candidate.resolve()))
+
+
+def is_loopback(host: str) -> bool:
+    """An address only this machine can reach (a name is resolved as the OS would when binding)."""
+    if host in ("localhost", "ip6-localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def is_model_name(value: str) -> bool:

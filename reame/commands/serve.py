@@ -49,7 +49,11 @@ def configure(args: argparse.Namespace) -> Config:
                       api_key=args.api_key or os.environ.get("REAME_API_KEY") or None)
     config = override(config, "serve", workers=args.workers)
     state_dir = str(Path(args.state_dir).expanduser().resolve()) if args.state_dir else None
-    return override(config, "server", state_dir=state_dir)
+    config = override(config, "server", state_dir=state_dir)
+    from gateway.main import check_exposure
+
+    check_exposure(config)  # refused here, before any child starts; the gateway logs the warnings
+    return config
 
 
 def plan_workers(wanted: int, nodes: dict[int, list[int]]) -> list[tuple[int, list[int] | None]]:
