@@ -1,4 +1,5 @@
-"""Bearer-token authentication, when `api_key` is set. `/health` stays open for load balancers."""
+"""Bearer-token authentication, when `api_key` is set. `/health` stays open for load balancers and
+`/openapi.json` for client generators; every other route, /v1/* and any /admin/* included, needs the key."""
 from __future__ import annotations
 
 import hmac
@@ -7,7 +8,7 @@ from aiohttp import web
 
 from gateway.errors import AuthenticationError
 
-OPEN_PATHS = frozenset({"/health"})
+OPEN_PATHS = frozenset({"/health", "/openapi.json"})
 
 
 def auth_middleware(api_key: str):

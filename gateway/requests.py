@@ -16,7 +16,7 @@ from worker.sampling_params import SamplingParams
 MAX_STOPS = 16
 MAX_TOP_LOGPROBS_CHAT = 20
 MAX_LOGPROBS_COMPLETION = 5
-_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
+ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 
 
 @dataclass(frozen=True)
@@ -164,12 +164,10 @@ def _logit_bias(value: Any) -> dict[int, float]:
         raise InvalidRequestError("'logit_bias' must be an object of token id → bias", param="logit_bias")
     bias = {}
     for key, amount in value.items():
-        try:
-            token = int(key)
-        except ValueError:
-            raise InvalidRequestError(f"'logit_bias' key {key!r} is not a token id", param="logit_bias") from None
-        if token < 0:
+        # ASCII digits only: int() would also take " 7", "+7", "7_0" and other scripts' digits.
+        if not (key.isascii() and key.isdigit()):
             raise InvalidRequestError(f"'logit_bias' key {key!r} is not a token id", param="logit_bias")
+        token = int(key)
         if isinstance(amount, bool) or not isinstance(amount, (int, float)) or not -100 <= amount <= 100:
             raise InvalidRequestError(f"'logit_bias' value for {key} must be a number from -100 to 100",
                                       param="logit_bias")
@@ -182,8 +180,8 @@ def _message(message: Any, index: int) -> dict:
     if not isinstance(message, dict):
         raise InvalidRequestError(f"'{where}' must be an object", param=where)
     role = message.get("role")
-    if role not in _ROLES:
-        raise InvalidRequestError(f"'{where}.role' must be one of {sorted(_ROLES)}", param=f"{where}.role")
+    if not isinstance(role, str) or role not in ROLES:  # a dict or list would not even hash
+        raise InvalidRequestError(f"'{where}.role' must be one of {sorted(ROLES)}", param=f"{where}.role")
     content = message.get("content")
     if content is None:
         if role != "assistant":  # an assistant turn may carry only tool calls

@@ -15,6 +15,7 @@ from gateway.state import STATE, GatewayState
 from gateway.completion import complete
 from gateway.errors import ModelNotFoundError, PayloadTooLargeError, RequestTimeoutError
 from gateway.metrics import CONTENT_TYPE
+from gateway.openapi import openapi_document
 from gateway.requests import parse_chat, parse_completion
 from shared.errors import InvalidRequestError, TokenizerError
 
@@ -62,12 +63,18 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=state.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
 
+async def openapi(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    return _json(openapi_document(state.config, state.tokenizer.vocab_size))
+
+
 def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/openapi.json", openapi)
 
 
 async def _read_json(request: web.Request, state: GatewayState) -> object:

@@ -51,6 +51,7 @@ def test_content_parts_are_joined():
     ({"messages": []}, "messages"),
     ({"messages": "hi"}, "messages"),
     ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": {}, "content": "x"}]}, "messages[0].role"),  # unhashable: found by schemathesis
     ({"messages": [{"role": "user"}]}, "messages[0].content"),
     ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages[0].content[0]"),
@@ -78,6 +79,8 @@ def test_content_parts_are_joined():
     ({"logit_bias": {"x": 1}}, "logit_bias"),
     ({"logit_bias": {"-1": 1}}, "logit_bias"),
     ({"logit_bias": {"5": 101}}, "logit_bias"),
+    ({"logit_bias": {" 7": 1}}, "logit_bias"),  # int() would take these; the OpenAPI pattern does not
+    ({"logit_bias": {"\u0663": 1}}, "logit_bias"),
     ({"stream": "yes"}, "stream"),
     ({"stream_options": []}, "stream_options"),
     ({"stream_options": {"include_usage": 1}}, "stream_options.include_usage"),

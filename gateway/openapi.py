@@ -1,0 +1,198 @@
+"""The gateway's OpenAPI 3.1 document, served at /openapi.json: every route, what it accepts and answers.
+
+Written as data, next to the code it describes: the limits come from gateway.requests (the same
+constants the validation uses) and from the config (`max_n`, whether a key is required), so the
+document describes this server as configured. tests/unit/test_openapi.py checks that every route
+is here; tests/e2e/test_schemathesis.py fuzzes the live server against it.
+
+Every optional request field also accepts null (the validation treats null as "not given").
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from gateway.requests import MAX_LOGPROBS_COMPLETION, MAX_STOPS, MAX_TOP_LOGPROBS_CHAT, ROLES
+from shared.config import Config
+
+Schema = dict[str, Any]
+
+
+def openapi_document(config: Config, vocab_size: int | None = None) -> Schema:
+    """The document for this config; `vocab_size` (the model's) bounds token ids when known."""
+    secured = bool(config.gateway.api_key)
+    document: Schema = {
+        "openapi": "3.1.0",
+        "info": {"title": "Reame", "version": "1",
+                 "description": "OpenAI-compatible completions served by Reame's CPU workers. Every response "
+                                "carries X-Request-Id: the client's own (reduced to plain characters) or a new one."},
+        "paths": {
+            "/v1/chat/completions": {"post": _completion_operation(
+                "Chat completion", "ChatCompletionRequest", "ChatCompletion", secured)},
+            "/v1/completions": {"post": _completion_operation(
+                "Text completion", "CompletionRequest", "Completion", secured)},
+            "/v1/models": {"get": _operation("The model this server serves", _json_response("ModelList"), secured)},
+            "/metrics": {"get": _operation("Prometheus metrics", {
+                "description": "Prometheus text exposition format",
+                "content": {"text/plain": {"schema": {"type": "string"}}}}, secured)},
+            "/health": {"get": _open_operation("Whether a worker is ready (open to load balancers)", {
+                "200": _json_response("Health", "a worker is ready"),
+                "503": _json_response("Health", "no worker is ready")})},
+            "/openapi.json": {"get": _open_operation("This document", {
+                "200": {"description": "OpenAPI 3.1 document", "content": {"application/json": {
+                    "schema": {"type": "object"}}}}})},
+        },
+        "components": {"schemas": _schemas(config.gateway.max_n, vocab_size), "headers": {
+            "Retry-After": {"description": "Seconds to wait before retrying", "required": True,
+                            "schema": {"type": "string", "pattern": "^[0-9]+$"}}}},
+    }
+    if secured:
+        document["components"]["securitySchemes"] = {"bearerAuth": {"type": "http", "scheme": "bearer"}}
+        document["security"] = [{"bearerAuth": []}]
+    return document
+
+
+# ---- operations ---------------------------------------------------------------------------------
+
+def _completion_operation(summary: str, request: str, response: str, secured: bool) -> Schema:
+    ok = {"description": "The completion; with `stream: true`, server-sent events of chunks, then `data: [DONE]`",
+          "content": {"application/json": {"schema": _ref(response)},
+                      "text/event-stream": {"schema": {"type": "string"}}}}
+    operation = _operation(summary, ok, secured)
+    operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": _ref(request)}}}
+    operation["responses"].update({
+        "400": _error("invalid request: a bad field (named in `param`), or prompt + max_tokens over the context"),
+        "404": _error("the requested `model` is not served here"),
+        "408": _error("the request body took longer than read_timeout to arrive"),
+        "413": _error("the request body is larger than max_body_bytes"),
+        "429": _error("too many requests are waiting for a worker", retry_after=True),
+        "503": _error("no worker is ready, or the worker running the request was lost", retry_after=True),
+    })
+    return operation
+
+
+def _operation(summary: str, ok: Schema, secured: bool) -> Schema:
+    responses = {"200": ok}
+    if secured:
+        responses["401"] = _error("missing or wrong API key")
+    return {"summary": summary, "responses": responses}
+
+
+def _open_operation(summary: str, responses: Schema) -> Schema:
+    return {"summary": summary, "security": [], "responses": responses}
+
+
+def _error(description: str, retry_after: bool = False) -> Schema:
+    response = _json_response("Error", description)
+    if retry_after:
+        response["headers"] = {"Retry-After": {"$ref": "#/components/headers/Retry-After"}}
+    return response
+
+
+def _json_response(schema: str, description: str = "OK") -> Schema:
+    return {"description": description, "content": {"application/json": {"schema": _ref(schema)}}}
+
+
+def _ref(name: str) -> Schema:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+# ---- schemas ------------------------------------------------------------------------------------
+
+def _opt(kind: str | list[str], **constraints: Any) -> Schema:
+    """An optional field of `kind` that may also be null."""
+    kinds = [kind] if isinstance(kind, str) else list(kind)
+    return {"type": [*kinds, "null"], **constraints}
+
+
+def _sampling(max_n: int) -> Schema:
+    """Fields both completion requests share (gateway.requests._common)."""
+    return {
+        "model": _opt("string", description="Optional: this server serves one model"),
+        "temperature": _opt("number", minimum=0, maximum=2),
+        "top_p": _opt("number", exclusiveMinimum=0, maximum=1),
+        "top_k": _opt("integer", minimum=-1, description="0 or -1: off"),
+        "min_p": _opt("number", minimum=0, maximum=1),
+        "presence_penalty": _opt("number", minimum=-2, maximum=2),
+        "frequency_penalty": _opt("number", minimum=-2, maximum=2),
+        "repetition_penalty": _opt("number", exclusiveMinimum=0, maximum=10),
+        "logit_bias": _opt("object", propertyNames={"pattern": "^[0-9]+$"},
+                           additionalProperties={"type": "number", "minimum": -100, "maximum": 100},
+                           description="token id → bias; ids must be in the vocabulary (else 400)"),
+        "seed": _opt("integer", minimum=-(2 ** 63), maximum=2 ** 63 - 1),
+        "n": _opt("integer", minimum=1, maximum=max_n),
+        "stop": {"anyOf": [{"type": "string"}, {"type": "array", "maxItems": MAX_STOPS, "items": {"type": "string"}},
+                           {"type": "null"}]},
+        "stream": _opt("boolean"),
+        "stream_options": _opt("object", properties={"include_usage": _opt("boolean")}),
+        "user": _opt("string"),
+        "max_tokens": _opt("integer", minimum=1, description="prompt + max_tokens must fit the context (else 400)"),
+    }
+
+
+def _schemas(max_n: int, vocab_size: int | None) -> Schema:
+    token = {"type": "integer", "minimum": 0}
+    token_id = token if vocab_size is None else {**token, "maximum": vocab_size - 1}
+    text_part = {"type": "object", "required": ["type", "text"],
+                 "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
+    content = [{"type": "string"}, {"type": "array", "items": text_part}]
+    usage = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"], "properties": {
+        "prompt_tokens": token, "completion_tokens": token, "total_tokens": token,
+        "prompt_tokens_details": {"type": "object", "properties": {"cached_tokens": token}}}}
+    finish = {"enum": ["stop", "length"]}
+    return {
+        "ChatMessage": {"anyOf": [
+            # An assistant turn may carry only tool calls, so its content may be missing or null.
+            {"type": "object", "required": ["role"], "properties": {
+                "role": {"const": "assistant"}, "content": {"anyOf": [*content, {"type": "null"}]}}},
+            {"type": "object", "required": ["role", "content"], "properties": {
+                "role": {"enum": sorted(ROLES - {"assistant"})}, "content": {"anyOf": content}}},
+        ]},
+        "ChatCompletionRequest": {"type": "object", "required": ["messages"], "properties": {
+            "messages": {"type": "array", "minItems": 1, "items": _ref("ChatMessage")},
+            **_sampling(max_n),
+            "max_completion_tokens": _opt("integer", minimum=1, description="takes precedence over max_tokens"),
+            "logprobs": _opt("boolean"),
+            "top_logprobs": _opt("integer", minimum=0, maximum=MAX_TOP_LOGPROBS_CHAT,
+                                 description="requires logprobs: true (else 400)"),
+        }},
+        "CompletionRequest": {"type": "object", "required": ["prompt"], "properties": {
+            "prompt": {"anyOf": [
+                {"type": "string"},
+                {"type": "array", "minItems": 1, "items": {"type": "string"}},
+                {"type": "array", "minItems": 1, "items": token_id},
+                {"type": "array", "minItems": 1, "items": {"type": "array", "minItems": 1, "items": token_id}},
+            ], "description": "text, texts, token ids, or lists of token ids (one choice set per prompt)"},
+            **_sampling(max_n),
+            "logprobs": _opt("integer", minimum=0, maximum=MAX_LOGPROBS_COMPLETION),
+        }},
+        "Usage": usage,
+        "ChatCompletion": {"type": "object", "required": ["id", "object", "created", "model", "choices", "usage"],
+                           "properties": {
+            "id": {"type": "string"}, "object": {"const": "chat.completion"}, "created": {"type": "integer"},
+            "model": {"type": "string"}, "usage": _ref("Usage"),
+            "choices": {"type": "array", "minItems": 1, "items": {
+                "type": "object", "required": ["index", "message", "finish_reason"], "properties": {
+                    "index": token, "finish_reason": finish, "logprobs": {"type": ["object", "null"]},
+                    "message": {"type": "object", "required": ["role", "content"], "properties": {
+                        "role": {"const": "assistant"}, "content": {"type": "string"}}}}}}}},
+        "Completion": {"type": "object", "required": ["id", "object", "created", "model", "choices", "usage"],
+                       "properties": {
+            "id": {"type": "string"}, "object": {"const": "text_completion"}, "created": {"type": "integer"},
+            "model": {"type": "string"}, "usage": _ref("Usage"),
+            "choices": {"type": "array", "minItems": 1, "items": {
+                "type": "object", "required": ["index", "text", "finish_reason"], "properties": {
+                    "index": token, "text": {"type": "string"}, "finish_reason": finish,
+                    "logprobs": {"type": ["object", "null"]}}}}}},
+        "ModelList": {"type": "object", "required": ["object", "data"], "properties": {
+            "object": {"const": "list"},
+            "data": {"type": "array", "items": {"type": "object", "required": ["id", "object", "created", "owned_by"],
+                                                "properties": {"id": {"type": "string"}, "object": {"const": "model"},
+                                                               "created": {"type": "integer"},
+                                                               "owned_by": {"type": "string"}}}}}},
+        "Health": {"type": "object", "required": ["status", "workers", "queued"], "properties": {
+            "status": {"enum": ["ok", "unavailable"]}, "workers": token, "queued": token}},
+        "Error": {"type": "object", "required": ["error"], "properties": {"error": {
+            "type": "object", "required": ["message", "type", "param", "code"], "properties": {
+                "message": {"type": "string"}, "type": {"type": "string"},
+                "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}},
+    }
