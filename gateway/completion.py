@@ -46,6 +46,9 @@ async def complete(state: GatewayState, request: web.Request, req: CompletionReq
         for j in range(req.n):
             jobs.append(Job(uuid.uuid4().hex, p * req.n + j, ids, req.params(max_tokens, state.stop_token_ids, j),
                             sink, prefix_key(ids)))
+    if len(jobs) > state.config.gateway.max_queue:  # could never be queued: retrying would not help
+        raise InvalidRequestError(f"this request asks for {len(jobs)} choices ({len(prompts)} prompt(s) × n = "
+                                  f"{req.n}); at most {state.config.gateway.max_queue} can wait at once", param="n")
     state.pool.submit(jobs)
     rid = current_request_id()
     log.debug("request %s: %d job(s) on the workers: %s", rid, len(jobs), " ".join(j.request_id for j in jobs))

@@ -60,7 +60,8 @@ def _completion_operation(summary: str, request: str, response: str, secured: bo
     operation = _operation(summary, ok, secured)
     operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": _ref(request)}}}
     operation["responses"].update({
-        "400": _error("invalid request: a bad field (named in `param`), or prompt + max_tokens over the context"),
+        "400": _error("invalid request: a bad field (named in `param`), prompt + max_tokens over the context, "
+                      "or more choices (prompts × n) than max_queue"),
         "404": _error("the requested `model` is not served here"),
         "408": _error("the request body took longer than read_timeout to arrive"),
         "413": _error("the request body is larger than max_body_bytes"),
@@ -157,8 +158,8 @@ def _schemas(max_n: int, vocab_size: int | None) -> Schema:
         }},
         "CompletionRequest": {"type": "object", "required": ["prompt"], "properties": {
             "prompt": {"anyOf": [
-                {"type": "string"},
-                {"type": "array", "minItems": 1, "items": {"type": "string"}},
+                {"type": "string", "minLength": 1},
+                {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}},
                 {"type": "array", "minItems": 1, "items": token_id},
                 {"type": "array", "minItems": 1, "items": {"type": "array", "minItems": 1, "items": token_id}},
             ], "description": "text, texts, token ids, or lists of token ids (one choice set per prompt)"},

@@ -203,19 +203,23 @@ def _text_part(part: Any, where: str) -> str:
 
 
 def _prompts(value: Any) -> tuple[str | tuple[int, ...], ...]:
-    """`prompt` may be a string, an array of strings, an array of token ids, or an array of those."""
-    if isinstance(value, str):
+    """`prompt` may be a string, an array of strings, an array of token ids, or an array of those;
+    none of them empty (an empty prompt gives the model nothing to continue)."""
+    if isinstance(value, str) and value:
         return (value,)
     if isinstance(value, list) and value:
         if all(_is_token(v) for v in value):
-            return (tuple(value),)
-        if all(isinstance(v, str) for v in value):
+            return (tuple(int(v) for v in value),)
+        if all(isinstance(v, str) and v for v in value):
             return tuple(value)
         if all(isinstance(v, list) and v and all(_is_token(t) for t in v) for v in value):
-            return tuple(tuple(v) for v in value)
-    raise InvalidRequestError("'prompt' must be a string, an array of strings, an array of token ids, "
+            return tuple(tuple(int(t) for t in v) for v in value)
+    raise InvalidRequestError("'prompt' must be a non-empty string, an array of those, an array of token ids, "
                               "or an array of token-id arrays (none empty)", param="prompt")
 
 
 def _is_token(value: Any) -> bool:
+    # 7.0 is an integer to JSON Schema (and to `_int`), so it is a token id here too.
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0

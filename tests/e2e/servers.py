@@ -26,7 +26,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def write_config(directory: Path, model: Path, port: int, extra: str = "") -> Path:
+def write_config(directory: Path, model: Path, port: int, extra: str = "", gateway: str = "") -> Path:
+    """A reame.conf for tests; `gateway` adds keys to [gateway], `extra` adds sections."""
     path = directory / "reame.conf"
     path.write_text(f"""
 [model]
@@ -41,6 +42,11 @@ api_key = {API_KEY}
 max_queue = 4
 queue_timeout = 60
 max_body_bytes = 65536
+read_timeout = 3
+{gateway}
+[logging]
+# Debug lines are where prompts would leak (tests/e2e/test_logs.py); log_prompts stays off.
+level = debug
 [worker]
 drain_timeout = 30
 [serve]

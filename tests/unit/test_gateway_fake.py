@@ -199,6 +199,11 @@ def test_overload_is_429_with_retry_after(tmp_path):
         srv.close()
 
 
+def test_more_choices_than_can_ever_wait_is_400_not_429(server):
+    r = post(server, "/v1/completions", {"prompt": ["a", "b", "c"], "n": 3, "max_tokens": 2})  # max_queue 8
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+
+
 def test_auth(tmp_path):
     srv = FakeServer(tmp_path, extra="api_key = s3cret")
     try:

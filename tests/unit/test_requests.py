@@ -106,12 +106,13 @@ def test_body_must_be_an_object():
     (["a", "b"], ("a", "b")),
     ([1, 2, 3], ((1, 2, 3),)),
     ([[1, 2], [3]], ((1, 2), (3,))),
+    ([7.0, 8], ((7, 8),)),  # JSON Schema's integers include 7.0
 ])
 def test_completion_prompt_forms(prompt, expected):
     assert parse_completion({"prompt": prompt}, max_n=1).prompts == expected
 
 
-@pytest.mark.parametrize("prompt", [None, 5, [], [1, "a"], [[]], [-1], [True]])
+@pytest.mark.parametrize("prompt", [None, 5, [], [1, "a"], [[]], [-1], [True], "", ["a", ""], [1.5]])
 def test_bad_completion_prompts(prompt):
     with pytest.raises(InvalidRequestError) as info:
         parse_completion({"prompt": prompt}, max_n=1)
