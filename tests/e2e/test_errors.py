@@ -1,4 +1,6 @@
-"""Every error class in the OpenAI envelope with the right status; never a traceback or a 500."""
+"""The bad-input matrix: every error class in the OpenAI envelope with the right status, never a
+traceback or a 500, and the server healthy afterwards. Slow clients are in test_slow_clients.py,
+clients that hang up in test_cancel.py."""
 from __future__ import annotations
 
 import json
@@ -26,20 +28,50 @@ def envelope(response, status):
     return error
 
 
-@pytest.mark.parametrize("body, param", [
-    (b"{oops", None),
-    (b'"a string"', None),
-    ({**CHAT, "messages": "hi"}, "messages"),
-    ({**CHAT, "temperature": "warm"}, "temperature"),
-    ({**CHAT, "temperature": 9}, "temperature"),
-    ({**CHAT, "max_tokens": -5}, "max_tokens"),
-    ({**CHAT, "n": 0}, "n"),
-    ({**CHAT, "stop": {"a": 1}}, "stop"),
-    ({**CHAT, "logit_bias": {"999999": 5}}, "logit_bias"),
-    ({**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0]"),
-])
-def test_bad_input_is_400_naming_the_field(server, body, param):
-    assert envelope(post(server, body), 400)["param"] == param
+def healthy(server) -> bool:
+    r = requests.get(server.url + "/health", timeout=5)
+    return r.status_code == 200 and r.json()["workers"] == 1
+
+
+COMPLETION = "/v1/completions"
+# (path, body, the `param` the error names). Each must be a 400 in the OpenAI envelope that
+# leaves the server healthy.
+BAD_INPUT = {
+    "invalid JSON": (None, b"{oops", None),
+    "not an object": (None, b'"a string"', None),
+    "invalid UTF-8 in a string": (None, b'{"messages": [{"role": "user", "content": "\xff\xfe"}]}', None),
+    "messages missing": (None, {"model": "reame"}, "messages"),
+    "prompt missing": (COMPLETION, {"model": "reame", "max_tokens": 2}, "prompt"),
+    "messages not an array": (None, {**CHAT, "messages": "hi"}, "messages"),
+    "messages empty": (None, {**CHAT, "messages": []}, "messages"),
+    "unknown role": (None, {**CHAT, "messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
+    "content missing": (None, {**CHAT, "messages": [{"role": "user"}]}, "messages[0].content"),
+    "image content": (None, {**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+                      "messages[0].content[0]"),
+    "empty prompt list": (COMPLETION, {"prompt": [], "max_tokens": 2}, "prompt"),
+    "temperature a string": (None, {**CHAT, "temperature": "warm"}, "temperature"),
+    "temperature too high": (None, {**CHAT, "temperature": 9}, "temperature"),
+    "stream a string": (None, {**CHAT, "stream": "yes"}, "stream"),
+    "max_tokens negative": (None, {**CHAT, "max_tokens": -5}, "max_tokens"),
+    "max_tokens zero": (COMPLETION, {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    "max_tokens fractional": (None, {**CHAT, "max_tokens": 2.5}, "max_tokens"),
+    "max_tokens huge": (None, {**CHAT, "max_tokens": 10 ** 12}, "messages"),  # over the context
+    "n zero": (None, {**CHAT, "n": 0}, "n"),
+    "n over max_n": (None, {**CHAT, "n": 17}, "n"),
+    "stop an object": (None, {**CHAT, "stop": {"a": 1}}, "stop"),
+    "stop list too long": (None, {**CHAT, "stop": [f"s{i}" for i in range(17)]}, "stop"),
+    "logit_bias id outside the vocabulary": (None, {**CHAT, "logit_bias": {"999999": 5}}, "logit_bias"),
+    "logit_bias id not a number": (None, {**CHAT, "logit_bias": {"abc": 5}}, "logit_bias"),
+    "logit_bias id negative": (None, {**CHAT, "logit_bias": {"-1": 5}}, "logit_bias"),
+    "logit_bias value out of range": (None, {**CHAT, "logit_bias": {"5": 500}}, "logit_bias"),
+    "prompt token outside the vocabulary": (COMPLETION, {"prompt": [1, 999999], "max_tokens": 2}, "prompt"),
+}
+
+
+@pytest.mark.parametrize("path, body, param", BAD_INPUT.values(), ids=BAD_INPUT.keys())
+def test_bad_input_is_400_naming_the_field(server, path, body, param):
+    assert envelope(post(server, body, path=path or "/v1/chat/completions"), 400)["param"] == param
+    assert healthy(server)
 
 
 def test_context_length_exceeded_gives_the_counts(server, client):
@@ -68,6 +100,7 @@ def test_gguf_name_is_accepted_as_model(client):
 def test_body_over_the_limit_is_413(server):
     r = post(server, {"model": "reame", "prompt": "x" * 70_000}, path="/v1/completions")
     assert envelope(r, 413)["code"] == "request_too_large"
+    assert healthy(server)
 
 
 def test_auth(server):
@@ -97,6 +130,7 @@ def test_overload_is_429_with_retry_after(server):
         for sock in sockets:
             sock.close()
     wait_idle(server)
+    assert post(server, {"model": "reame", "prompt": "x", "max_tokens": 1}, path="/v1/completions").status_code == 200
 
 
 def test_garbage_never_yields_500(server):
