@@ -109,3 +109,17 @@ def test_a_tcp_worker_endpoint_beyond_loopback_warns():
     assert check_exposure(conf(server="endpoint = tcp://127.0.0.1:5557")) == []
     warnings = check_exposure(conf(server="endpoint = tcp://0.0.0.0:5557"))
     assert len(warnings) == 1 and "tcp://0.0.0.0:5557" in warnings[0]
+
+
+@pytest.mark.parametrize("log_prompts", [False, True])
+def test_prompt_text_is_logged_only_with_log_prompts(tmp_path, caplog, log_prompts):
+    srv = FakeServer(tmp_path, extra=f"[logging]\nlog_prompts = {str(log_prompts).lower()}")
+    try:
+        with caplog.at_level(logging.DEBUG, logger="reame"):
+            r = requests.post(srv.url + "/v1/completions", json={"prompt": "zebra-quartz", "max_tokens": 3},
+                              headers={"X-Request-Id": "rq1"}, timeout=10)
+            assert r.status_code == 200
+            srv.wait_until(lambda: "request rq1 (" in caplog.text)
+    finally:
+        srv.close()
+    assert ("zebra-quartz" in caplog.text) == log_prompts
