@@ -14,12 +14,12 @@ from numba import njit
 
 from shared.errors import ModelLoadError
 from worker.engine.gguf_file import GGUFFile
-from worker.engine.kernels.matvec import linear
 from worker.engine.kernels.ops import attention_decode, dequant_row, gelu_tanh_mul, rmsnorm, rope_halves
-from worker.engine.kernels.packing import TILE
 from worker.engine.kv_cache import KVCache
 from worker.engine.layers import causal_attention, gelu_tanh, rms_norm
 from worker.engine.models.common import DecodeBuffers, load_packed, project
+from worker.engine.models.decode_parts import (add_into, head_norm, matvec, output_logits, padded, split_qkv,
+                                               store_kv)
 from worker.engine.rope import apply_rope_halves, rope_tables
 
 Q, K, V, O, GATE, UP, DOWN = range(7)
@@ -122,7 +122,7 @@ class Gemma3:
     # ---------------------------------------------------------------- fused decode (numba)
     def decode_step(self, token: int, pos: int, kv: KVCache) -> np.ndarray:
         hp, w, b, t, vec = self.hp, self.w, self.buffers, self.w.table, self.w.vectors
-        _gemma3_decode(token, pos, t.data, t.scales, t.scales16, t.meta, w.mats, w.token_embd, w.output,
+        _gemma3_decode(token, pos, (t.data, t.scales, t.scales16, t.meta), w.mats, w.token_embd, w.output,
                        vec["attn_norm"], vec["attn_q_norm"], vec["attn_k_norm"], vec["post_attention_norm"],
                        vec["ffn_norm"], vec["post_ffw_norm"], w.output_norm, np.float32(hp.rms_eps),
                        self.embed_scale, hp.n_heads, hp.n_kv_heads, hp.head_dim, self.is_global, hp.sliding_window,
@@ -136,55 +136,38 @@ class Gemma3:
 
 
 @njit(cache=True, nogil=True)
-def _gemma3_decode(token, pos, data, scales, scales16, meta, mats, token_embd, output,
+def _gemma3_decode(token, pos, tab, mats, token_embd, output,
                    attn_norm, q_norm, k_norm, post_attn_norm, ffn_norm, post_ffw_norm, output_norm, eps,
                    embed_scale, n_heads, n_kv, head_dim, is_global, window, cos_local, sin_local,
                    cos_global, sin_global, scale, k_cache, v_cache,
                    x, h, qkv, att, proj, gu, act, scores, tiles, logits):
     d = x.shape[0]
-    q_rows, kv_rows = n_heads * head_dim, n_kv * head_dim
-    k_off = -(-q_rows // TILE) * TILE
-    v_off = k_off + -(-kv_rows // TILE) * TILE
     ff = act.shape[0]
-    up_off = -(-ff // TILE) * TILE
-    dequant_row(data, scales, scales16, meta[token_embd], token, x)
+    dequant_row(tab[0], tab[1], tab[2], tab[3][token_embd], token, x)
     for i in range(d):
         x[i] *= embed_scale
     for layer in range(mats.shape[0]):
         m = mats[layer]
         rmsnorm(x, attn_norm[layer], eps, h)
-        linear(data, scales, scales16, meta, m[0:3], h, qkv, tiles)
-        q = qkv[:q_rows]
-        k = qkv[k_off:k_off + kv_rows]
-        v = qkv[v_off:v_off + kv_rows]
-        for hh in range(n_heads):
-            rmsnorm(q[hh * head_dim:(hh + 1) * head_dim], q_norm[layer], eps, q[hh * head_dim:(hh + 1) * head_dim])
-        for hh in range(n_kv):
-            rmsnorm(k[hh * head_dim:(hh + 1) * head_dim], k_norm[layer], eps, k[hh * head_dim:(hh + 1) * head_dim])
+        matvec(tab, m[0:3], h, qkv, tiles)
+        q, k, v = split_qkv(qkv, n_heads * head_dim, n_kv * head_dim)
+        head_norm(q, n_heads, head_dim, q_norm[layer], eps)
+        head_norm(k, n_kv, head_dim, k_norm[layer], eps)
         if is_global[layer]:
-            rope_halves(q, n_heads, head_dim, cos_global, sin_global)
-            rope_halves(k, n_kv, head_dim, cos_global, sin_global)
-            first = 0
+            cos, sin, first = cos_global, sin_global, 0
         else:
-            rope_halves(q, n_heads, head_dim, cos_local, sin_local)
-            rope_halves(k, n_kv, head_dim, cos_local, sin_local)
-            first = max(0, pos + 1 - window)
-        for hh in range(n_kv):
-            k_cache[layer, hh, pos] = k[hh * head_dim:(hh + 1) * head_dim]
-            v_cache[layer, hh, pos] = v[hh * head_dim:(hh + 1) * head_dim]
+            cos, sin, first = cos_local, sin_local, max(0, pos + 1 - window)
+        rope_halves(q, n_heads, head_dim, cos, sin)
+        rope_halves(k, n_kv, head_dim, cos, sin)
+        store_kv(k_cache, v_cache, layer, pos, k, v, n_kv, head_dim)
         attention_decode(q, k_cache[layer], v_cache[layer], pos + 1, first, scale, att, scores)
-        linear(data, scales, scales16, meta, m[3:4], att, proj, tiles)
+        matvec(tab, m[3:4], att, proj, tiles)
         rmsnorm(proj[:d], post_attn_norm[layer], eps, proj[:d])
-        for i in range(d):
-            x[i] += proj[i]
+        add_into(x, proj)
         rmsnorm(x, ffn_norm[layer], eps, h)
-        linear(data, scales, scales16, meta, m[4:6], h, gu, tiles)
-        gelu_tanh_mul(gu[:ff], gu[up_off:up_off + ff], act)
-        linear(data, scales, scales16, meta, m[6:7], act, proj, tiles)
+        matvec(tab, m[4:6], h, gu, tiles)
+        gelu_tanh_mul(gu[:ff], gu[padded(ff):padded(ff) + ff], act)
+        matvec(tab, m[6:7], act, proj, tiles)
         rmsnorm(proj[:d], post_ffw_norm[layer], eps, proj[:d])
-        for i in range(d):
-            x[i] += proj[i]
-    rmsnorm(x, output_norm, eps, h)
-    out_mat = np.empty(1, np.int64)
-    out_mat[0] = output
-    linear(data, scales, scales16, meta, out_mat, h, logits, tiles)
+        add_into(x, proj)
+    output_logits(tab, output, x, output_norm, eps, h, logits, tiles)

@@ -14,12 +14,11 @@ from numba import njit
 
 from shared.errors import ModelLoadError
 from worker.engine.gguf_file import GGUFFile
-from worker.engine.kernels.matvec import linear
-from worker.engine.kernels.ops import attention_decode, dequant_row, rmsnorm, rope_pairs, silu_mul
-from worker.engine.kernels.packing import TILE
+from worker.engine.kernels.ops import attention_decode, dequant_row, rmsnorm, rope_pairs
 from worker.engine.kv_cache import KVCache
 from worker.engine.layers import causal_attention, rms_norm, silu
 from worker.engine.models.common import DecodeBuffers, load_packed, project, vector
+from worker.engine.models.decode_parts import add_into, matvec, output_logits, split_qkv, store_kv, swiglu_ffn
 from worker.engine.rope import apply_rope_pairs, rope_tables
 
 # Per-layer matrices, in the column order of PackedWeights.mats.
@@ -125,7 +124,7 @@ class Llama:
     # ---------------------------------------------------------------- fused decode (numba)
     def decode_step(self, token: int, pos: int, kv: KVCache) -> np.ndarray:
         hp, w, b, t = self.hp, self.w, self.buffers, self.w.table
-        _llama_decode(token, pos, t.data, t.scales, t.scales16, t.meta, w.mats, w.token_embd, w.output,
+        _llama_decode(token, pos, (t.data, t.scales, t.scales16, t.meta), w.mats, w.token_embd, w.output,
                       w.vectors["attn_norm"], w.vectors["ffn_norm"], w.output_norm, np.float32(hp.rms_eps),
                       hp.n_heads, hp.n_kv_heads, hp.head_dim, self.cos[pos], self.sin[pos],
                       np.float32(self.scale), kv.k, kv.v,
@@ -137,39 +136,20 @@ class Llama:
 
 
 @njit(cache=True, nogil=True)
-def _llama_decode(token, pos, data, scales, scales16, meta, mats, token_embd, output,
-                  attn_norm, ffn_norm, output_norm, eps, n_heads, n_kv, head_dim, cos, sin, scale,
-                  k_cache, v_cache, x, h, qkv, att, proj, gu, act, scores, tiles, logits):
-    d = x.shape[0]
-    q_rows, kv_rows = n_heads * head_dim, n_kv * head_dim
-    k_off = -(-q_rows // TILE) * TILE
-    v_off = k_off + -(-kv_rows // TILE) * TILE
-    ff = act.shape[0]
-    up_off = -(-ff // TILE) * TILE
-    dequant_row(data, scales, scales16, meta[token_embd], token, x)
+def _llama_decode(token, pos, tab, mats, token_embd, output, attn_norm, ffn_norm, output_norm, eps,
+                  n_heads, n_kv, head_dim, cos, sin, scale, k_cache, v_cache,
+                  x, h, qkv, att, proj, gu, act, scores, tiles, logits):
+    dequant_row(tab[0], tab[1], tab[2], tab[3][token_embd], token, x)
     for layer in range(mats.shape[0]):
         m = mats[layer]
         rmsnorm(x, attn_norm[layer], eps, h)
-        linear(data, scales, scales16, meta, m[0:3], h, qkv, tiles)
-        q = qkv[:q_rows]
-        k = qkv[k_off:k_off + kv_rows]
-        v = qkv[v_off:v_off + kv_rows]
+        matvec(tab, m[0:3], h, qkv, tiles)
+        q, k, v = split_qkv(qkv, n_heads * head_dim, n_kv * head_dim)
         rope_pairs(q, n_heads, head_dim, cos, sin)
         rope_pairs(k, n_kv, head_dim, cos, sin)
-        for hh in range(n_kv):
-            k_cache[layer, hh, pos] = k[hh * head_dim:(hh + 1) * head_dim]
-            v_cache[layer, hh, pos] = v[hh * head_dim:(hh + 1) * head_dim]
+        store_kv(k_cache, v_cache, layer, pos, k, v, n_kv, head_dim)
         attention_decode(q, k_cache[layer], v_cache[layer], pos + 1, 0, scale, att, scores)
-        linear(data, scales, scales16, meta, m[3:4], att, proj, tiles)
-        for i in range(d):
-            x[i] += proj[i]
-        rmsnorm(x, ffn_norm[layer], eps, h)
-        linear(data, scales, scales16, meta, m[4:6], h, gu, tiles)
-        silu_mul(gu[:ff], gu[up_off:up_off + ff], act)
-        linear(data, scales, scales16, meta, m[6:7], act, proj, tiles)
-        for i in range(d):
-            x[i] += proj[i]
-    rmsnorm(x, output_norm, eps, h)
-    out_mat = np.empty(1, np.int64)
-    out_mat[0] = output
-    linear(data, scales, scales16, meta, out_mat, h, logits, tiles)
+        matvec(tab, m[3:4], att, proj, tiles)
+        add_into(x, proj)
+        swiglu_ffn(tab, m, x, ffn_norm[layer], eps, h, gu, act, proj, tiles)
+    output_logits(tab, output, x, output_norm, eps, h, logits, tiles)

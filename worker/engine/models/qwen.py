@@ -7,12 +7,12 @@ import numpy as np
 from numba import njit
 
 from worker.engine.gguf_file import GGUFFile
-from worker.engine.kernels.matvec import linear
-from worker.engine.kernels.ops import attention_decode, dequant_row, rmsnorm, rope_halves, silu_mul
-from worker.engine.kernels.packing import TILE
+from worker.engine.kernels.ops import attention_decode, dequant_row, rmsnorm, rope_halves
 from worker.engine.kv_cache import KVCache
 from worker.engine.layers import causal_attention, rms_norm, silu
 from worker.engine.models.common import DecodeBuffers, load_packed, project, vector
+from worker.engine.models.decode_parts import (add_into, head_norm, matvec, output_logits, split_qkv,
+                                               store_kv, swiglu_ffn)
 from worker.engine.models.llama import DOWN, GATE, K, O, Q, UP, V, LlamaHParams
 from worker.engine.rope import apply_rope_halves, rope_tables
 
@@ -66,7 +66,7 @@ class Qwen:
     # ---------------------------------------------------------------- fused decode (numba)
     def decode_step(self, token: int, pos: int, kv: KVCache) -> np.ndarray:
         hp, w, b, t, vec = self.hp, self.w, self.buffers, self.w.table, self.w.vectors
-        _qwen_decode(token, pos, t.data, t.scales, t.scales16, t.meta, w.mats, w.token_embd, w.output,
+        _qwen_decode(token, pos, (t.data, t.scales, t.scales16, t.meta), w.mats, w.token_embd, w.output,
                      vec["attn_norm"], vec["ffn_norm"], w.output_norm, self.bias["attn_q"], self.bias["attn_k"],
                      self.bias["attn_v"], self.qk_norm, vec["attn_q_norm"], vec["attn_k_norm"],
                      np.float32(hp.rms_eps), hp.n_heads, hp.n_kv_heads, hp.head_dim, self.cos[pos], self.sin[pos],
@@ -79,49 +79,26 @@ class Qwen:
 
 
 @njit(cache=True, nogil=True)
-def _qwen_decode(token, pos, data, scales, scales16, meta, mats, token_embd, output, attn_norm, ffn_norm,
-                 output_norm, q_bias, k_bias, v_bias, qk_norm, q_norm, k_norm, eps, n_heads, n_kv, head_dim,
+def _qwen_decode(token, pos, tab, mats, token_embd, output, attn_norm, ffn_norm, output_norm,
+                 q_bias, k_bias, v_bias, qk_norm, q_norm, k_norm, eps, n_heads, n_kv, head_dim,
                  cos, sin, scale, k_cache, v_cache, x, h, qkv, att, proj, gu, act, scores, tiles, logits):
-    d = x.shape[0]
-    q_rows, kv_rows = n_heads * head_dim, n_kv * head_dim
-    k_off = -(-q_rows // TILE) * TILE
-    v_off = k_off + -(-kv_rows // TILE) * TILE
-    ff = act.shape[0]
-    up_off = -(-ff // TILE) * TILE
-    dequant_row(data, scales, scales16, meta[token_embd], token, x)
+    dequant_row(tab[0], tab[1], tab[2], tab[3][token_embd], token, x)
     for layer in range(mats.shape[0]):
         m = mats[layer]
         rmsnorm(x, attn_norm[layer], eps, h)
-        linear(data, scales, scales16, meta, m[0:3], h, qkv, tiles)
-        q = qkv[:q_rows]
-        k = qkv[k_off:k_off + kv_rows]
-        v = qkv[v_off:v_off + kv_rows]
-        for i in range(q_rows):
-            q[i] += q_bias[layer, i]
-        for i in range(kv_rows):
-            k[i] += k_bias[layer, i]
-            v[i] += v_bias[layer, i]
+        matvec(tab, m[0:3], h, qkv, tiles)
+        q, k, v = split_qkv(qkv, n_heads * head_dim, n_kv * head_dim)
+        add_into(q, q_bias[layer])
+        add_into(k, k_bias[layer])
+        add_into(v, v_bias[layer])
         if qk_norm:
-            for hh in range(n_heads):
-                rmsnorm(q[hh * head_dim:(hh + 1) * head_dim], q_norm[layer], eps, q[hh * head_dim:(hh + 1) * head_dim])
-            for hh in range(n_kv):
-                rmsnorm(k[hh * head_dim:(hh + 1) * head_dim], k_norm[layer], eps, k[hh * head_dim:(hh + 1) * head_dim])
+            head_norm(q, n_heads, head_dim, q_norm[layer], eps)
+            head_norm(k, n_kv, head_dim, k_norm[layer], eps)
         rope_halves(q, n_heads, head_dim, cos, sin)
         rope_halves(k, n_kv, head_dim, cos, sin)
-        for hh in range(n_kv):
-            k_cache[layer, hh, pos] = k[hh * head_dim:(hh + 1) * head_dim]
-            v_cache[layer, hh, pos] = v[hh * head_dim:(hh + 1) * head_dim]
+        store_kv(k_cache, v_cache, layer, pos, k, v, n_kv, head_dim)
         attention_decode(q, k_cache[layer], v_cache[layer], pos + 1, 0, scale, att, scores)
-        linear(data, scales, scales16, meta, m[3:4], att, proj, tiles)
-        for i in range(d):
-            x[i] += proj[i]
-        rmsnorm(x, ffn_norm[layer], eps, h)
-        linear(data, scales, scales16, meta, m[4:6], h, gu, tiles)
-        silu_mul(gu[:ff], gu[up_off:up_off + ff], act)
-        linear(data, scales, scales16, meta, m[6:7], act, proj, tiles)
-        for i in range(d):
-            x[i] += proj[i]
-    rmsnorm(x, output_norm, eps, h)
-    out_mat = np.empty(1, np.int64)
-    out_mat[0] = output
-    linear(data, scales, scales16, meta, out_mat, h, logits, tiles)
+        matvec(tab, m[3:4], att, proj, tiles)
+        add_into(x, proj)
+        swiglu_ffn(tab, m, x, ffn_norm[layer], eps, h, gu, act, proj, tiles)
+    output_logits(tab, output, x, output_norm, eps, h, logits, tiles)
