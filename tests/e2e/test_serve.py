@@ -1,8 +1,10 @@
 """`reame serve` with two workers: losing a worker mid-request, draining one, stopping everything.
 
-SIGKILL one of two workers while requests are in flight: the non-streamed request is re-run
-elsewhere and succeeds, the stream already under way ends with an error, the gateway stays
-healthy and `reame serve` restarts the worker.
+SIGKILL one of two workers while requests are in flight: the non-streamed requests (one running,
+two queued) are re-run elsewhere and succeed, the stream already under way ends with an error,
+the gateway stays healthy and `reame serve` restarts the worker. SIGSTOP one: its heartbeats
+stop, the gateway drops it after worker_timeout (5 s here) and re-runs its request on the other
+worker; after SIGCONT it registers again.
 """
 from __future__ import annotations
 
@@ -78,16 +80,18 @@ def test_sigkill_with_requests_in_flight(serve, client):
     next(chunks)
     wait_for(lambda: sum(busy_workers(serve).values()) == 1, what="the stream to start")
     stream_pid = next(pid for pid, n in busy_workers(serve).items() if n)
-    with cf.ThreadPoolExecutor(1) as pool:
-        plain = pool.submit(client.completions.create, model="reame", prompt="Once", max_tokens=40,
-                            logit_bias=NO_END, temperature=0)
+    with cf.ThreadPoolExecutor(3) as pool:
+        # One runs on the other worker, two wait in the gateway's queue: none may be lost.
+        plains = [pool.submit(client.completions.create, model="reame", prompt="Once", max_tokens=40,
+                              logit_bias=NO_END, temperature=0) for _ in range(3)]
         wait_for(lambda: sum(busy_workers(serve).values()) == 2, what="both workers busy")
         plain_pid = next(pid for pid, n in busy_workers(serve).items() if n and pid != stream_pid)
         os.kill(plain_pid, signal.SIGKILL)
         # The other worker still serves: the gateway is healthy while the killed one restarts.
         assert requests.get(serve.url + "/health").status_code == 200
-        result = plain.result(timeout=180)  # re-run from scratch once a worker is free
-        assert result.usage.completion_tokens == 40 and result.choices[0].finish_reason == "length"
+        for plain in plains:  # re-run from scratch once a worker is free
+            result = plain.result(timeout=180)
+            assert result.usage.completion_tokens == 40 and result.choices[0].finish_reason == "length"
     os.kill(stream_pid, signal.SIGKILL)
     with pytest.raises(openai.APIError):
         for _ in chunks:
@@ -111,6 +115,29 @@ def test_sigterm_drains_the_worker(serve, client):
              timeout=30, what="the drained worker to exit")
     assert "draining" in (serve.directory / "serve.log").read_text()
     wait_for(lambda: healthy_workers(serve) == 2, what="the worker to be restarted")
+
+
+def test_sigstop_worker_is_dropped_and_its_request_moved(serve, client):
+    wait_for(lambda: healthy_workers(serve) == 2, what="two workers")
+    with cf.ThreadPoolExecutor(2) as pool:
+        first = pool.submit(client.completions.create, model="reame", prompt="Once", max_tokens=60,
+                            logit_bias=NO_END, temperature=0)
+        wait_for(lambda: sum(busy_workers(serve).values()) == 1, what="the first request to start")
+        stopped = next(pid for pid, n in busy_workers(serve).items() if n)
+        os.kill(stopped, signal.SIGSTOP)
+        try:
+            second = pool.submit(client.completions.create, model="reame", prompt="Twice", max_tokens=20,
+                                 logit_bias=NO_END, temperature=0)
+            results = [first.result(timeout=120), second.result(timeout=120)]
+            assert [r.usage.completion_tokens for r in results] == [60, 20]
+            assert healthy_workers(serve) == 1
+            assert "silent for" in (serve.directory / "serve.log").read_text()
+        finally:
+            os.kill(stopped, signal.SIGCONT)
+    # Its next heartbeat reaches a gateway that dropped it, which asks it to register again.
+    wait_for(lambda: healthy_workers(serve) == 2, timeout=30, what="the stopped worker to rejoin")
+    assert psutil.Process(stopped).is_running()  # the same process: nobody restarted it
+    assert client.completions.create(model="reame", prompt="Hi", max_tokens=2).usage.completion_tokens == 2
 
 
 def test_unknown_numa_node_is_a_clear_error(tmp_path):
