@@ -36,12 +36,21 @@ def current_request_id() -> str:
 
 @web.middleware
 async def request_id_middleware(request: web.Request, handler) -> web.StreamResponse:
-    _CURRENT.set(sanitize(request.headers.get(HEADER)) or uuid.uuid4().hex)
-    return await handler(request)
+    rid = sanitize(request.headers.get(HEADER)) or uuid.uuid4().hex
+    token = _CURRENT.set(rid)
+    try:
+        response = await handler(request)
+    finally:
+        # Reset, so that an answer aiohttp makes itself (a 400 for a malformed next request on the
+        # same connection) is not labelled with this request's id.
+        _CURRENT.reset(token)
+    if not response.prepared:
+        response.headers[HEADER] = rid
+    return response
 
 
 async def add_header(request: web.Request, response: web.StreamResponse) -> None:
-    """on_response_prepare hook: every response, streamed or not, error or not, carries the id."""
+    """on_response_prepare hook: a stream sends its headers from inside the handler."""
     rid = _CURRENT.get()
     if rid is not None:
         response.headers[HEADER] = rid

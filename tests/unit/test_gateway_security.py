@@ -58,6 +58,9 @@ def test_request_id_is_echoed_sanitized_or_made_up(server):
     assert len(made_up) == 32
     refused = requests.get(server.url + "/v1/models", headers={"X-Request-Id": "x y"}, timeout=5)
     assert refused.status_code == 401 and refused.headers["X-Request-Id"] == "xy"
+    streamed = requests.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2, "stream": True},
+                             headers={**auth, "X-Request-Id": "s-1"}, timeout=5)
+    assert streamed.headers["X-Request-Id"] == "s-1" and streamed.text.endswith("data: [DONE]\n\n")
     odd = requests.get(server.url + "/v1/models", headers={**auth, "X-Request-Id": "a\tb <i>;%0A"}, timeout=5)
     assert odd.headers["X-Request-Id"] == "abi0A"
     # Bytes a client library would refuse to send: aiohttp's parser answers 400 before any handler.
