@@ -275,6 +275,9 @@ def print_table(report: Report, samples: list[Sample], outcomes: list[Outcome]) 
     print(f"latency p50 {report.latency_p50:.2f} s, p95 {report.latency_p95:.2f} s, p99 {report.latency_p99:.2f} s; "
           f"time to first token p50 {report.ttft_p50:.2f} s, p95 {report.ttft_p95:.2f} s; "
           f"{report.tokens_per_s:.1f} tokens/s in all")
+    slowest = sorted((o for o in outcomes if o.ok), key=lambda o: o.total)[-3:]
+    print("slowest: " + ", ".join(f"{o.total:.1f} s (first token {o.ttft:.1f} s, {o.tokens} tokens, done at "
+                                  f"{o.finished:.0f} s)" for o in reversed(slowest)))
     for name in sorted(report.rss_start):
         end = report.rss_end.get(name)
         end_text = f"{end / 2**20:.0f} MB" if end is not None else "gone"
@@ -291,7 +294,8 @@ def main() -> int:
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--duration", type=float, default=1800, help="seconds")
     parser.add_argument("--sample", type=float, default=60, help="seconds between RSS samples")
-    parser.add_argument("--warmup", type=float, default=None, help="seconds (default: a tenth of the run, at least one sample)")
+    parser.add_argument("--warmup", type=float, default=None,
+                        help="seconds (default: a tenth of the run, at least one sample)")
     parser.add_argument("--workers", type=int, default=0, help="0 = one per NUMA node")
     parser.add_argument("--json", help="also write the report here")
     args = parser.parse_args()

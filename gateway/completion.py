@@ -212,7 +212,8 @@ class _Run:
                   self.prompt_tokens, tokens, time.perf_counter() - self.arrived)
         if self.state.config.logging.log_prompts:  # user data: only when asked for
             for ids in prompts:
-                log.debug("request %s prompt: %r", self.request_id, self.state.tokenizer.decode(ids, skip_special=False))
+                text = self.state.tokenizer.decode(ids, skip_special=False)
+                log.debug("request %s prompt: %r", self.request_id, text)
             for choice in self._ordered():
                 log.debug("request %s choice %d: %r", self.request_id, choice.index, choice.text)
 
