@@ -2,11 +2,8 @@
 read or the address would expose the API by accident; nothing is left running."""
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
-
-import pytest
 
 from tests.e2e.servers import REPO, free_port, write_config
 
@@ -39,15 +36,6 @@ def test_a_directory_where_the_model_should_be(tmp_path):
     model.mkdir()
     r = serve(tmp_path, model)
     assert r.returncode != 0 and "model not found" in r.stderr, r.stderr
-
-
-@pytest.mark.skipif(os.geteuid() == 0, reason="root reads files whatever their mode")
-def test_a_model_without_read_permission(tmp_path):
-    model = tmp_path / "model.gguf"
-    model.write_bytes(b"GGUF")
-    model.chmod(0)
-    r = serve(tmp_path, model)
-    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
 
 
 def test_a_public_address_needs_allow_remote(tmp_path, smollm2_gguf):

@@ -74,3 +74,20 @@ def test_missing_tensor(tmp_path):
     w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
     with pytest.raises(ModelLoadError, match="required tensor blk.0.attn_q.weight is missing"):
         _load(path)
+
+
+def test_unreadable_file(tmp_path, monkeypatch):
+    # chmod 000 cannot stop root (CI runs as root), so the refusal is simulated at open().
+    import builtins
+    path = tmp_path / "locked.gguf"
+    write_tiny_llama(path, TinyLlama())
+    real_open = builtins.open
+
+    def deny(file, *args, **kwargs):
+        if str(file) == str(path):
+            raise PermissionError(13, "Permission denied", str(file))
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", deny)
+    with pytest.raises(ModelLoadError, match="cannot read model file .*locked.gguf: Permission denied"):
+        _load(path)
