@@ -5,22 +5,14 @@ from __future__ import annotations
 import openai
 import pytest
 
-from tests.e2e.servers import API_KEY, Processes, free_port, write_config
+from tests.e2e.servers import API_KEY, gateway_and_worker
 
 
 @pytest.fixture(scope="session")
 def server(smollm2_gguf, tmp_path_factory):
     directory = tmp_path_factory.mktemp("e2e")
-    port = free_port()
-    config = write_config(directory, smollm2_gguf, port)
-    procs = Processes(directory, port)
-    procs.start("gateway", "-m", "gateway.main", "--config", str(config))
-    procs.start("worker", "-m", "worker.main", "--config", str(config), "--numa-node", "0")
-    try:
-        procs.wait_ready()
+    with gateway_and_worker(directory, smollm2_gguf) as procs:
         yield procs
-    finally:
-        procs.stop()
 
 
 @pytest.fixture

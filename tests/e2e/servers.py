@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import psutil
@@ -141,3 +142,18 @@ def wait_idle(server: "Processes", timeout: float = 10) -> None:
             return
         time.sleep(0.05)
     raise TimeoutError("requests still running")
+
+
+@contextmanager
+def gateway_and_worker(directory: Path, model: Path, gateway: str = ""):
+    """A real gateway and one worker on a free port, ready; stopped on exit."""
+    port = free_port()
+    config = write_config(directory, model, port, gateway=gateway)
+    procs = Processes(directory, port)
+    procs.start("gateway", "-m", "gateway.main", "--config", str(config))
+    procs.start("worker", "-m", "worker.main", "--config", str(config), "--numa-node", "0")
+    try:
+        procs.wait_ready()
+        yield procs
+    finally:
+        procs.stop()

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from tests.e2e.servers import API_KEY, REPO, Processes, free_port, write_config
+from tests.e2e.servers import API_KEY, REPO, gateway_and_worker
 
 CHECKS = ("not_a_server_error,status_code_conformance,content_type_conformance,response_headers_conformance,"
           "response_schema_conformance,negative_data_rejection,unsupported_method,ignored_auth")
@@ -26,16 +26,8 @@ SEED = 8
 @pytest.fixture(scope="module")
 def fuzz_server(smollm2_gguf, tmp_path_factory):
     directory = tmp_path_factory.mktemp("fuzz")
-    port = free_port()
-    config = write_config(directory, smollm2_gguf, port, gateway="max_n = 2\ndefault_max_tokens = 4")
-    procs = Processes(directory, port)
-    procs.start("gateway", "-m", "gateway.main", "--config", str(config))
-    procs.start("worker", "-m", "worker.main", "--config", str(config), "--numa-node", "0")
-    try:
-        procs.wait_ready()
+    with gateway_and_worker(directory, smollm2_gguf, gateway="max_n = 2\ndefault_max_tokens = 4") as procs:
         yield procs
-    finally:
-        procs.stop()
 
 
 def test_live_gateway_matches_its_openapi_document(fuzz_server, tmp_path):

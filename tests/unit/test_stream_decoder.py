@@ -13,21 +13,6 @@ SETTINGS = settings(max_examples=100, deadline=None,
                     suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
-@pytest.fixture(scope="module")
-def smollm(smollm2_gguf):
-    return Tokenizer.from_gguf(smollm2_gguf)
-
-
-@pytest.fixture(scope="module")
-def gemma(gemma3_gguf):
-    return Tokenizer.from_gguf(gemma3_gguf)
-
-
-@pytest.fixture(params=["smollm", "gemma"])
-def tok(request):
-    return request.getfixturevalue(request.param)
-
-
 def stream(tok: Tokenizer, ids: list[int], skip_special: bool = True) -> list[str]:
     decoder = StreamDecoder(tok, skip_special=skip_special)
     return [decoder.push(i) for i in ids] + [decoder.flush()]

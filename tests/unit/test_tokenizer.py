@@ -35,21 +35,6 @@ FRAGMENTS = [" ", "  ", "   ", "\n", "\n\n", "\t", "\r\n", " \n ", "'s", "'LL", 
 TEXTS = st.lists(st.sampled_from(FRAGMENTS) | st.text(max_size=4), max_size=10).map("".join)
 
 
-@pytest.fixture(scope="module")
-def smollm(smollm2_gguf):
-    return Tokenizer.from_gguf(smollm2_gguf)
-
-
-@pytest.fixture(scope="module")
-def gemma(gemma3_gguf):
-    return Tokenizer.from_gguf(gemma3_gguf)
-
-
-@pytest.fixture(params=["smollm", "gemma"])
-def tok(request):
-    return request.getfixturevalue(request.param)
-
-
 # -- reference twins --------------------------------------------------------------------------
 
 WHITESPACE = set("\t\n\v\f\r \x85\xa0\u1680\u2028\u2029\u202f\u205f\u3000") | {
