@@ -6,6 +6,7 @@ import pytest
 
 from tests.kernels.quant_cases import random_tensor
 from worker.engine.gguf_file import GGUFFile
+from worker.engine.kernels.matmul_batch import batch_scratch
 from worker.engine.kernels.packing import TILE, MatrixTable, pack
 from worker.engine.kernels.registry import ALL_QUANT_TYPES, KERNELS
 from worker.engine.quants import dequantize
@@ -33,7 +34,7 @@ def _run(variant, table, index, w, x):
     if variant.op == "matvec_batch":
         xs = np.stack([x, -0.5 * x, np.roll(x, 7)])
         out = np.zeros((3, t.padded_rows(index)), np.float32)
-        scratch = np.zeros((t.padded_rows(index) // TILE, 3 + 4 + 2, TILE), np.float32)
+        scratch = batch_scratch(t.padded_rows(index) // TILE, 3, x.shape[0])
         fn(t.data, t.scales, t.scales16, t.meta, np.array([index]), xs, out, scratch)
         return out[:, :w.shape[0]], xs.astype(np.float64) @ w.T.astype(np.float64)
     if variant.op == "unpack":

@@ -1,146 +1,378 @@
-"""Quantized matrix × a few activation vectors (batched decode): each weight is read and
-converted once per step, then applied to every sequence's vector.
+"""Quantized matrix × a few activation vectors (batched decode): each weight is read once per
+call and converted once per block of up to BLOCK rows of x, then applied to all of them.
 
-On a CPU decode is bound by reading weights, so several sequences decoded in one step share
-that read; this kernel is what continuous batching will run on. Same packed layouts as
-matvec.linear; outputs of the listed matrices are laid side by side in out[b].
+Same packed layouts as matvec.linear (see packing.py); outputs of the listed matrices are laid
+side by side in out[b]. Every out[b] is bit-identical to `matvec.linear` on x[b] alone, so a
+request's greedy output does not change when it is batched, whatever B and the other rows are.
 
-Status: correct for every quant type (tests/kernels), not yet used by the engine, and not yet
-fast: on SmolLM2's Q/K/V + gate/up matrices, 1 thread, B=8 costs 0.93x the time of 8 separate
-matvec.linear calls and B=1 4.4x one call (measured with a scratch script; the inner loops do
-not vectorize as well as matvec's). Tuning it is the first step of the batching issue.
+How. Per tile and group of 16/32 inputs, a micro-kernel written in LLVM IR (`_group_step`, an
+`@intrinsic`) keeps the group's accumulators for up to BLOCK rows × 64 outputs in vector
+registers, converts each 16-wide weight vector once and feeds it to every row's FMA. Plain numba
+loops could not: their 64-wide loops over several row views pay runtime alias checks and index
+arithmetic on every 4-input pass (converting each group into a float buffer, then running matvec's
+loop per row over it, took 5.8x one matvec call at B=1 and 12.6x at B=8). The group sums Σx that
+biased formats need are computed once per call, before the tiles, into `scratch`. Each step
+prefetches the codes of a group a few ahead: without it a matrix streamed from RAM ran 1.7x slower.
+
+Arithmetic identity. Under fastmath LLVM reassociates matvec's `(a*x0 + b*x1) + (c*x2 + d*x3)`
+into one FMA chain per 4-input pass onto gacc (zeroed per group): q8 rows r, r+1, r+2, r+3; q4
+elements hi(j), lo(j), hi(j+1), lo(j+1), i.e. j+16, j, j+17, j+1 (`_chain_pattern`); the group
+finishes with o = fma(m, Σx, fma(s, gacc, o)). The micro-kernel issues exactly that chain with
+explicit `llvm.fma` calls (numba's fastmath rewrite leaves vector calls alone), so its own order
+cannot drift. Σx must come from the same compiled loop as matvec's: its q4 tiles sum with a
+literal group size of 32 and its q8 tiles with a runtime one, which vectorize into different
+orders, hence separate sums. tests/kernels/test_matmul_batch.py asserts np.array_equal with
+matvec for every quant type: if matvec's loops change, that test fails.
+
+Speed (bench/matmul_batch.py; SmolLM2's per-layer and output matrices, Gemma 3's; 2 shared
+vCPUs, 1 or 2 threads): one call costs 0.4-0.65x one matvec.linear at B=1, 1.3-1.7x at B=8 and
+2.1-3.1x at B=16, i.e. 5-8x the throughput of separate calls; from B=8 up the FMAs themselves
+are the bound.
+
+Scratch: any C-contiguous float32 array of at least `scratch_size(B, K)` elements (see
+`batch_scratch`); one buffer serves every call with at most that B and K.
+
+Vectors are 16 floats (AVX-512 registers); a host that prefers 256-bit vectors splits them in two.
 """
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
-from worker.engine.kernels.half import f16_to_f32
-from worker.engine.kernels.packing import (FMT_F32, FMT_Q4, M_BIAS, M_DATA, M_FMT, M_GROUP, M_HALF,
-                                           M_K, M_SCALE, M_TILES, TILE)
+from worker.engine.kernels.packing import (FMT_F32, FMT_Q4, FMT_Q8, M_BIAS, M_DATA, M_FMT, M_GROUP,
+                                           M_HALF, M_K, M_SCALE, M_TILES, TILE)
 
 _JIT = dict(fastmath=True, cache=True, nogil=True)
-ROWS = 4  # weight rows converted per pass (a group holds 16 or 32 of them)
+
+BLOCK = 8  # most rows of x one micro-kernel step serves
+_STEP_ROWS = (1, 2, 3, 4, BLOCK)  # compiled step sizes; 5-7 rows run as 4 + the rest at the same cost per row
+# Output vectors (of 16) whose accumulators a step keeps live at once: rows × vectors chains hide
+# the FMA latency, and with more than ~16 accumulators the registers run out (measured).
+_VECTORS_AT_ONCE = {1: 4, 2: 4, 3: 4, 4: 4, 8: 2}
+_VEC = 16  # float32 lanes of one vector
+PREFETCH_GROUPS = 4  # groups ahead whose codes each step prefetches (2 to 16 measured alike)
+_SUM_SLOTS = 3  # group sums: q4 (group 32), q8 group 16, q8 group 32
 
 
-@njit(**_JIT)
-def _finish_group(scales, scales16, meta, tile, groups, g, group, x, work, out, col0):
-    """out[b, tile] += scale[g] * gacc[b] + bias[g] * Σ x[b] over group g, for every b.
+def scratch_size(batch: int, k: int) -> int:
+    """float32 elements linear_batch needs for B = batch rows of K = k inputs."""
+    return _SUM_SLOTS * batch * (k // 16)
 
-    work rows: 0..B-1 accumulators, B..B+ROWS-1 converted weights, B+ROWS and B+ROWS+1 the
-    group's scales and biases. Only whole rows are taken: a row of a C array stays
-    contiguous, a column slice would not, and LLVM then stops vectorizing.
+
+def batch_scratch(max_tiles: int, max_batch: int, k_max: int | None = None) -> np.ndarray:
+    """A scratch buffer for every linear_batch call with at most max_batch rows and k_max inputs.
+
+    Without k_max, K is bounded by max_tiles * TILE (true when max_tiles counts the widest call of
+    a model, e.g. the logits); linear_batch raises ValueError if a call needs more.
     """
-    batch = x.shape[0]
-    width = work.shape[1]
-    at = (tile * groups + g) * width
-    has_bias = meta[M_BIAS] >= 0
-    s, m = work[batch + ROWS], work[batch + ROWS + 1]
-    if meta[M_HALF]:
-        for t in range(width):
-            s[t] = f16_to_f32(scales16[meta[M_SCALE] + at + t])
-            m[t] = f16_to_f32(scales16[meta[M_BIAS] + at + t]) if has_bias else np.float32(0.0)
-    else:
-        for t in range(width):
-            s[t] = scales[meta[M_SCALE] + at + t]
-            m[t] = scales[meta[M_BIAS] + at + t] if has_bias else np.float32(0.0)
-    for b in range(x.shape[0]):
+    k = max_tiles * TILE if k_max is None else k_max
+    return np.zeros(scratch_size(max_batch, k), np.float32)
+
+
+def _chain_pattern(fmt: int) -> tuple[tuple[int, int, int], ...]:
+    """One pass of matvec's inner loop as (row multiplier, row offset, element offset): pass p
+    adds code row `mul * p + add` times x[group start + that row + element offset], in this order.
+    q4 byte row j holds element j (low nibble) and element j + 16 (high nibble)."""
+    if fmt == FMT_Q4:
+        return (2, 0, 16), (2, 0, 0), (2, 1, 16), (2, 1, 0)
+    return (4, 0, 0), (4, 1, 0), (4, 2, 0), (4, 3, 0)
+
+
+@intrinsic(prefer_literal=True)
+def _group_step(typingctx, data, d_off, x, b0, k0, sums, g, scales, scales16, s_off, m_off, half, out, col0,
+                rows, fmt, group):
+    """out[b0 + r, col0:col0 + TILE] += one group's contribution, for r < rows (runtime, one of
+    _STEP_ROWS), exactly as matvec adds it.
+
+    d_off: byte offset of the group's codes in data; x[b, k0 + e]: the group's inputs;
+    sums[b, g]: Σ x over the group; s_off / m_off: offsets of the group's TILE scales / biases in
+    scales16 (half != 0) or scales, m_off < 0 for none. fmt and group must be literals.
+    """
+    if not (isinstance(fmt, types.IntegerLiteral) and isinstance(group, types.IntegerLiteral)):
+        return None
+    sig = types.void(data, d_off, x, b0, k0, sums, g, scales, scales16, s_off, m_off, half, out, col0,
+                     rows, fmt, group)
+
+    def codegen(context, builder, signature, args):
+        _StepEmitter(context, builder, signature, args, fmt.literal_value, group.literal_value).emit()
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+# Positions of _group_step's array arguments.
+_DATA, _X, _SUMS, _SCALES, _SCALES16, _OUT = 0, 2, 5, 7, 8, 12
+
+
+class _StepEmitter:
+    """The IR of one `_group_step` call: a switch on the row count, one straight FMA chain each."""
+
+    _V = ir.VectorType(ir.FloatType(), _VEC)
+    _V8 = ir.VectorType(ir.IntType(8), _VEC)
+    _V16 = ir.VectorType(ir.IntType(16), _VEC)
+    _VH = ir.VectorType(ir.HalfType(), _VEC)
+    _I64 = ir.IntType(64)
+
+    def __init__(self, context, builder, signature, args, fmt, group):
+        self.context, self.b = context, builder
+        self.tys = signature.args
+        self.fmt, self.group = fmt, group
+        self.arrays = {i: context.make_array(self.tys[i])(context, builder, args[i])
+                       for i in (_DATA, _X, _SUMS, _SCALES, _SCALES16, _OUT)}
+        (self.d_off, self.b0, self.k0, self.g, self.s_off, self.m_off, self.half, self.col0,
+         self.rows) = (args[i] for i in (1, 3, 4, 6, 9, 10, 11, 13, 14))
+        self.fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(self._V, [self._V] * 3),
+                                                  "llvm.fma.v16f32")
+
+    def emit(self):
+        b = self.b
+        self._prefetch()
+        self.is_half = b.icmp_signed("!=", self.half, ir.Constant(self.half.type, 0))
+        self.has_bias = b.icmp_signed(">=", self.m_off, self._c(0))
+        done = b.append_basic_block("step.done")
+        switch = b.switch(self.rows, done)
+        for n in _STEP_ROWS:
+            case = b.append_basic_block(f"step.rows{n}")
+            switch.add_case(ir.Constant(self.rows.type, n), case)
+            b.position_at_end(case)
+            self._rows(n)
+            b.branch(done)
+        b.position_at_end(done)
+
+    def _prefetch(self):
+        """Ask for the codes PREFETCH_GROUPS groups ahead (the next tiles' once near a tile's end)."""
+        b = self.b
+        group_bytes = (self.group // 2 if self.fmt == FMT_Q4 else self.group) * TILE
+        fn = cgutils.get_or_insert_function(
+            b.module, ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer()] + [ir.IntType(32)] * 3),
+            "llvm.prefetch.p0i8")
+        start = b.add(self.d_off, self._c(PREFETCH_GROUPS * group_bytes))
+        for line in range(0, group_bytes, 64):
+            at = b.bitcast(self._ptr(_DATA, b.add(start, self._c(line))), ir.IntType(8).as_pointer())
+            b.call(fn, [at, ir.Constant(ir.IntType(32), 0), ir.Constant(ir.IntType(32), 3),
+                        ir.Constant(ir.IntType(32), 1)])
+
+    # ---- helpers -----------------------------------------------------------------------------
+    def _c(self, n):
+        return ir.Constant(self._I64, n)
+
+    def _ptr(self, arg, *indices):
+        return cgutils.get_item_pointer(self.context, self.b, self.tys[arg], self.arrays[arg], list(indices))
+
+    def _vptr(self, arg, vtype, *indices):
+        return self.b.bitcast(self._ptr(arg, *indices), vtype.as_pointer())
+
+    def _splat(self, value):
+        b = self.b
+        undef = ir.Constant(self._V, ir.Undefined)
+        one = b.insert_element(undef, value, self._c(0))
+        return b.shuffle_vector(one, undef, ir.Constant(ir.VectorType(ir.IntType(32), _VEC), None))
+
+    def _weights(self, row, v, high):
+        """Vector v (16 outputs) of code row `row` of the group, as float32 codes."""
+        b = self.b
+        at = b.add(self.d_off, b.add(b.mul(row, self._c(TILE)), b.mul(v, self._c(_VEC))))
+        raw = b.load(self._vptr(_DATA, self._V8, at), align=1)
+        if self.fmt != FMT_Q4:
+            return b.sitofp(raw, self._V)
+        nibble = b.lshr(raw, ir.Constant(self._V8, 4)) if high else b.and_(raw, ir.Constant(self._V8, 15))
+        return b.uitofp(nibble, self._V)
+
+    def _param(self, offset, v):
+        """Vector v of the TILE group parameters at offset, from scales16 or scales."""
+        b = self.b
+        at = b.add(offset, b.mul(v, self._c(_VEC)))
+        with b.if_else(self.is_half) as (then, otherwise):
+            with then:
+                bits = b.load(self._vptr(_SCALES16, self._V16, at), align=2)
+                from_half = b.fpext(b.bitcast(bits, self._VH), self._V)
+                half_block = b.block
+            with otherwise:
+                from_f32 = b.load(self._vptr(_SCALES, self._V, at), align=4)
+                f32_block = b.block
+        phi = b.phi(self._V)
+        phi.add_incoming(from_half, half_block)
+        phi.add_incoming(from_f32, f32_block)
+        return phi
+
+    # ---- the step for n rows -------------------------------------------------------------------
+    def _rows(self, n):
+        b, c = self.b, self._c
+        at_once = _VECTORS_AT_ONCE[n]
+        zero = ir.Constant(self._V, None)
+        # Accumulators live in allocas that mem2reg turns into registers across the loops below.
+        acc = [[cgutils.alloca_once(b, self._V) for _ in range(n)] for _ in range(at_once)]
+        with cgutils.for_range(b, c(TILE // _VEC // at_once)) as chunk:
+            vs = [b.add(b.mul(chunk.index, c(at_once)), c(i)) for i in range(at_once)]
+            for per_v in acc:
+                for slot in per_v:
+                    b.store(zero, slot)  # matvec zeroes gacc too: its first FMA adds to +0.0
+            with cgutils.for_range(b, c(self.group // 4)) as pass_:
+                for mul, add, offset in _chain_pattern(self.fmt):
+                    row = b.add(b.mul(pass_.index, c(mul)), c(add))
+                    k = b.add(self.k0, b.add(row, c(offset)))
+                    xk = [self._splat(b.load(self._ptr(_X, b.add(self.b0, c(r)), k))) for r in range(n)]
+                    for vi, v in enumerate(vs):
+                        w = self._weights(row, v, offset == 16)
+                        for r in range(n):
+                            b.store(b.call(self.fma, [w, xk[r], b.load(acc[vi][r])]), acc[vi][r])
+            for vi, v in enumerate(vs):
+                self._finish(v, [b.load(slot) for slot in acc[vi]])
+
+    def _finish(self, v, gaccs):
+        """out[b0 + r, vector v] = fma(m, Σx, fma(s, gacc, out)) (the fma(m, ...) only with a bias)."""
+        b, c = self.b, self._c
+        s = self._param(self.s_off, v)
+        col = b.add(self.col0, b.mul(v, c(_VEC)))
+        partial = []
+        for r, gacc in enumerate(gaccs):
+            at = self._vptr(_OUT, self._V, b.add(self.b0, c(r)), col)
+            partial.append((at, b.call(self.fma, [s, gacc, b.load(at, align=4)])))
+        with b.if_else(self.has_bias) as (then, otherwise):
+            with then:
+                m = self._param(self.m_off, v)
+                for r, (at, o) in enumerate(partial):
+                    xs = self._splat(b.load(self._ptr(_SUMS, b.add(self.b0, c(r)), self.g)))
+                    b.store(b.call(self.fma, [m, xs, o]), at, align=4)
+            with otherwise:
+                for at, o in partial:
+                    b.store(o, at, align=4)
+
+
+@njit(**_JIT)
+def _group_sums(x, group, sums):
+    """sums[g] = Σ x over group g with the very loop of matvec._finish_group, for its q8 tiles
+    (group read from the matrix's metadata at run time: the same rounding)."""
+    for g in range(x.shape[0] // group):
         xs = np.float32(0.0)
-        if has_bias:
-            for i in range(group):
-                xs += x[b, g * group + i]
-        o = out[b, col0:col0 + width]
-        ga = work[b]
-        for t in range(width):
-            o[t] += s[t] * ga[t] + m[t] * xs
+        for i in range(group):
+            xs += x[g * group + i]
+        sums[g] = xs
 
 
 @njit(**_JIT)
-def _apply_rows(w0, w1, w2, w3, x, i0, i1, i2, i3, work):
-    """work[b] += Σ_r w_r * x[b, i_r] for the ROWS converted weight rows."""
-    for b in range(x.shape[0]):
-        x0, x1, x2, x3 = x[b, i0], x[b, i1], x[b, i2], x[b, i3]
-        ga = work[b]
-        for t in range(ga.shape[0]):
-            ga[t] += (w0[t] * x0 + w1[t] * x1) + (w2[t] * x2 + w3[t] * x3)
+def _group_sums_32(x, sums):
+    """The same for q4 tiles, where matvec passes a literal 32: a constant trip count vectorizes
+    into a different summation order than a runtime one."""
+    for g in range(x.shape[0] // 32):
+        xs = np.float32(0.0)
+        for i in range(32):
+            xs += x[g * 32 + i]
+        sums[g] = xs
 
 
 @njit(**_JIT)
-def _tile(data, scales, scales16, meta, tile, x, out, col0, work):
+def _tile_quant(data, scales, scales16, meta, tile, x, sums, out, col0):
+    """out[:, col0:col0 + TILE] = tile `tile` of a q4/q8 matrix times every row of x."""
     k = meta[M_K]
-    fmt = meta[M_FMT]
-    width = work.shape[1]
-    batch = x.shape[0]
-    for b in range(batch):
-        for t in range(width):
-            out[b, col0 + t] = 0.0
-    if fmt == FMT_F32:
-        start = meta[M_DATA] + tile * k * width * 4
-        d = data[start:start + k * width * 4].view(np.float32).reshape(k, width)
-        for b in range(batch):
-            for t in range(width):
-                work[b, t] = 0.0
-        for k0 in range(0, k - k % ROWS, ROWS):
-            _apply_rows(d[k0], d[k0 + 1], d[k0 + 2], d[k0 + 3], x, k0, k0 + 1, k0 + 2, k0 + 3, work)
-        for b in range(batch):
-            for kk in range(k - k % ROWS, k):  # rows left over when K is not a multiple of ROWS
-                for t in range(width):
-                    work[b, t] += d[kk, t] * x[b, kk]
-            for t in range(width):
-                out[b, col0 + t] = work[b, t]
-        return
     group = meta[M_GROUP]
     groups = k // group
-    if fmt == FMT_Q4:
-        base = meta[M_DATA] + tile * (k // 2) * width
-        d = data[base:base + (k // 2) * width].reshape(k // 2, width)
-    else:
-        base = meta[M_DATA] + tile * k * width
-        d8 = data[base:base + k * width].view(np.int8).reshape(k, width)
-    w0, w1, w2, w3 = work[batch], work[batch + 1], work[batch + 2], work[batch + 3]
+    batch = x.shape[0]
+    q4 = meta[M_FMT] == FMT_Q4
+    group_bytes = (group // 2 if q4 else group) * TILE
+    base = meta[M_DATA] + tile * groups * group_bytes
+    for b in range(batch):
+        o = out[b, col0:col0 + TILE]
+        for t in range(TILE):
+            o[t] = 0.0
     for g in range(groups):
-        for b in range(batch):
-            for t in range(width):
-                work[b, t] = 0.0
-        if fmt == FMT_Q4:
-            for j in range(0, 16, 2):
-                r0, r1 = d[g * 16 + j], d[g * 16 + j + 1]
-                for t in range(width):
-                    w0[t] = np.float32(r0[t] & 15)
-                    w1[t] = np.float32(r0[t] >> 4)
-                    w2[t] = np.float32(r1[t] & 15)
-                    w3[t] = np.float32(r1[t] >> 4)
-                # byte row j holds elements j (low nibble) and j + 16 (high nibble)
-                k0 = g * 32 + j
-                _apply_rows(w0, w1, w2, w3, x, k0, k0 + 16, k0 + 1, k0 + 17, work)
-        else:
-            for j in range(0, group, ROWS):
-                k0 = g * group + j
-                r0, r1, r2, r3 = d8[k0], d8[k0 + 1], d8[k0 + 2], d8[k0 + 3]
-                for t in range(width):
-                    w0[t] = np.float32(r0[t])
-                    w1[t] = np.float32(r1[t])
-                    w2[t] = np.float32(r2[t])
-                    w3[t] = np.float32(r3[t])
-                _apply_rows(w0, w1, w2, w3, x, k0, k0 + 1, k0 + 2, k0 + 3, work)
-        _finish_group(scales, scales16, meta, tile, groups, g, group, x, work, out, col0)
+        d_off = base + g * group_bytes
+        at = (tile * groups + g) * TILE
+        s_off = meta[M_SCALE] + at
+        m_off = meta[M_BIAS] + at if meta[M_BIAS] >= 0 else -1
+        b0 = 0
+        while b0 < batch:  # blocks of BLOCK rows; 5-7 left go as 4 + the rest
+            rows = min(BLOCK, batch - b0)
+            if 4 < rows < BLOCK:
+                rows = 4
+            if q4:
+                _group_step(data, d_off, x, b0, g * 32, sums, g, scales, scales16, s_off, m_off, meta[M_HALF],
+                            out, col0, rows, FMT_Q4, 32)
+            elif group == 32:
+                _group_step(data, d_off, x, b0, g * 32, sums, g, scales, scales16, s_off, m_off, meta[M_HALF],
+                            out, col0, rows, FMT_Q8, 32)
+            else:
+                _group_step(data, d_off, x, b0, g * 16, sums, g, scales, scales16, s_off, m_off, meta[M_HALF],
+                            out, col0, rows, FMT_Q8, 16)
+            b0 += rows
+
+
+@njit(**_JIT)
+def _tile_f32(data, meta, tile, x, out, col0):
+    """matvec's _tile_f32 loop for every row of x."""
+    k = meta[M_K]
+    start = meta[M_DATA] + tile * k * TILE * 4
+    d = data[start:start + k * TILE * 4].view(np.float32).reshape(k, TILE)
+    for b in range(x.shape[0]):
+        o = out[b, col0:col0 + TILE]
+        xb = x[b]
+        for t in range(TILE):
+            o[t] = 0.0
+        for kk in range(k):
+            row = d[kk]
+            xv = xb[kk]
+            for t in range(o.shape[0]):
+                o[t] += row[t] * xv
+
+
+@njit(**_JIT)
+def _sum_slot(m):
+    """Which group sums a matrix uses (-1: none needed)."""
+    if m[M_FMT] == FMT_Q4:
+        return 0
+    if m[M_FMT] == FMT_Q8:
+        return 1 if m[M_GROUP] == 16 else 2
+    return -1
 
 
 @njit(parallel=True, **_JIT)
 def linear_batch(data, scales, scales16, meta, mats, x, out, scratch):
-    """out[b, cols of mats[i]] = W[mats[i]] @ x[b] for every listed matrix and every b.
+    """out[b, cols of mats[i]] = W[mats[i]] @ x[b] for every listed matrix and every row b.
 
-    x: float32 (B, K); out: float32 (B, Σ padded rows);
-    scratch: float32 (≥ Σ tiles, B + ROWS + 2, TILE) exactly: per-tile accumulators, converted
-    rows and group parameters (see _finish_group).
+    x: float32 (B, K), K the input size of every listed matrix; out: float32 (≥ B, ≥ Σ padded
+    rows) with contiguous rows; scratch: C-contiguous float32 of at least scratch_size(B, K)
+    elements (see batch_scratch). Each out[b] equals matvec.linear on x[b] bit for bit.
     """
     n_mats = mats.shape[0]
+    batch, k = x.shape
     first_tile = np.zeros(n_mats + 1, np.int64)
+    need = np.zeros(_SUM_SLOTS, np.bool_)
+    group_of = np.zeros(_SUM_SLOTS, np.int64)
     for i in range(n_mats):
-        first_tile[i + 1] = first_tile[i] + meta[mats[i], M_TILES]
-    batch = x.shape[0]
-    for g in prange(first_tile[n_mats]):
+        m = meta[mats[i]]
+        if m[M_K] != k:
+            raise ValueError("linear_batch: x.shape[1] differs from a listed matrix's K")
+        if m[M_FMT] != FMT_F32 and m[M_GROUP] != 16 and m[M_GROUP] != 32:
+            raise ValueError("linear_batch: quantized groups must have 16 or 32 inputs")
+        first_tile[i + 1] = first_tile[i] + m[M_TILES]
+        slot = _sum_slot(m)
+        if slot >= 0:
+            need[slot] = True
+            group_of[slot] = m[M_GROUP]
+    n_tiles = first_tile[n_mats]
+    if out.shape[0] < batch or out.shape[1] < n_tiles * TILE or out.strides[1] != 4:
+        raise ValueError("linear_batch: out must be (≥ B, ≥ Σ padded rows) with contiguous rows")
+    per_slot = batch * (k // 16)
+    if scratch.size < _SUM_SLOTS * per_slot:
+        raise ValueError("linear_batch: scratch too small (see batch_scratch)")
+    flat = scratch.reshape(scratch.size)
+    sums = flat[:_SUM_SLOTS * per_slot].reshape(_SUM_SLOTS, batch, k // 16)
+    for b in range(batch):
+        if need[0]:
+            _group_sums_32(x[b], sums[0, b])
+        for slot in range(1, _SUM_SLOTS):
+            if need[slot]:
+                _group_sums(x[b], group_of[slot], sums[slot, b])
+    for tg in prange(n_tiles):
         i = 0
-        while g >= first_tile[i + 1]:
+        while tg >= first_tile[i + 1]:
             i += 1
-        _tile(data, scales, scales16, meta[mats[i]], g - first_tile[i], x, out, g * TILE, scratch[g])
+        m = meta[mats[i]]
+        tile = tg - first_tile[i]
+        if m[M_FMT] == FMT_F32:
+            _tile_f32(data, m, tile, x, out, tg * TILE)
+        else:
+            _tile_quant(data, scales, scales16, m, tile, x, sums[_sum_slot(m)], out, tg * TILE)

@@ -25,9 +25,11 @@ ALL_QUANT_TYPES = tuple(SPECS)  # F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, 
 
 KERNELS: dict[tuple[str, str], KernelVariant] = {
     ("matvec", "tiled"): KernelVariant("matvec", "tiled", matvec.linear,
-                                       "transposed 64-row tiles, parallel over tiles, several matrices per launch"),
-    ("matvec_batch", "rows4"): KernelVariant("matvec_batch", "rows4", matmul_batch.linear_batch,
-                                             "weights converted once per step, applied to B vectors (batched decode)"),
+                                       "transposed 64-row tiles, parallel over tiles, several matrices per launch "
+                                       "(the bit-exact yardstick of matvec_batch)"),
+    ("matvec_batch", "registers"): KernelVariant("matvec_batch", "registers", matmul_batch.linear_batch,
+                                                 "each weight block converted once and applied to up to 8 rows "
+                                                 "held in registers (every decode step); same bits as matvec"),
     ("unpack", "rows"): KernelVariant("unpack", "rows", matvec.unpack_f32,
                                       "dequantize a packed matrix to float32, parallel over rows"),
     ("row", "gather"): KernelVariant("row", "gather", ops.dequant_row,
