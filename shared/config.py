@@ -35,6 +35,18 @@ class EngineSection:
     max_context: int = 8192
     prefill_chunk: int = 512
     prefill_weights: str = "auto"  # auto | f32 | dequantize
+    kv_block_size: int = 16  # tokens per paged-KV block
+    kv_dtype: str = "float32"  # float32 | float16
+    kv_cache_memory: str = "1GiB"  # the KV block pool: bytes ("512MiB", "2GB") or a share of RAM ("10%")
+
+
+@dataclass(frozen=True)
+class SchedulerSection:
+    """Continuous batching: the knobs' start values (a tuning coordinator may change them live)."""
+    max_batch_size: int = 8  # sequences in one engine step
+    token_budget: int = 512  # prompt-chunk + decode tokens in one engine step
+    batching_window_ms: float = 2.0  # how long a lone request may wait for company
+    attention_chunk: int = 512  # keys per online-softmax chunk
 
 
 @dataclass(frozen=True)
@@ -82,6 +94,7 @@ class ServeSection:
 class Config:
     model: ModelSection = field(default_factory=ModelSection)
     engine: EngineSection = field(default_factory=EngineSection)
+    scheduler: SchedulerSection = field(default_factory=SchedulerSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
     server: ServerSection = field(default_factory=ServerSection)
     gateway: GatewaySection = field(default_factory=GatewaySection)
@@ -115,6 +128,7 @@ class Config:
 _CHOICES = {
     ("engine", "kernels"): {"auto", "reference"},
     ("engine", "prefill_weights"): {"auto", "f32", "dequantize"},
+    ("engine", "kv_dtype"): {"float32", "float16"},
     ("logging", "level"): {"debug", "info", "warning", "error"},
 }
 
@@ -135,10 +149,35 @@ def _convert(section: str, key: str, raw: str, kind: Any) -> Any:
             return float(raw)
     except ValueError:
         raise ConfigError(f"reame.conf: [{section}] {key} = {raw!r} is not a valid {kind.__name__}") from None
+    if (section, key) == ("engine", "kv_cache_memory"):
+        memory_bytes(raw, 1, f"[{section}] {key}")  # syntax only; the share is resolved at start-up
     choices = _CHOICES.get((section, key))
     if choices and raw not in choices:
         raise ConfigError(f"reame.conf: [{section}] {key} = {raw!r}; expected one of {sorted(choices)}")
     return raw
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def memory_bytes(value: str, total: int, what: str = "[engine] kv_cache_memory") -> int:
+    """'512MiB', '2GB', '1073741824' or '10%' (of total) → bytes; ConfigError names the setting."""
+    text = value.strip().lower().replace(" ", "")
+    try:
+        if text.endswith("%"):
+            share = float(text[:-1])
+            if not 0 < share <= 100:
+                raise ValueError(text)
+            return int(total * share / 100)
+        digits = text.rstrip("abcdefghijklmnopqrstuvwxyz")
+        number, unit = float(digits), text[len(digits):]
+        if unit not in _UNITS or number <= 0:
+            raise ValueError(text)
+        return int(number * _UNITS[unit])
+    except ValueError:
+        raise ConfigError(f"reame.conf: {what} = {value!r}: expected a size such as 512MiB, 2GB or a "
+                          f"share of RAM such as 10%") from None
 
 
 def _section_types() -> dict[str, type]:

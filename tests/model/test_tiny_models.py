@@ -6,6 +6,7 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 
 from tests.model.tiny_gguf import TinyModel, forward_f64, write_tiny
+from worker.engine.batch import StepChunk
 from worker.engine.engine import load_engine
 
 PROMPT = [3, 17, 42, 99, 5, 8, 150, 77, 23, 61, 4]
@@ -29,32 +30,84 @@ def tiny(request, tmp_path_factory):
     return path, spec
 
 
-def _decode_along(engine, tokens):
-    """Prefill the first token, then decode the rest one by one; logits after each token."""
-    out = [engine.prefill(np.array(tokens[:1])).copy()]
+def _load(path, kernels, **kw):
+    # Small blocks so that every sequence spans several, in a shuffled order.
+    return load_engine(path, kernels=kernels, kv_block_size=4, kv_cache_memory="64MiB",
+                       progress=lambda m: None, **kw)
+
+
+def _table(engine, blocks: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return rng.permutation(engine.kv.num_blocks)[:blocks].astype(np.int32)
+
+
+def _decode_along(engine, tokens, table):
+    """Feed the first token, then the rest one by one; logits after each token."""
+    out = [engine.execute([StepChunk.of(tokens[:1], 0, table, True)])[0]]
     for pos, tok in enumerate(tokens[1:], start=1):
-        out.append(engine.decode(tok, pos).copy())
+        out.append(engine.execute([StepChunk.of([tok], pos, table, True)])[0])
     return np.stack(out)
 
 
 @pytest.mark.parametrize("kernels", ["reference", "auto"])
 def test_decode_matches_float64_forward(tiny, kernels):
     path, spec = tiny
-    engine = load_engine(path, kernels=kernels, progress=lambda m: None)
+    engine = _load(path, kernels)
     expected = forward_f64(spec, PROMPT)
-    np.testing.assert_allclose(_decode_along(engine, PROMPT), expected, atol=2e-3 * np.abs(expected).max())
+    got = _decode_along(engine, PROMPT, _table(engine, 3, seed=1))
+    np.testing.assert_allclose(got, expected, atol=2e-3 * np.abs(expected).max())
 
 
 @pytest.mark.parametrize("kernels", ["reference", "auto"])
 def test_chunked_prefill_matches_float64_forward(tiny, kernels):
     path, spec = tiny
-    engine = load_engine(path, kernels=kernels, prefill_chunk=4, progress=lambda m: None)
+    engine = _load(path, kernels)
+    table = _table(engine, 3, seed=2)
     expected = forward_f64(spec, PROMPT)[-1]
-    np.testing.assert_allclose(engine.prefill(np.array(PROMPT)), expected, atol=2e-3 * np.abs(expected).max())
+    chunks = [PROMPT[0:4], PROMPT[4:8], PROMPT[8:]]
+    for i, part in enumerate(chunks):
+        logits = engine.execute([StepChunk.of(part, 4 * i, table, i == len(chunks) - 1)])[0]
+    np.testing.assert_allclose(logits, expected, atol=2e-3 * np.abs(expected).max())
+
+
+@pytest.mark.parametrize("kernels", ["reference", "auto"])
+def test_ragged_batch_matches_float64_forward_of_each_sequence(tiny, kernels):
+    """Three sequences in each step: prompt chunks of different lengths, then decode tokens,
+    in mixed steps, each in its own shuffled blocks; every logit row matches its sequence alone."""
+    path, spec = tiny
+    engine = _load(path, kernels)
+    order = np.random.default_rng(3).permutation(engine.kv.num_blocks).astype(np.int32)
+    prompts = [PROMPT, PROMPT[3:9], [7, 7, 7]]
+    tables = [order[0:3], order[3:6], order[6:9]]
+    step1 = [StepChunk.of(prompts[0][:5], 0, tables[0], False), StepChunk.of(prompts[1], 0, tables[1], True),
+             StepChunk.of(prompts[2][:1], 0, tables[2], True)]
+    out1 = engine.execute(step1)
+    step2 = [StepChunk.of(prompts[0][5:], 5, tables[0], True), StepChunk.of([11], len(prompts[1]), tables[1], True),
+             StepChunk.of(prompts[2][1:], 1, tables[2], True)]
+    out2 = engine.execute(step2)
+    step3 = [StepChunk.of([12], len(prompts[0]), tables[0], True), StepChunk.of([13], len(prompts[1]) + 1, tables[1], True),
+             StepChunk.of([14], len(prompts[2]), tables[2], True)]
+    out3 = engine.execute(step3)
+    assert out1[0] is None
+    cases = [(out1[1], prompts[1]), (out1[2], prompts[2][:1]),
+             (out2[0], prompts[0]), (out2[1], prompts[1] + [11]), (out2[2], prompts[2]),
+             (out3[0], prompts[0] + [12]), (out3[1], prompts[1] + [11, 13]), (out3[2], prompts[2] + [14])]
+    for got, tokens in cases:
+        expected = forward_f64(spec, tokens)[-1]
+        np.testing.assert_allclose(got, expected, atol=2e-3 * np.abs(expected).max())
+
+
+def test_float16_kv_cache_stays_close_to_float64_forward(tiny):
+    path, spec = tiny
+    engine = _load(path, "auto", kv_dtype="float16")
+    expected = forward_f64(spec, PROMPT)
+    got = _decode_along(engine, PROMPT, _table(engine, 3, seed=4))
+    np.testing.assert_allclose(got, expected, atol=5e-3 * np.abs(expected).max())
 
 
 def test_both_kernel_sets_generate_the_same_greedy_tokens(tiny):
     path, _ = tiny
-    ref = load_engine(path, kernels="reference", progress=lambda m: None).generate_ids(PROMPT, 12)
-    fast = load_engine(path, kernels="auto", progress=lambda m: None).generate_ids(PROMPT, 12)
-    assert ref == fast
+    ref = _load(path, "reference").generate_ids(PROMPT, 12)
+    fast = _load(path, "auto")
+    assert fast.generate_ids(PROMPT, 12) == ref
+    assert fast.block_manager.num_free_blocks == fast.kv.num_blocks  # generate() gave its blocks back

@@ -1,10 +1,13 @@
 """Engine: a loaded model, its KV cache and the generation loop.
 
 Kernel sets:
-  auto       prefill with float32 BLAS matmuls, decode with the fused numba step over packed
-             quantized weights (the fast path);
-  reference  every step through the batched float32 forward on weights dequantized with the
+  auto       prompt chunks with float32 BLAS matmuls, decode with the fused numba step over
+             packed quantized weights (the fast path);
+  reference  every step through the ragged float32 forward on weights dequantized with the
              numpy reference decoder (slow; the yardstick for the golden checks).
+
+K/V live in a paged pool (paged_kv.py) whose blocks worker.block_manager hands out; every call
+names the blocks of each sequence it computes, so many sequences share one engine.
 """
 from __future__ import annotations
 
@@ -15,14 +18,18 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from shared.errors import ContextLengthError, InvalidRequestError, ModelLoadError
+from shared.config import memory_bytes
+from shared.errors import ConfigError, ContextLengthError, InvalidRequestError, ModelLoadError
+from worker.block_manager import BlockManager
+from worker.engine.batch import RaggedBatch, StepChunk, decode_arrays
 from worker.engine.dense import PackedDense, ReferenceDense
 from worker.engine.gguf_file import GGUFFile
 from worker.engine.kernels.packing import M_K
-from worker.engine.kv_cache import KVCache
 from worker.engine.models import build_model
+from worker.engine.paged_kv import KVShape, PagedKVCache, pool_blocks
 from worker.sampler import Sampler, validate_params
 from worker.sampling_params import SamplingParams
+from worker.sequence import Sequence
 
 log = logging.getLogger("reame.engine")
 
@@ -49,7 +56,8 @@ class StepTimes:
 
 
 class Engine:
-    def __init__(self, gguf: GGUFFile, model, kernels: str, n_ctx: int, dense, logits_of_last):
+    def __init__(self, gguf: GGUFFile, model, kernels: str, n_ctx: int, dense, logits_of_rows,
+                 kv: PagedKVCache):
         self.gguf = gguf
         self.model = model
         self.kernels = kernels
@@ -58,9 +66,13 @@ class Engine:
         self.model_name = str(gguf.get("general.name") or gguf.path.stem)
         self.vocab_size = model.hp.vocab_size
         self._dense = dense
-        self._logits_of_last = logits_of_last
-        self.kv = KVCache(model.hp.n_layers, model.hp.n_kv_heads, n_ctx, model.hp.head_dim)
+        self._logits_of_rows = logits_of_rows
+        self.kv = kv
+        # Who owns which block: the single-sequence generate() below and the worker's scheduler
+        # both allocate here, so the two never hand out the same block.
+        self.block_manager = BlockManager(kv.num_blocks, kv.block_size)
         self.prefill_chunk = 512
+        self.attention_chunk = 512
         self.times = StepTimes()
 
     # ---------------------------------------------------------------- checks
@@ -79,27 +91,38 @@ class Engine:
                 f"max_tokens asks for {max_tokens} more ({len(prompt_ids) + max_tokens} in all)",
                 param="max_tokens")
 
-    # ---------------------------------------------------------------- steps
-    def prefill(self, ids: np.ndarray, start: int = 0) -> np.ndarray:
-        """Fill the KV cache for ids at positions start..; returns the last token's logits."""
-        logits = None
-        for lo in range(0, len(ids), self.prefill_chunk):
-            chunk = ids[lo:lo + self.prefill_chunk]
-            logits = self.model.forward(chunk, start + lo, self.kv, self._dense, self._logits_of_last)
-        self.kv.length = start + len(ids)
-        return logits
+    # ---------------------------------------------------------------- one step of many sequences
+    def execute(self, chunks: list[StepChunk], attention_chunk: int | None = None) -> list[np.ndarray | None]:
+        """Compute every chunk (K/V into its blocks); return each chunk's last-token logits, or
+        None for chunks that do not want them.
 
-    def decode(self, token: int, pos: int) -> np.ndarray:
-        if self.kernels == "reference":
-            logits = self.model.forward(np.array([token]), pos, self.kv, self._dense, self._logits_of_last)
-        else:
-            logits = self.model.decode_step(token, pos, self.kv)
-        self.kv.length = pos + 1
-        return logits
+        Prompt chunks (several tokens) run together through the ragged BLAS forward, one-token
+        chunks together through the fused batched decode step. Each decode row gets the same bits
+        whatever else is in the batch, so batching never changes a sequence's tokens.
+        """
+        chunk_keys = attention_chunk or self.attention_chunk
+        prompt = [i for i, c in enumerate(chunks) if c.num_tokens > 1 or self.kernels == "reference"]
+        decode = [i for i, c in enumerate(chunks) if c.num_tokens == 1 and self.kernels != "reference"]
+        results: list[np.ndarray | None] = [None] * len(chunks)
+        if prompt:
+            batch = RaggedBatch([chunks[i] for i in prompt])
+            logits = self.model.forward(batch, self.kv, self._dense, self._logits_of_rows, chunk_keys)
+            wanting = [i for i in prompt if chunks[i].wants_logits]
+            for row, i in enumerate(wanting):
+                results[i] = np.array(logits[row], np.float32)
+        if decode:
+            tokens, positions, tables = decode_arrays([chunks[i] for i in decode])
+            logits = self.model.decode(tokens, positions, tables, self.kv, chunk_keys)
+            for row, i in enumerate(decode):
+                if chunks[i].wants_logits:
+                    results[i] = logits[row].copy()
+        return results
 
+    # ---------------------------------------------------------------- one sequence
     def generate(self, prompt_ids, params: SamplingParams, top_logits: int = 0) -> Iterator[TokenOutput]:
         """Yield one TokenOutput per generated token; the last one carries finish_reason.
 
+        One sequence on its own (the CLI and benchmarks); the worker batches through execute().
         top_logits > 0 also reports the raw logits of the best candidates at each step.
         """
         validate_params(params, self.vocab_size)
@@ -109,26 +132,38 @@ class Engine:
         sampler.observe_prompt(ids)
         stop_ids = set(params.stop_token_ids)
         times = self.times = StepTimes()
-
-        t0 = time.perf_counter()
-        logits = self.prefill(ids)
-        times.prefill_tokens, times.prefill_s = len(ids), time.perf_counter() - t0
-        pos = len(ids)
-        t0 = time.perf_counter()
-        for n in range(params.max_tokens):
-            out = self._emit(sampler, logits, params)
-            if top_logits > 0:
-                out.top_logits = _top_logits(logits, top_logits)
-            if out.token in stop_ids:
-                out.finish_reason = "stop"
-            elif n + 1 == params.max_tokens:
-                out.finish_reason = "length"
-            times.decode_tokens, times.decode_s = n + 1, time.perf_counter() - t0
-            yield out
-            if out.finish_reason:
-                return
-            logits = self.decode(out.token, pos)
-            pos += 1
+        seq = Sequence("generate", ids.tolist(), params, 0.0)
+        manager = self.block_manager
+        if not manager.can_allocate(seq, seq.max_num_tokens):
+            raise ContextLengthError(f"the KV cache has {manager.num_free_blocks * manager.block_size} free token "
+                                     f"slots; this request needs {seq.max_num_tokens}", param="max_tokens")
+        manager.allocate(seq, seq.max_num_tokens)
+        table = np.array(seq.block_table, np.int32)
+        try:
+            t0 = time.perf_counter()
+            for lo in range(0, len(ids), self.prefill_chunk):
+                part = ids[lo:lo + self.prefill_chunk]
+                last = lo + len(part) == len(ids)
+                logits = self.execute([StepChunk.of(part, lo, table, last)])[0]
+            times.prefill_tokens, times.prefill_s = len(ids), time.perf_counter() - t0
+            pos = len(ids)
+            t0 = time.perf_counter()
+            for n in range(params.max_tokens):
+                out = self._emit(sampler, logits, params)
+                if top_logits > 0:
+                    out.top_logits = _top_logits(logits, top_logits)
+                if out.token in stop_ids:
+                    out.finish_reason = "stop"
+                elif n + 1 == params.max_tokens:
+                    out.finish_reason = "length"
+                times.decode_tokens, times.decode_s = n + 1, time.perf_counter() - t0
+                yield out
+                if out.finish_reason:
+                    return
+                logits = self.execute([StepChunk.of([out.token], pos, table, True)])[0]
+                pos += 1
+        finally:
+            manager.free(seq)
 
     def _emit(self, sampler: Sampler, logits: np.ndarray, params: SamplingParams) -> TokenOutput:
         token = sampler.sample(logits)
@@ -161,13 +196,18 @@ def _configure_numba(threads: int) -> None:
 
 def load_engine(path, kernels: str = "auto", threads: int = 0, context_length: int = 0,
                 max_context: int = 8192, prefill_weights: str = "auto", prefill_chunk: int = 512,
-                progress: Progress | None = None) -> Engine:
+                kv_block_size: int = 16, kv_dtype: str = "float32", kv_cache_memory: str = "1GiB",
+                attention_chunk: int = 512, progress: Progress | None = None) -> Engine:
     """Open a GGUF model and make it ready to generate."""
     if kernels not in KERNEL_SETS:
         raise ModelLoadError(f"unknown kernel set {kernels!r}; choose one of {', '.join(KERNEL_SETS)}")
     say = progress or (lambda msg: log.info("%s", msg))
     _configure_numba(threads)
     t0 = time.perf_counter()
+    if kv_block_size < 1:
+        raise ConfigError(f"[engine] kv_block_size must be at least 1, got {kv_block_size}")
+    if prefill_chunk < 1 or attention_chunk < 1:
+        raise ConfigError(f"prefill_chunk ({prefill_chunk}) and attention_chunk ({attention_chunk}) must be >= 1")
     g = GGUFFile(path)
     trained = int(g.get(f"{g.arch}.context_length") or 2048)
     n_ctx = context_length or min(trained, max_context)
@@ -177,7 +217,7 @@ def load_engine(path, kernels: str = "auto", threads: int = 0, context_length: i
     if kernels == "reference":
         dense = ReferenceDense(w.tensors)
         out_w = dense(w.output)
-        logits_of_last = lambda h: out_w @ h
+        logits_of_rows = lambda h: h @ out_w.T
     else:
         cache_all = _want_f32_cache(prefill_weights, w.table.nbytes, w.tensors)
         # Embeddings are looked up row by row and the output matrix is used through the
@@ -186,11 +226,19 @@ def load_engine(path, kernels: str = "auto", threads: int = 0, context_length: i
         dense = PackedDense(w.table, cache_all, skip=skip)
         dense_embd = _RowLookup(w.table, w.token_embd)
         dense = _WithEmbedding(dense, w.token_embd, dense_embd)
-        logits_of_last = model.project
+        logits_of_rows = model.project
         say(f"prefill weights: {'float32 copy' if cache_all else 'dequantized per use'} "
             f"({dense.nbytes / 1e6:.0f} MB), packed decode weights {w.table.nbytes / 1e6:.0f} MB")
-    engine = Engine(g, model, kernels, n_ctx, dense, logits_of_last)
+    import psutil
+    hp = model.hp
+    shape = KVShape(hp.n_layers, hp.n_kv_heads, hp.head_dim, kv_block_size)
+    budget = memory_bytes(kv_cache_memory, psutil.virtual_memory().total)
+    kv = PagedKVCache(shape, pool_blocks(shape, kv_dtype, budget, n_ctx), kv_dtype)
+    say(f"KV cache: {kv.num_blocks} blocks of {kv_block_size} tokens, {kv_dtype}, "
+        f"{kv.nbytes / 2**20:.0f} MiB ({kv.num_blocks * kv_block_size} tokens)")
+    engine = Engine(g, model, kernels, n_ctx, dense, logits_of_rows, kv)
     engine.prefill_chunk = prefill_chunk
+    engine.attention_chunk = attention_chunk
     say(f"model ready in {time.perf_counter() - t0:.1f} s")
     return engine
 
@@ -238,4 +286,5 @@ def load_engine_from_config(config, model: str | None = None, kernels: str | Non
     return load_engine(path, kernels=kernels or e.kernels, threads=e.threads,
                        context_length=e.context_length, max_context=e.max_context,
                        prefill_weights=e.prefill_weights, prefill_chunk=e.prefill_chunk,
-                       progress=progress)
+                       kv_block_size=e.kv_block_size, kv_dtype=e.kv_dtype, kv_cache_memory=e.kv_cache_memory,
+                       attention_chunk=config.scheduler.attention_chunk, progress=progress)

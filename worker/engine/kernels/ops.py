@@ -1,4 +1,4 @@
-"""Small numba kernels used inside the fused decode step (norms, RoPE, attention, gating).
+"""Small numba kernels used inside the fused decode step (norms, RoPE, gating, row lookup).
 
 All write into preallocated `out` arrays; none allocates per call except where noted.
 """
@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit, prange
+from numba import njit
 
 from worker.engine.kernels.half import f16_to_f32
 from worker.engine.kernels.packing import FMT_F32, FMT_Q4, M_BIAS, M_DATA, M_FMT, M_GROUP, M_HALF, M_K, M_SCALE, TILE
@@ -50,46 +50,6 @@ def rope_halves(v, n_heads, head_dim, cos, sin):
             b = v[base + half + i]
             v[base + i] = a * cos[i] - b * sin[i]
             v[base + half + i] = a * sin[i] + b * cos[i]
-
-
-@njit(parallel=True, **_JIT)
-def attention_decode(q, k_cache, v_cache, n_tokens, first, scale, out, scores):
-    """One query token against cached keys [first, n_tokens) of every head.
-
-    q: (H*D,); k_cache/v_cache: (KVH, ctx, D); out: (H*D,); scores: (H, ctx) scratch.
-    Query head h reads KV head h // (H // KVH) (grouped-query attention).
-    """
-    n_kv, _, d = k_cache.shape
-    n_heads = q.shape[0] // d
-    group = n_heads // n_kv
-    for h in prange(n_heads):
-        kvh = h // group
-        qh = q[h * d:(h + 1) * d]
-        sc = scores[h]
-        best = -np.inf
-        for t in range(first, n_tokens):
-            kt = k_cache[kvh, t]
-            s = np.float32(0.0)
-            for i in range(d):
-                s += qh[i] * kt[i]
-            s *= scale
-            sc[t] = s
-            if s > best:
-                best = s
-        total = np.float32(0.0)
-        for t in range(first, n_tokens):
-            e = np.float32(math.exp(sc[t] - best))
-            sc[t] = e
-            total += e
-        oh = out[h * d:(h + 1) * d]
-        for i in range(d):
-            oh[i] = 0.0
-        inv = np.float32(1.0) / total
-        for t in range(first, n_tokens):
-            p = sc[t] * inv
-            vt = v_cache[kvh, t]
-            for i in range(d):
-                oh[i] += p * vt[i]
 
 
 @njit(**_JIT)

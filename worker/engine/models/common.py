@@ -6,9 +6,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from shared.errors import ModelLoadError
+from worker.engine.batch import RaggedBatch
 from worker.engine.gguf_file import GGUFFile, TensorRef
-from worker.engine.kernels.matvec import linear
+from worker.engine.kernels.attention import store_kv
+from worker.engine.kernels.matmul_batch import batch_scratch
 from worker.engine.kernels.packing import TILE, MatrixTable, pack
+from worker.engine.layers import causal_attention
+from worker.engine.models.decode_parts import matmul
+from worker.engine.paged_kv import PagedKVCache
 from worker.engine.quants import dequantize
 
 
@@ -61,27 +66,65 @@ def padded(n: int) -> int:
     return -(-n // TILE) * TILE
 
 
-class DecodeBuffers:
-    """Every activation a fused decode step touches, allocated once per model."""
+class BatchBuffers:
+    """Every activation the fused batched decode step touches, for up to `rows` sequences.
 
-    def __init__(self, d_model: int, q_rows: int, kv_rows: int, d_ff: int, n_heads: int, n_ctx: int, vocab: int):
+    Row b of each array belongs to the step's b-th sequence; the arrays grow when a bigger
+    batch arrives (rare: the batch size is capped by the scheduler).
+    """
+
+    def __init__(self, d_model: int, q_rows: int, kv_rows: int, d_ff: int, vocab: int, rows: int = 1):
+        self.dims = (d_model, q_rows, kv_rows, d_ff, vocab)
+        self.rows = 0
+        self.ensure(rows)
+
+    def ensure(self, rows: int) -> None:
+        if rows <= self.rows:
+            return
+        d_model, q_rows, kv_rows, d_ff, vocab = self.dims
         f32 = np.float32
-        self.x = np.zeros(d_model, f32)
-        self.h = np.zeros(max(d_model, q_rows), f32)
-        self.qkv = np.zeros(padded(q_rows) + 2 * padded(kv_rows), f32)
-        self.att = np.zeros(q_rows, f32)
-        self.proj = np.zeros(padded(d_model), f32)
-        self.gu = np.zeros(2 * padded(d_ff), f32)
-        self.act = np.zeros(d_ff, f32)
-        self.scores = np.zeros((n_heads, n_ctx), f32)
-        self.logits = np.zeros(padded(vocab), f32)
-        most_tiles = max(self.logits.shape[0], self.qkv.shape[0], self.gu.shape[0]) // TILE
-        self.tiles = np.zeros((most_tiles, TILE), f32)  # per-tile group sums of matvec.linear
+        self.rows = rows
+        self.x = np.zeros((rows, d_model), f32)
+        self.h = np.zeros((rows, d_model), f32)  # normed hidden state: the matmuls' input
+        self.qkv = np.zeros((rows, padded(q_rows) + 2 * padded(kv_rows)), f32)
+        self.q = np.zeros((rows, q_rows), f32)  # roped queries, contiguous for attention
+        self.k = np.zeros((rows, kv_rows), f32)
+        self.v = np.zeros((rows, kv_rows), f32)
+        self.att = np.zeros((rows, q_rows), f32)
+        self.proj = np.zeros((rows, padded(d_model)), f32)
+        self.gu = np.zeros((rows, 2 * padded(d_ff)), f32)
+        self.act = np.zeros((rows, d_ff), f32)
+        self.logits = np.zeros((rows, padded(vocab)), f32)
+        most_tiles = max(self.logits.shape[1], self.qkv.shape[1], self.gu.shape[1]) // TILE
+        # linear_batch's per-row group sums; K is at most the widest matrix input.
+        self.scratch = batch_scratch(most_tiles, rows, k_max=max(d_model, q_rows, d_ff))
 
 
-def project(w: PackedWeights, buffers: DecodeBuffers, h: np.ndarray, vocab: int) -> np.ndarray:
-    """Final hidden state (d,) → logits through the packed output matrix (numba)."""
+def attend(kv: PagedKVCache, layer: int, batch: RaggedBatch, q: np.ndarray, k: np.ndarray, v: np.ndarray,
+           scale: float, window: int, chunk: int) -> np.ndarray:
+    """Store each segment's K/V in its blocks, then attend over them: (T, H*D) → (T, H*D).
+
+    Prompt chunks attend with numpy/BLAS on keys gathered from the blocks: a numba parallel
+    kernel between the BLAS matmuls would make the two thread pools fight over the cores
+    (measured: 70-token prefill 2× slower).
+    """
+    out = np.empty_like(q)
+    for seg in batch.segments:
+        store_kv(kv.k, kv.v, layer, seg.block_table, seg.start, k[seg.lo:seg.hi], v[seg.lo:seg.hi])
+        keys, values = kv.gather(layer, seg.block_table, seg.start + seg.hi - seg.lo)
+        queries = q[seg.lo:seg.hi].reshape(seg.hi - seg.lo, -1, kv.shape.head_dim)
+        out[seg.lo:seg.hi] = causal_attention(queries, keys, values, seg.start, scale, window, chunk)
+    return out
+
+
+def project_rows(w: PackedWeights, buffers: BatchBuffers, h: np.ndarray, vocab: int) -> np.ndarray:
+    """Final normed hidden states (R, d) → logits (R, vocab) through the packed output matrix.
+
+    Returns a view of the buffers, valid until the next call."""
+    rows = h.shape[0]
+    buffers.ensure(rows)
+    buffers.h[:rows] = h
     t = w.table
-    buffers.h[:h.shape[0]] = h
-    linear(t.data, t.scales, t.scales16, t.meta, np.array([w.output]), buffers.h[:h.shape[0]], buffers.logits, buffers.tiles)
-    return buffers.logits[:vocab]
+    matmul((t.data, t.scales, t.scales16, t.meta), np.array([w.output]), buffers.h[:rows], buffers.logits[:rows],
+           buffers.scratch)
+    return buffers.logits[:rows, :vocab]

@@ -1,4 +1,4 @@
-"""numba pieces the fused decode steps of every architecture share.
+"""numba pieces the fused batched decode steps of every architecture share.
 
 `tab` is a MatrixTable's arrays as one tuple, (data, scales, scales16, meta), so the steps
 pass the weights around as a single argument.
@@ -8,8 +8,9 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from worker.engine.kernels.matvec import linear
-from worker.engine.kernels.ops import rmsnorm, silu_mul
+from worker.engine.kernels.attention import store_kv
+from worker.engine.kernels.matmul_batch import linear_batch
+from worker.engine.kernels.ops import dequant_row, rmsnorm, silu_mul
 from worker.engine.kernels.packing import TILE
 
 _JIT = dict(cache=True, nogil=True)
@@ -18,11 +19,6 @@ _JIT = dict(cache=True, nogil=True)
 @njit(**_JIT)
 def padded(n):
     return -(-n // TILE) * TILE
-
-
-@njit(**_JIT)
-def matvec(tab, mats, x, out, tiles):
-    linear(tab[0], tab[1], tab[2], tab[3], mats, x, out, tiles)
 
 
 @njit(**_JIT)
@@ -42,33 +38,75 @@ def head_norm(v, n_heads, head_dim, weight, eps):
 
 
 @njit(**_JIT)
-def store_kv(k_cache, v_cache, layer, pos, k, v, n_kv, head_dim):
-    for hh in range(n_kv):
-        k_cache[layer, hh, pos] = k[hh * head_dim:(hh + 1) * head_dim]
-        v_cache[layer, hh, pos] = v[hh * head_dim:(hh + 1) * head_dim]
-
-
-@njit(**_JIT)
 def add_into(x, y):
     """x += y[:len(x)] (y may be padded to a whole tile)."""
     for i in range(x.shape[0]):
         x[i] += y[i]
 
 
+# ---- row b of every 2-D buffer belongs to the step's b-th sequence --------------------------------
+
 @njit(**_JIT)
-def swiglu_ffn(tab, m, x, norm_weight, eps, h, gu, act, proj, tiles):
-    """x += down(silu(gate(h)) * up(h)) with h = RMSNorm(x); m holds the layer's matrix ids."""
-    ff = act.shape[0]
-    rmsnorm(x, norm_weight, eps, h)
-    matvec(tab, m[4:6], h, gu, tiles)
-    silu_mul(gu[:ff], gu[padded(ff):padded(ff) + ff], act)
-    matvec(tab, m[6:7], act, proj, tiles)
-    add_into(x, proj)
+def matmul(tab, mats, x, out, scratch):
+    """out[b] = W @ x[b] for every row of x, each weight read once for all rows.
+
+    linear_batch gives every row the same bits as matvec.linear on that row alone (tested), and
+    is faster even for one row, so one kernel serves every batch size and batching never
+    changes a sequence's logits.
+    """
+    linear_batch(tab[0], tab[1], tab[2], tab[3], mats, x, out, scratch)
 
 
 @njit(**_JIT)
-def output_logits(tab, output, x, norm_weight, eps, h, logits, tiles):
-    rmsnorm(x, norm_weight, eps, h)
+def rmsnorm_rows(x, weight, eps, out, rows):
+    for b in range(rows):
+        rmsnorm(x[b], weight, eps, out[b])
+
+
+@njit(**_JIT)
+def add_rows(x, y, rows):
+    for b in range(rows):
+        add_into(x[b], y[b])
+
+
+@njit(**_JIT)
+def split_qkv_rows(qkv, q_out, k_out, v_out, rows):
+    """Copy each row's Q, K and V out of one fused Q/K/V launch into contiguous buffers."""
+    q_rows, kv_rows = q_out.shape[1], k_out.shape[1]
+    for b in range(rows):
+        q, k, v = split_qkv(qkv[b], q_rows, kv_rows)
+        q_out[b, :] = q
+        k_out[b, :] = k
+        v_out[b, :] = v
+
+
+@njit(**_JIT)
+def store_kv_rows(k_pool, v_pool, layer, block_tables, positions, k, v, rows):
+    for b in range(rows):
+        store_kv(k_pool, v_pool, layer, block_tables[b], positions[b], k[b:b + 1], v[b:b + 1])
+
+
+@njit(**_JIT)
+def swiglu_ffn_rows(tab, m, x, norm_weight, eps, h, gu, act, proj, scratch, rows):
+    """x[b] += down(silu(gate(h)) * up(h)) with h = RMSNorm(x[b]), every row."""
+    ff = act.shape[1]
+    rmsnorm_rows(x, norm_weight, eps, h, rows)
+    matmul(tab, m[4:6], h[:rows], gu[:rows], scratch)
+    for b in range(rows):
+        silu_mul(gu[b, :ff], gu[b, padded(ff):padded(ff) + ff], act[b])
+    matmul(tab, m[6:7], act[:rows], proj[:rows], scratch)
+    add_rows(x, proj, rows)
+
+
+@njit(**_JIT)
+def output_logits_rows(tab, output, x, norm_weight, eps, h, logits, scratch, rows):
+    rmsnorm_rows(x, norm_weight, eps, h, rows)
     out_mat = np.empty(1, np.int64)
     out_mat[0] = output
-    matvec(tab, out_mat, h, logits, tiles)
+    matmul(tab, out_mat, h[:rows], logits[:rows], scratch)
+
+
+@njit(**_JIT)
+def embed_rows(tab, token_embd, tokens, x):
+    for b in range(tokens.shape[0]):
+        dequant_row(tab[0], tab[1], tab[2], tab[3][token_embd], tokens[b], x[b])

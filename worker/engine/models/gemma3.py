@@ -13,13 +13,15 @@ import numpy as np
 from numba import njit
 
 from shared.errors import ModelLoadError
+from worker.engine.batch import RaggedBatch
 from worker.engine.gguf_file import GGUFFile
-from worker.engine.kernels.ops import attention_decode, dequant_row, gelu_tanh_mul, rmsnorm, rope_halves
-from worker.engine.kv_cache import KVCache
-from worker.engine.layers import causal_attention, gelu_tanh, rms_norm
-from worker.engine.models.common import DecodeBuffers, load_packed, project
-from worker.engine.models.decode_parts import (add_into, head_norm, matvec, output_logits, padded, split_qkv,
-                                               store_kv)
+from worker.engine.kernels.attention import paged_attention_decode
+from worker.engine.kernels.ops import gelu_tanh_mul, rmsnorm, rope_halves
+from worker.engine.layers import gelu_tanh, rms_norm
+from worker.engine.models.common import BatchBuffers, attend, load_packed, project_rows
+from worker.engine.models.decode_parts import (add_rows, embed_rows, head_norm, matmul, output_logits_rows, padded,
+                                               rmsnorm_rows, split_qkv_rows, store_kv_rows)
+from worker.engine.paged_kv import PagedKVCache
 from worker.engine.rope import apply_rope_halves, rope_tables
 
 Q, K, V, O, GATE, UP, DOWN = range(7)
@@ -91,83 +93,96 @@ class Gemma3:
         self.is_global = np.array([hp.is_global(i) for i in range(hp.n_layers)])
         self.scale = 1.0 / np.sqrt(hp.head_dim)
         self.embed_scale = np.float32(np.sqrt(hp.d_model))
-        self.buffers = DecodeBuffers(hp.d_model, hp.n_heads * hp.head_dim, hp.n_kv_heads * hp.head_dim,
-                                     hp.d_ff, hp.n_heads, n_ctx, hp.vocab_size)
+        self.buffers = BatchBuffers(hp.d_model, hp.n_heads * hp.head_dim, hp.n_kv_heads * hp.head_dim,
+                                    hp.d_ff, hp.vocab_size)
 
-    # ---------------------------------------------------------------- batched (BLAS)
-    def forward(self, tokens: np.ndarray, start: int, kv: KVCache, dense, logits_of_last) -> np.ndarray:
+    def window(self, layer: int) -> int:
+        return 0 if self.is_global[layer] else self.hp.sliding_window
+
+    # ---------------------------------------------------------------- ragged batch (BLAS)
+    def forward(self, batch: RaggedBatch, kv: PagedKVCache, dense, logits_of_rows, attention_chunk: int) -> np.ndarray:
         hp, w, vec = self.hp, self.w, self.w.vectors
-        t = tokens.shape[0]
-        x = dense(w.token_embd)[tokens].astype(np.float32) * self.embed_scale
+        t = batch.num_tokens
+        x = dense(w.token_embd)[batch.tokens].astype(np.float32) * self.embed_scale
         for layer in range(hp.n_layers):
             m = w.mats[layer]
             cos, sin = self.rope_global if self.is_global[layer] else self.rope_local
-            cos, sin = cos[start:start + t], sin[start:start + t]
+            cos, sin = cos[batch.positions], sin[batch.positions]
             h = rms_norm(x, vec["attn_norm"][layer], hp.rms_eps)
             q = (h @ dense(m[Q]).T).reshape(t, hp.n_heads, hp.head_dim)
             k = (h @ dense(m[K]).T).reshape(t, hp.n_kv_heads, hp.head_dim)
-            v = (h @ dense(m[V]).T).reshape(t, hp.n_kv_heads, hp.head_dim)
+            v = h @ dense(m[V]).T
             q = apply_rope_halves(rms_norm(q, vec["attn_q_norm"][layer], hp.rms_eps), cos, sin)
             k = apply_rope_halves(rms_norm(k, vec["attn_k_norm"][layer], hp.rms_eps), cos, sin)
-            kv.store(layer, start, k, v)
-            window = 0 if self.is_global[layer] else hp.sliding_window
-            a = causal_attention(q, kv.k[layer, :, :start + t], kv.v[layer, :, :start + t], start, self.scale, window)
+            a = attend(kv, layer, batch, q.reshape(t, -1), k.reshape(t, -1), v, self.scale, self.window(layer),
+                       attention_chunk)
             x = x + rms_norm(a @ dense(m[O]).T, vec["post_attention_norm"][layer], hp.rms_eps)
             h = rms_norm(x, vec["ffn_norm"][layer], hp.rms_eps)
             f = (gelu_tanh(h @ dense(m[GATE]).T) * (h @ dense(m[UP]).T)) @ dense(m[DOWN]).T
             x = x + rms_norm(f, vec["post_ffw_norm"][layer], hp.rms_eps)
-        h = rms_norm(x[-1:], w.output_norm, hp.rms_eps)[0]
-        return logits_of_last(h)
+        return logits_of_rows(rms_norm(x[batch.logit_rows], w.output_norm, hp.rms_eps))
 
-    # ---------------------------------------------------------------- fused decode (numba)
-    def decode_step(self, token: int, pos: int, kv: KVCache) -> np.ndarray:
+    # ---------------------------------------------------------------- fused batched decode (numba)
+    def decode(self, tokens: np.ndarray, positions: np.ndarray, block_tables: np.ndarray, kv: PagedKVCache,
+               attention_chunk: int) -> np.ndarray:
         hp, w, b, t, vec = self.hp, self.w, self.buffers, self.w.table, self.w.vectors
-        _gemma3_decode(token, pos, (t.data, t.scales, t.scales16, t.meta), w.mats, w.token_embd, w.output,
-                       vec["attn_norm"], vec["attn_q_norm"], vec["attn_k_norm"], vec["post_attention_norm"],
-                       vec["ffn_norm"], vec["post_ffw_norm"], w.output_norm, np.float32(hp.rms_eps),
-                       self.embed_scale, hp.n_heads, hp.n_kv_heads, hp.head_dim, self.is_global, hp.sliding_window,
-                       self.rope_local[0][pos], self.rope_local[1][pos],
-                       self.rope_global[0][pos], self.rope_global[1][pos], np.float32(self.scale), kv.k, kv.v,
-                       b.x, b.h[:hp.d_model], b.qkv, b.att, b.proj, b.gu, b.act, b.scores, b.tiles, b.logits)
-        return b.logits[:hp.vocab_size]
+        rows = tokens.shape[0]
+        b.ensure(rows)
+        _gemma3_decode(tokens, positions, block_tables, (t.data, t.scales, t.scales16, t.meta), w.mats,
+                       w.token_embd, w.output, vec["attn_norm"], vec["attn_q_norm"], vec["attn_k_norm"],
+                       vec["post_attention_norm"], vec["ffn_norm"], vec["post_ffw_norm"], w.output_norm,
+                       np.float32(hp.rms_eps), self.embed_scale, hp.n_heads, hp.n_kv_heads, hp.head_dim,
+                       self.is_global, hp.sliding_window, self.rope_local[0], self.rope_local[1],
+                       self.rope_global[0], self.rope_global[1], np.float32(self.scale), kv.k, kv.v, attention_chunk,
+                       b.x, b.h, b.qkv, b.q, b.k, b.v, b.att, b.proj, b.gu, b.act, b.scratch, b.logits)
+        return b.logits[:rows, :hp.vocab_size]
 
     def project(self, h: np.ndarray) -> np.ndarray:
-        return project(self.w, self.buffers, h, self.hp.vocab_size)
+        return project_rows(self.w, self.buffers, h, self.hp.vocab_size)
 
 
 @njit(cache=True, nogil=True)
-def _gemma3_decode(token, pos, tab, mats, token_embd, output,
+def _gemma3_decode(tokens, positions, block_tables, tab, mats, token_embd, output,
                    attn_norm, q_norm, k_norm, post_attn_norm, ffn_norm, post_ffw_norm, output_norm, eps,
                    embed_scale, n_heads, n_kv, head_dim, is_global, window, cos_local, sin_local,
-                   cos_global, sin_global, scale, k_cache, v_cache,
-                   x, h, qkv, att, proj, gu, act, scores, tiles, logits):
-    d = x.shape[0]
-    ff = act.shape[0]
-    dequant_row(tab[0], tab[1], tab[2], tab[3][token_embd], token, x)
-    for i in range(d):
-        x[i] *= embed_scale
+                   cos_global, sin_global, scale, k_pool, v_pool, chunk,
+                   x, h, qkv, q, k, v, att, proj, gu, act, scratch, logits):
+    rows = tokens.shape[0]
+    d = x.shape[1]
+    ff = act.shape[1]
+    embed_rows(tab, token_embd, tokens, x)
+    for b in range(rows):
+        for i in range(d):
+            x[b, i] *= embed_scale
     for layer in range(mats.shape[0]):
         m = mats[layer]
-        rmsnorm(x, attn_norm[layer], eps, h)
-        matvec(tab, m[0:3], h, qkv, tiles)
-        q, k, v = split_qkv(qkv, n_heads * head_dim, n_kv * head_dim)
-        head_norm(q, n_heads, head_dim, q_norm[layer], eps)
-        head_norm(k, n_kv, head_dim, k_norm[layer], eps)
-        if is_global[layer]:
-            cos, sin, first = cos_global, sin_global, 0
-        else:
-            cos, sin, first = cos_local, sin_local, max(0, pos + 1 - window)
-        rope_halves(q, n_heads, head_dim, cos, sin)
-        rope_halves(k, n_kv, head_dim, cos, sin)
-        store_kv(k_cache, v_cache, layer, pos, k, v, n_kv, head_dim)
-        attention_decode(q, k_cache[layer], v_cache[layer], pos + 1, first, scale, att, scores)
-        matvec(tab, m[3:4], att, proj, tiles)
-        rmsnorm(proj[:d], post_attn_norm[layer], eps, proj[:d])
-        add_into(x, proj)
-        rmsnorm(x, ffn_norm[layer], eps, h)
-        matvec(tab, m[4:6], h, gu, tiles)
-        gelu_tanh_mul(gu[:ff], gu[padded(ff):padded(ff) + ff], act)
-        matvec(tab, m[6:7], act, proj, tiles)
-        rmsnorm(proj[:d], post_ffw_norm[layer], eps, proj[:d])
-        add_into(x, proj)
-    output_logits(tab, output, x, output_norm, eps, h, logits, tiles)
+        rmsnorm_rows(x, attn_norm[layer], eps, h, rows)
+        matmul(tab, m[0:3], h[:rows], qkv[:rows], scratch)
+        split_qkv_rows(qkv, q, k, v, rows)
+        for b in range(rows):
+            head_norm(q[b], n_heads, head_dim, q_norm[layer], eps)
+            head_norm(k[b], n_kv, head_dim, k_norm[layer], eps)
+            pos = positions[b]
+            if is_global[layer]:
+                cos, sin = cos_global[pos], sin_global[pos]
+            else:
+                cos, sin = cos_local[pos], sin_local[pos]
+            rope_halves(q[b], n_heads, head_dim, cos, sin)
+            rope_halves(k[b], n_kv, head_dim, cos, sin)
+        store_kv_rows(k_pool, v_pool, layer, block_tables, positions, k, v, rows)
+        layer_window = 0 if is_global[layer] else window
+        paged_attention_decode(q[:rows], k_pool, v_pool, layer, block_tables, positions, layer_window, scale, chunk,
+                               att[:rows])
+        matmul(tab, m[3:4], att[:rows], proj[:rows], scratch)
+        for b in range(rows):
+            rmsnorm(proj[b, :d], post_attn_norm[layer], eps, proj[b, :d])
+        add_rows(x, proj, rows)
+        rmsnorm_rows(x, ffn_norm[layer], eps, h, rows)
+        matmul(tab, m[4:6], h[:rows], gu[:rows], scratch)
+        for b in range(rows):
+            gelu_tanh_mul(gu[b, :ff], gu[b, padded(ff):padded(ff) + ff], act[b])
+        matmul(tab, m[6:7], act[:rows], proj[:rows], scratch)
+        for b in range(rows):
+            rmsnorm(proj[b, :d], post_ffw_norm[layer], eps, proj[b, :d])
+        add_rows(x, proj, rows)
+    output_logits_rows(tab, output, x, output_norm, eps, h, logits, scratch, rows)

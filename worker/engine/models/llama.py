@@ -1,9 +1,11 @@
 """The llama architecture (Llama 2/3, SmolLM2, TinyLlama…): RMSNorm, RoPE, GQA, SwiGLU.
 
-Two forwards over the same weights:
-  `forward`      T tokens at once with float32 matmuls on BLAS (prefill, and the reference set);
-  `decode_step`  one token through every layer inside a single numba call (the fast decode path:
-                 per-call Python dispatch would otherwise cost more than the math).
+Two forwards over the same weights and the same paged KV cache:
+  `forward`  a ragged batch of prompt chunks with float32 matmuls on BLAS (prefill, and every
+             step of the reference set);
+  `decode`   one new token of each of B sequences through every layer inside a single numba call
+             (the fast decode path: per-call Python dispatch would otherwise cost more than the
+             math); the B sequences share each weight read.
 """
 from __future__ import annotations
 
@@ -13,12 +15,15 @@ import numpy as np
 from numba import njit
 
 from shared.errors import ModelLoadError
+from worker.engine.batch import RaggedBatch
 from worker.engine.gguf_file import GGUFFile
-from worker.engine.kernels.ops import attention_decode, dequant_row, rmsnorm, rope_pairs
-from worker.engine.kv_cache import KVCache
-from worker.engine.layers import causal_attention, rms_norm, silu
-from worker.engine.models.common import DecodeBuffers, load_packed, project, vector
-from worker.engine.models.decode_parts import add_into, matvec, output_logits, split_qkv, store_kv, swiglu_ffn
+from worker.engine.kernels.attention import paged_attention_decode
+from worker.engine.kernels.ops import rope_pairs
+from worker.engine.layers import rms_norm, silu
+from worker.engine.models.common import BatchBuffers, attend, load_packed, project_rows, vector
+from worker.engine.models.decode_parts import (add_rows, embed_rows, matmul, output_logits_rows, rmsnorm_rows,
+                                               split_qkv_rows, store_kv_rows, swiglu_ffn_rows)
+from worker.engine.paged_kv import PagedKVCache
 from worker.engine.rope import apply_rope_pairs, rope_tables
 
 # Per-layer matrices, in the column order of PackedWeights.mats.
@@ -92,64 +97,68 @@ class Llama:
         self.cos, self.sin = rope_tables(n_ctx, hp.head_dim, hp.rope_base, freq_factors,
                                          positions=np.arange(n_ctx) / hp.rope_linear_factor)
         self.scale = 1.0 / np.sqrt(hp.head_dim)
-        self.buffers = DecodeBuffers(hp.d_model, hp.n_heads * hp.head_dim, hp.n_kv_heads * hp.head_dim,
-                                     hp.d_ff, hp.n_heads, n_ctx, hp.vocab_size)
+        self.buffers = BatchBuffers(hp.d_model, hp.n_heads * hp.head_dim, hp.n_kv_heads * hp.head_dim,
+                                    hp.d_ff, hp.vocab_size)
 
-    # ---------------------------------------------------------------- batched (BLAS)
-    def forward(self, tokens: np.ndarray, start: int, kv: KVCache, dense, logits_of_last) -> np.ndarray:
-        """Run T tokens at positions start.. through the model; return logits of the last one.
+    # ---------------------------------------------------------------- ragged batch (BLAS)
+    def forward(self, batch: RaggedBatch, kv: PagedKVCache, dense, logits_of_rows, attention_chunk: int) -> np.ndarray:
+        """Run every chunk of the batch through the model; return logits (R, vocab) of its logit rows.
 
-        dense(i) gives table matrix i as float32 (n, K); logits_of_last(h) projects the final
-        normed hidden state (d,) to the vocabulary.
+        dense(i) gives table matrix i as float32 (n, K); logits_of_rows(h) projects final normed
+        hidden states (R, d) to the vocabulary.
         """
         hp, w = self.hp, self.w
-        t = tokens.shape[0]
-        x = dense(w.token_embd)[tokens].astype(np.float32)  # (T, d)
-        cos, sin = self.cos[start:start + t], self.sin[start:start + t]
+        t = batch.num_tokens
+        x = dense(w.token_embd)[batch.tokens].astype(np.float32)  # (T, d)
+        cos, sin = self.cos[batch.positions], self.sin[batch.positions]
         for layer in range(hp.n_layers):
             m = w.mats[layer]
             h = rms_norm(x, w.vectors["attn_norm"][layer], hp.rms_eps)
             q = (h @ dense(m[Q]).T).reshape(t, hp.n_heads, hp.head_dim)
             k = (h @ dense(m[K]).T).reshape(t, hp.n_kv_heads, hp.head_dim)
-            v = (h @ dense(m[V]).T).reshape(t, hp.n_kv_heads, hp.head_dim)
+            v = h @ dense(m[V]).T
             q, k = apply_rope_pairs(q, cos, sin), apply_rope_pairs(k, cos, sin)
-            kv.store(layer, start, k, v)
-            a = causal_attention(q, kv.k[layer, :, :start + t], kv.v[layer, :, :start + t], start, self.scale)
+            a = attend(kv, layer, batch, q.reshape(t, -1), k.reshape(t, -1), v, self.scale, 0, attention_chunk)
             x = x + a @ dense(m[O]).T
             h = rms_norm(x, w.vectors["ffn_norm"][layer], hp.rms_eps)
             x = x + (silu(h @ dense(m[GATE]).T) * (h @ dense(m[UP]).T)) @ dense(m[DOWN]).T
-        h = rms_norm(x[-1:], w.output_norm, hp.rms_eps)[0]
-        return logits_of_last(h)
+        return logits_of_rows(rms_norm(x[batch.logit_rows], w.output_norm, hp.rms_eps))
 
-    # ---------------------------------------------------------------- fused decode (numba)
-    def decode_step(self, token: int, pos: int, kv: KVCache) -> np.ndarray:
+    # ---------------------------------------------------------------- fused batched decode (numba)
+    def decode(self, tokens: np.ndarray, positions: np.ndarray, block_tables: np.ndarray, kv: PagedKVCache,
+               attention_chunk: int) -> np.ndarray:
+        """One new token for each of B sequences; returns logits (B, vocab), a view of the buffers."""
         hp, w, b, t = self.hp, self.w, self.buffers, self.w.table
-        _llama_decode(token, pos, (t.data, t.scales, t.scales16, t.meta), w.mats, w.token_embd, w.output,
-                      w.vectors["attn_norm"], w.vectors["ffn_norm"], w.output_norm, np.float32(hp.rms_eps),
-                      hp.n_heads, hp.n_kv_heads, hp.head_dim, self.cos[pos], self.sin[pos],
-                      np.float32(self.scale), kv.k, kv.v,
-                      b.x, b.h[:hp.d_model], b.qkv, b.att, b.proj, b.gu, b.act, b.scores, b.tiles, b.logits)
-        return b.logits[:hp.vocab_size]
+        rows = tokens.shape[0]
+        b.ensure(rows)
+        _llama_decode(tokens, positions, block_tables, (t.data, t.scales, t.scales16, t.meta), w.mats,
+                      w.token_embd, w.output, w.vectors["attn_norm"], w.vectors["ffn_norm"], w.output_norm,
+                      np.float32(hp.rms_eps), hp.n_heads, hp.n_kv_heads, hp.head_dim, self.cos, self.sin,
+                      np.float32(self.scale), kv.k, kv.v, attention_chunk,
+                      b.x, b.h, b.qkv, b.q, b.k, b.v, b.att, b.proj, b.gu, b.act, b.scratch, b.logits)
+        return b.logits[:rows, :hp.vocab_size]
 
     def project(self, h: np.ndarray) -> np.ndarray:
-        return project(self.w, self.buffers, h, self.hp.vocab_size)
+        return project_rows(self.w, self.buffers, h, self.hp.vocab_size)
 
 
 @njit(cache=True, nogil=True)
-def _llama_decode(token, pos, tab, mats, token_embd, output, attn_norm, ffn_norm, output_norm, eps,
-                  n_heads, n_kv, head_dim, cos, sin, scale, k_cache, v_cache,
-                  x, h, qkv, att, proj, gu, act, scores, tiles, logits):
-    dequant_row(tab[0], tab[1], tab[2], tab[3][token_embd], token, x)
+def _llama_decode(tokens, positions, block_tables, tab, mats, token_embd, output, attn_norm, ffn_norm,
+                  output_norm, eps, n_heads, n_kv, head_dim, cos, sin, scale, k_pool, v_pool, chunk,
+                  x, h, qkv, q, k, v, att, proj, gu, act, scratch, logits):
+    rows = tokens.shape[0]
+    embed_rows(tab, token_embd, tokens, x)
     for layer in range(mats.shape[0]):
         m = mats[layer]
-        rmsnorm(x, attn_norm[layer], eps, h)
-        matvec(tab, m[0:3], h, qkv, tiles)
-        q, k, v = split_qkv(qkv, n_heads * head_dim, n_kv * head_dim)
-        rope_pairs(q, n_heads, head_dim, cos, sin)
-        rope_pairs(k, n_kv, head_dim, cos, sin)
-        store_kv(k_cache, v_cache, layer, pos, k, v, n_kv, head_dim)
-        attention_decode(q, k_cache[layer], v_cache[layer], pos + 1, 0, scale, att, scores)
-        matvec(tab, m[3:4], att, proj, tiles)
-        add_into(x, proj)
-        swiglu_ffn(tab, m, x, ffn_norm[layer], eps, h, gu, act, proj, tiles)
-    output_logits(tab, output, x, output_norm, eps, h, logits, tiles)
+        rmsnorm_rows(x, attn_norm[layer], eps, h, rows)
+        matmul(tab, m[0:3], h[:rows], qkv[:rows], scratch)
+        split_qkv_rows(qkv, q, k, v, rows)
+        for b in range(rows):
+            rope_pairs(q[b], n_heads, head_dim, cos[positions[b]], sin[positions[b]])
+            rope_pairs(k[b], n_kv, head_dim, cos[positions[b]], sin[positions[b]])
+        store_kv_rows(k_pool, v_pool, layer, block_tables, positions, k, v, rows)
+        paged_attention_decode(q[:rows], k_pool, v_pool, layer, block_tables, positions, 0, scale, chunk, att[:rows])
+        matmul(tab, m[3:4], att[:rows], proj[:rows], scratch)
+        add_rows(x, proj, rows)
+        swiglu_ffn_rows(tab, m, x, ffn_norm[layer], eps, h, gu, act, proj, scratch, rows)
+    output_logits_rows(tab, output, x, output_norm, eps, h, logits, scratch, rows)
