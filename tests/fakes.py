@@ -1,15 +1,15 @@
-"""Test doubles for the serving path: a byte-level tokenizer, a scripted engine, and an
+"""Test doubles for the serving path: a byte-level tokenizer, a scripted generator, and an
 in-process gateway + workers (threads, real ZeroMQ over ipc) to test the gateway in milliseconds.
 
-The fake engine answers a prompt with a fixed text (`REPLY`) at temperature 0, or seeded random
-letters otherwise, then an end-of-generation token; `step_s` makes each step take time so that
-aborts and worker loss can be observed mid-generation.
+The fake generator answers a prompt with a fixed text (`REPLY`) at temperature 0, or seeded random
+letters otherwise, then an end-of-generation token, advancing up to 8 requests per step (as the
+batching worker does); `step_s` makes each step take time so that aborts and worker loss can be
+observed mid-generation.
 """
 from __future__ import annotations
 
 import asyncio
 import codecs
-import dataclasses
 import random
 import threading
 import time
@@ -21,6 +21,7 @@ from aiohttp import web
 from shared.config import Config, parse_config
 from shared.errors import ContextLengthError, InvalidRequestError
 from shared.protocol import Register
+from worker.generation import FinishEvent, TokenEvent
 from worker.sampling_params import SamplingParams
 
 BOS, EOS, EOT = 0, 1, 2
@@ -64,30 +65,30 @@ class FakeTemplate:
         return turns + ("<assistant>" if add_generation_prompt else "")
 
 
-@dataclasses.dataclass
-class Out:
-    token: int
-    logprob: float | None = None
-    top_logprobs: list = dataclasses.field(default_factory=list)
-    finish_reason: str | None = None
-
-
-class FakeEngine:
+class FakeGenerator:
+    """The generator interface of worker.generation, scripted: every step advances each running
+    request (up to `capacity`, oldest first) by one token of its script."""
     model_name = "fake-model"
     arch = "fake"
     n_ctx = 256
     vocab_size = 256 + OFFSET
 
-    def __init__(self, step_s: float = 0.0):
+    def __init__(self, step_s: float = 0.0, capacity: int = 8):
         self.step_s = step_s
+        self.capacity = capacity
+        self.hold_until = None
         self.steps = 0  # generated tokens, all requests
-        self.closed = 0  # generators closed before their end (aborts)
+        self.closed = 0  # requests aborted before their end
+        self._requests: dict[str, tuple[list[int], SamplingParams, list[int]]] = {}  # id → prompt, params, output
 
-    def validate(self, prompt_ids, max_tokens):
+    def add(self, request_id: str, prompt_ids, params: SamplingParams) -> None:
         if not prompt_ids:
             raise InvalidRequestError("empty prompt", param="prompt")
-        if len(prompt_ids) + max_tokens > self.n_ctx:
+        if len(prompt_ids) + params.max_tokens > self.n_ctx:
             raise ContextLengthError("too long", param="max_tokens")
+        if request_id in self._requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="id")
+        self._requests[request_id] = (list(prompt_ids), params, [])
 
     def script(self, params: SamplingParams) -> list[int]:
         if params.temperature == 0:
@@ -95,32 +96,55 @@ class FakeEngine:
         else:
             rng = random.Random(params.seed)
             text = bytes(rng.choice(b"abcdefghij ") for _ in range(40))
-        return [b + OFFSET for b in text] + [EOS]
-
-    def generate(self, prompt_ids, params: SamplingParams):
-        self.validate(prompt_ids, params.max_tokens)
-        tokens = [t for t in self.script(params) if params.logit_bias.get(t, 0) > -100]
+        tokens = [b + OFFSET for b in text if params.logit_bias.get(b + OFFSET, 0) > -100]
         if params.logit_bias.get(EOS, 0) <= -100:  # the "never stop" trick tests use
-            tokens = tokens[:-1] * 1000
-        finished = False
-        try:
-            for n, token in enumerate(tokens[:params.max_tokens]):
-                if self.step_s:
-                    time.sleep(self.step_s)
-                self.steps += 1
-                out = Out(token)
-                if params.logprobs:
-                    out.logprob = -0.5
-                    out.top_logprobs = [(token, -0.5), (OFFSET, -2.0)][:params.logprobs]
-                if token in params.stop_token_ids:
-                    out.finish_reason = "stop"
-                elif n + 1 == params.max_tokens:
-                    out.finish_reason = "length"
-                finished = out.finish_reason is not None
-                yield out
-        finally:
-            if not finished:
-                self.closed += 1
+            return tokens * 1000
+        return tokens + [EOS]
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._requests)
+
+    @property
+    def request_ids(self) -> list[str]:
+        return list(self._requests)
+
+    def load(self) -> tuple[int, int]:
+        n = len(self._requests)
+        return min(n, self.capacity), max(0, n - self.capacity)
+
+    def abort(self, request_id: str):
+        entry = self._requests.pop(request_id, None)
+        if entry is None:
+            return None
+        self.closed += 1
+        return FinishEvent(request_id, "abort", len(entry[0]), len(entry[2]))
+
+    def abort_all(self):
+        return [self.abort(rid) for rid in list(self._requests)]
+
+    def step(self):
+        if self.step_s:
+            time.sleep(self.step_s)
+        events = []
+        for request_id in list(self._requests)[:self.capacity]:
+            prompt, params, output = self._requests[request_id]
+            token = self.script(params)[len(output)]
+            output.append(token)
+            self.steps += 1
+            if params.logprobs:
+                events.append(TokenEvent(request_id, token, -0.5, [(token, -0.5), (OFFSET, -2.0)][:params.logprobs]))
+            else:
+                events.append(TokenEvent(request_id, token))
+            reason = None
+            if token in params.stop_token_ids:
+                reason = "stop"
+            elif len(output) == params.max_tokens:
+                reason = "length"
+            if reason:
+                del self._requests[request_id]
+                events.append(FinishEvent(request_id, reason, len(prompt), len(output)))
+        return events
 
 
 # ---- an in-process gateway with fake workers ---------------------------------------------------
@@ -143,21 +167,21 @@ max_body_bytes = 20000
 
 
 class FakeWorker:
-    """A real WorkerService around a FakeEngine, in a thread."""
+    """A real WorkerService around a FakeGenerator, in a thread."""
 
     def __init__(self, config: Config, name: str, step_s: float = 0.0):
         from worker.pulse import Pulse
         from worker.service import WorkerService
 
-        self.engine = FakeEngine(step_s)
+        self.generator = FakeGenerator(step_s)
         self.context = zmq.Context()
         sock = self.context.socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, name.encode())
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(config.endpoint)
-        info = Register(name, 0, [0], self.engine.model_name, "/fake.gguf", "fake", self.engine.n_ctx,
-                        self.engine.vocab_size, 1, "elsewhere", 0)
-        self.service = WorkerService(self.engine, sock, info, drain_timeout=5.0)
+        info = Register(name, 0, [0], self.generator.model_name, "/fake.gguf", "fake", self.generator.n_ctx,
+                        self.generator.vocab_size, 1, "elsewhere", 0)
+        self.service = WorkerService(self.generator, sock, info, drain_timeout=5.0)
         self.pulse = Pulse(self.context, config.endpoint, self.service, config.server.heartbeat_interval)
         self.pulse.start()
         self.thread = threading.Thread(target=self._run, daemon=True)

@@ -25,8 +25,6 @@ from worker.numa import node_cpus, parse_cpulist
 
 log = logging.getLogger("reame.worker")
 
-CAPACITY = 1  # the engine runs one sequence at a time
-
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="reame-worker", description="A Reame engine worker for one NUMA node.")
@@ -86,6 +84,10 @@ def load(config: Config):
     engine = load_engine_from_config(config, model=str(path), progress=_progress)
     log.info("loaded %s (%s, context %d) in %.1fs; %s", engine.model_name, engine.arch, engine.n_ctx,
              time.perf_counter() - started, blas_env.describe())
+    started = time.perf_counter()
+    engine.kv.reserve()
+    log.info("KV cache: %d MiB reserved in %.1fs (%d blocks of %d tokens)", engine.kv.nbytes >> 20,
+             time.perf_counter() - started, engine.kv.num_blocks, engine.kv.block_size)
     if config.worker.warmup:
         _warm(engine)
     return engine, path
@@ -96,35 +98,55 @@ def _progress(line: str) -> None:
 
 
 def _warm(engine) -> None:
-    """One short generation, so kernels are compiled (or loaded from the numba cache) before serving."""
+    """Two short requests batched together, so every kernel of the hot path (prompt chunks, the
+    one- and many-row decode steps) is compiled or loaded from the numba cache before serving."""
+    from worker.generation import BatchGenerator
     from worker.sampling_params import SamplingParams
+    from worker.tuning_state import SchedulerKnobs, TuningState
 
     started = time.perf_counter()
+    generator = BatchGenerator(engine, TuningState(SchedulerKnobs(batching_window_ms=0.0)))
+    generator.add("warm-up-1", [1, 2, 3, 4], SamplingParams(max_tokens=3, temperature=0.0))
+    generator.add("warm-up-2", [5, 6], SamplingParams(max_tokens=3, temperature=0.0))
+    while generator.has_work:
+        generator.step()
     for _ in engine.generate([1, 2, 3, 4], SamplingParams(max_tokens=2, temperature=0.0)):
         pass
     log.info("warmed up in %.1fs", time.perf_counter() - started)
+
+
+def scheduler_knobs(config: Config):
+    from worker.tuning_state import SchedulerKnobs
+
+    s = config.scheduler
+    return SchedulerKnobs(max_batch_size=s.max_batch_size, token_budget=s.token_budget,
+                          prefill_chunk=config.engine.prefill_chunk, batching_window_ms=s.batching_window_ms,
+                          attention_chunk=s.attention_chunk)
 
 
 def serve(config: Config, node: int, cpus: list[int], engine, path: Path) -> None:
     import zmq
 
     from shared.protocol import Error, Register, encode
+    from worker.generation import BatchGenerator
     from worker.pulse import Pulse
-    from worker.sampler import validate_params
     from worker.service import WorkerService
+    from worker.tuning_state import TuningState
 
+    knobs = scheduler_knobs(config)
     host = socket.gethostname()
     worker_id = f"{host}/node{node}/{os.getpid()}"
     info = Register(worker_id=worker_id, numa_node=node, cpus=cpus, model_name=engine.model_name,
                     model_path=str(path), arch=engine.arch, n_ctx=engine.n_ctx, vocab_size=engine.vocab_size,
-                    capacity=CAPACITY, host=host, pid=os.getpid())
+                    capacity=knobs.max_batch_size, host=host, pid=os.getpid())
     context = zmq.Context()
     sock = context.socket(zmq.DEALER)
     sock.setsockopt(zmq.IDENTITY, worker_id.encode())
     sock.setsockopt(zmq.LINGER, 2000)  # long enough for the goodbye to reach the gateway
     sock.connect(config.endpoint)
-    service = WorkerService(engine, sock, info, drain_timeout=config.worker.drain_timeout,
-                            validate_params=validate_params)
+    generator = BatchGenerator(engine, TuningState(knobs))
+    log.info("batching: %s", ", ".join(f"{k}={v}" for k, v in knobs.as_dict().items()))
+    service = WorkerService(generator, sock, info, drain_timeout=config.worker.drain_timeout)
     pulse = Pulse(context, config.endpoint, service, config.server.heartbeat_interval)
 
     def on_signal(signum, _frame) -> None:

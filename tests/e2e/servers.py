@@ -27,6 +27,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+BATCH = 2  # requests a test worker runs at once (small, so tests can fill the gateway's queue)
+
+
 def write_config(directory: Path, model: Path, port: int, extra: str = "", gateway: str = "") -> Path:
     """A reame.conf for tests; `gateway` adds keys to [gateway], `extra` adds sections."""
     path = directory / "reame.conf"
@@ -52,6 +55,11 @@ level = debug
 drain_timeout = 30
 [serve]
 restart_backoff_max = 2
+[engine]
+# Enough for one 8192-token SmolLM2 context (377 MiB); every test worker reserves it.
+kv_cache_memory = 512MiB
+[scheduler]
+max_batch_size = {BATCH}
 {extra}
 """)
     return path

@@ -10,7 +10,7 @@ import openai
 import pytest
 import requests
 
-from tests.e2e.servers import NO_END, auth, raw_post, wait_idle
+from tests.e2e.servers import BATCH, NO_END, auth, raw_post, wait_idle
 
 CHAT = {"model": "reame", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
@@ -114,10 +114,10 @@ def test_auth(server):
 
 
 def test_overload_is_429_with_retry_after(server):
-    # One request runs and max_queue = 4 may wait; the next is refused. Raw sockets, because a
+    # BATCH requests run and max_queue = 4 may wait; the next is refused. Raw sockets, because a
     # queued stream sends no headers until it starts, and closing them must cancel the requests.
     body = {"model": "reame", "prompt": "Count:", "max_tokens": 4000, "stream": True, "logit_bias": NO_END}
-    sockets = [raw_post(server, "/v1/completions", body) for _ in range(5)]
+    sockets = [raw_post(server, "/v1/completions", body) for _ in range(BATCH + 4)]
     try:
         deadline = time.monotonic() + 30
         while requests.get(server.url + "/health").json()["queued"] < 4:

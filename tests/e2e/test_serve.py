@@ -81,10 +81,10 @@ def test_sigkill_with_requests_in_flight(serve, client):
     wait_for(lambda: sum(busy_workers(serve).values()) == 1, what="the stream to start")
     stream_pid = next(pid for pid, n in busy_workers(serve).items() if n)
     with cf.ThreadPoolExecutor(3) as pool:
-        # One runs on the other worker, two wait in the gateway's queue: none may be lost.
+        # Each worker runs BATCH = 2 at once: the three spread over both workers, none may be lost.
         plains = [pool.submit(client.completions.create, model="reame", prompt="Once", max_tokens=40,
                               logit_bias=NO_END, temperature=0) for _ in range(3)]
-        wait_for(lambda: sum(busy_workers(serve).values()) == 2, what="both workers busy")
+        wait_for(lambda: sum(busy_workers(serve).values()) == 4, what="both workers busy")
         plain_pid = next(pid for pid, n in busy_workers(serve).items() if n and pid != stream_pid)
         os.kill(plain_pid, signal.SIGKILL)
         # The other worker still serves: the gateway is healthy while the killed one restarts.

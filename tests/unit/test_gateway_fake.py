@@ -173,16 +173,16 @@ def test_openai_client_raises_typed_errors(client):
 def test_disconnect_aborts_the_generation(tmp_path):
     srv = FakeServer(tmp_path, step_s=0.01)
     try:
-        engine = srv.workers[0].engine
+        generator = srv.workers[0].generator
         body = chat_body(stream=True, logit_bias={str(EOS): -100}, max_tokens=200, temperature=0)
         with requests.post(srv.url + "/v1/chat/completions", json=body, timeout=10, stream=True) as r:
             for line in r.iter_lines(decode_unicode=True):
                 if line.startswith("data:") and '"content":"H' in line:
                     break
-        srv.wait_until(lambda: engine.closed == 1, timeout=2)
-        steps = engine.steps
+        srv.wait_until(lambda: generator.closed == 1, timeout=2)
+        steps = generator.steps
         time.sleep(0.1)
-        assert engine.steps == steps < 100
+        assert generator.steps == steps < 100
         srv.wait_until(lambda: sum(len(w.jobs) for w in srv.state.pool.workers.values()) == 0)
     finally:
         srv.close()
@@ -231,10 +231,9 @@ def test_lost_worker_reroutes_and_fails_streams(tmp_path):
             assert first.choices[0].delta.role == "assistant"
             plain = pool.submit(client.chat.completions.create, **body)
             srv.wait_until(lambda: all(len(w.jobs) == 1 for w in srv.state.pool.workers.values()))
-            victim = next(w for w in srv.workers if w.service.running is not None
-                          and w.service.running.request.request_id in
-                          {j.request_id for h in srv.state.pool.workers.values() for j in h.jobs.values()
-                           if j.delivered})
+            delivered = {j.request_id for h in srv.state.pool.workers.values() for j in h.jobs.values()
+                         if j.delivered}
+            victim = next(w for w in srv.workers if set(w.generator.request_ids) & delivered)
             victim.crash()
             with pytest.raises(openai.APIError):
                 for _ in stream:
@@ -268,7 +267,7 @@ def test_drain_finishes_work_in_flight(tmp_path):
         with cf.ThreadPoolExecutor(1) as pool:
             pending = pool.submit(client.completions.create, model="reame", prompt="x", max_tokens=30,
                                   logit_bias={str(EOS): -100})
-            srv.wait_until(lambda: srv.workers[0].engine.steps > 2)
+            srv.wait_until(lambda: srv.workers[0].generator.steps > 2)
             srv.workers[0].service.request_drain()
             assert pending.result(10).usage.completion_tokens == 30
         srv.workers[0].thread.join(5)

@@ -7,7 +7,7 @@ import zmq
 
 from shared import protocol
 from shared.protocol import Abort, Drain, Error, Finished, Generate, Heartbeat, Register, TokenChunk
-from tests.fakes import EOS, FakeEngine
+from tests.fakes import EOS, FakeGenerator
 from worker.sampling_params import SamplingParams
 from worker.service import WorkerService
 
@@ -42,7 +42,7 @@ class ScriptedSocket:
 
 def make(step_s=0.0):
     sock = ScriptedSocket()
-    engine = FakeEngine(step_s)
+    engine = FakeGenerator(step_s)
     service = WorkerService(engine, sock, INFO, drain_timeout=5)
     return service, sock, engine
 

@@ -1,0 +1,167 @@
+"""Many requests on one engine: the scheduler picks each step's chunks, the engine computes them,
+each sequence samples with its own sampler, and what happened comes back as events.
+
+The worker's serve loop (service.py) only moves messages; everything about batching is here.
+One `step()` = one engine call: running sequences decode, waiting ones prefill in chunks, and
+requests added since the last step join this one.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+import numpy as np
+
+from shared.errors import ReameError
+from worker.block_manager import BlockManager
+from worker.engine.batch import StepChunk
+from worker.sampler import Sampler, validate_params
+from worker.sampling_params import SamplingParams
+from worker.scheduler import ScheduledBatch, Scheduler
+from worker.sequence import Sequence
+from worker.tuning_state import TuningState
+
+log = logging.getLogger("reame.generation")
+
+
+class BatchEngine(Protocol):
+    """What the generator needs of worker.engine.Engine."""
+    vocab_size: int
+    block_manager: BlockManager
+
+    def validate(self, prompt_ids, max_tokens: int) -> None: ...
+
+    def execute(self, chunks: list[StepChunk], attention_chunk: int | None = None) -> list[np.ndarray | None]: ...
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    request_id: str
+    token: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class FinishEvent:
+    request_id: str
+    reason: str  # "stop" | "length" | "abort"
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass(frozen=True)
+class ErrorEvent:
+    request_id: str
+    error: ReameError
+
+
+Event = TokenEvent | FinishEvent | ErrorEvent
+
+
+@dataclass
+class StepStats:
+    """The last step, for logs and the tuning coordinator."""
+    sequences: int = 0
+    tokens: int = 0
+    decode_rows: int = 0
+    seconds: float = 0.0
+
+
+class BatchGenerator:
+    def __init__(self, engine: BatchEngine, tuning: TuningState | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        self.engine = engine
+        self.scheduler = Scheduler(engine.block_manager, tuning)
+        self.clock = clock
+        self._samplers: dict[str, Sampler] = {}
+        self.hold_until: float | None = None  # set while a lone request waits for company
+        self.preemptions = 0  # sequences sent back to recompute because KV blocks ran out
+        self.last_step = StepStats()
+
+    # ---- requests ------------------------------------------------------------------------------
+
+    def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Queue a request; ReameError (nothing queued) when it cannot be served."""
+        validate_params(params, self.engine.vocab_size)
+        self.engine.validate(prompt_ids, params.max_tokens)
+        seq = Sequence(request_id, [int(t) for t in prompt_ids], params, self.clock())
+        self.scheduler.add(seq)
+        sampler = Sampler(params, self.engine.vocab_size)
+        sampler.observe_prompt(seq.prompt_token_ids)
+        self._samplers[request_id] = sampler
+
+    def abort(self, request_id: str) -> FinishEvent | None:
+        """Stop a request now and free its blocks; None when it is unknown or already finished."""
+        seq = self.scheduler.abort(request_id)
+        if seq is None:
+            return None
+        self._samplers.pop(request_id, None)
+        return FinishEvent(request_id, "abort", seq.num_prompt_tokens, seq.num_output_tokens)
+
+    def abort_all(self) -> list[FinishEvent]:
+        ids = [s.seq_id for s in self.scheduler.running + self.scheduler.waiting]
+        return [event for rid in ids if (event := self.abort(rid)) is not None]
+
+    # ---- observation ---------------------------------------------------------------------------
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def load(self) -> tuple[int, int]:
+        """(running, waiting) sequences."""
+        return self.scheduler.num_running, self.scheduler.num_waiting
+
+    # ---- one step ------------------------------------------------------------------------------
+
+    def step(self) -> list[Event]:
+        """Run one engine step; return its events in order (tokens before finishes)."""
+        batch = self.scheduler.schedule(self.clock())
+        self.preemptions += len(batch.preempted)
+        for seq in batch.preempted:
+            log.info("request %s: preempted (KV blocks ran out); it will be recomputed", seq.seq_id)
+        self.hold_until = batch.hold_until
+        if batch.is_empty:
+            return []
+        chunks = [StepChunk.of(c.token_ids, c.start, c.seq.block_table, c.samples) for c in batch.chunks]
+        started = time.perf_counter()
+        try:
+            logits = self.engine.execute(chunks, batch.knobs.attention_chunk)
+        except Exception as exc:  # an engine bug fails this step's requests, never the worker
+            log.exception("engine step failed (%d sequences)", len(batch))
+            return self._fail(batch, exc)
+        self.last_step = StepStats(len(batch), batch.num_tokens,
+                                   sum(1 for c in batch.chunks if c.num_tokens == 1),
+                                   time.perf_counter() - started)
+        events: list[Event] = []
+        sampled: dict[str, int] = {}
+        for chunk, row in zip(batch.chunks, logits):
+            if not chunk.samples:
+                continue
+            seq = chunk.seq
+            sampler = self._samplers[seq.seq_id]
+            token = sampler.sample(row)
+            sampled[seq.seq_id] = token
+            if seq.params.logprobs > 0:
+                logprob, top = sampler.logprobs(row, token, seq.params.logprobs)
+                events.append(TokenEvent(seq.seq_id, token, logprob, top))
+            else:
+                events.append(TokenEvent(seq.seq_id, token))
+        for seq in self.scheduler.update(batch, sampled):
+            self._samplers.pop(seq.seq_id, None)
+            events.append(FinishEvent(seq.seq_id, seq.status.value, seq.num_prompt_tokens, seq.num_output_tokens))
+        return events
+
+    def _fail(self, batch: ScheduledBatch, exc: Exception) -> list[Event]:
+        error = exc if isinstance(exc, ReameError) else ReameError(
+            f"generation failed: {type(exc).__name__}: {exc}")
+        events: list[Event] = []
+        for chunk in batch.chunks:
+            if self.scheduler.abort(chunk.seq.seq_id) is not None:
+                self._samplers.pop(chunk.seq.seq_id, None)
+                events.append(ErrorEvent(chunk.seq.seq_id, error))
+        self.scheduler.update(batch, {})
+        return events
