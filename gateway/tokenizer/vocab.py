@@ -159,7 +159,11 @@ def _read_fields(path: Path) -> dict[str, object]:
 
     try:
         header = read_header(path)
-    except (GGUFFormatError, OSError) as exc:
+    except GGUFFormatError as exc:
+        # Worded like the worker's error for the same file: whichever process reads it first
+        # reports it, so the message must not depend on that race.
+        raise TokenizerError(f"cannot read tokenizer: {path}: not a valid GGUF file ({_one_line(exc)})") from exc
+    except OSError as exc:
         raise TokenizerError(f"cannot read tokenizer from {path}: {_one_line(exc)}") from exc
     values: dict[str, object] = {}
     for key, value in header.fields.items():
