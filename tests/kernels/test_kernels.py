@@ -7,7 +7,8 @@ import pytest
 from tests.kernels.quant_cases import random_tensor
 from worker.engine.gguf_file import GGUFFile
 from worker.engine.kernels.matmul_batch import batch_scratch
-from worker.engine.kernels.packing import TILE, MatrixTable, pack
+from worker.engine.kernels.matmul_i8 import batch_scratch_i8, quantize_reference
+from worker.engine.kernels.packing import FMT_F32, M_FMT, TILE, MatrixTable, pack
 from worker.engine.kernels.registry import ALL_QUANT_TYPES, KERNELS
 from worker.engine.quants import dequantize
 
@@ -37,10 +38,18 @@ def _run(variant, table, index, w, x):
         scratch = batch_scratch(t.padded_rows(index) // TILE, 3, x.shape[0])
         fn(t.data, t.scales, t.scales16, t.meta, np.array([index]), xs, out, scratch)
         return out[:, :w.shape[0]], xs.astype(np.float64) @ w.T.astype(np.float64)
-    if variant.op == "unpack":
-        out = np.zeros(w.shape, np.float32)
-        fn(t.data, t.scales, t.scales16, t.meta, index, out)
-        return out, w
+    if variant.op == "matvec_batch_int8":
+        # The reference multiplies by the activations the kernel sees: quantized per 32 values
+        # (F32 matrices are multiplied in float32, unquantized).
+        xs = np.stack([x, -0.5 * x, np.roll(x, 7)])
+        out = np.zeros((3, t.padded_rows(index)), np.float32)
+        scratch = batch_scratch_i8(t.padded_rows(index) // TILE, 3, x.shape[0])
+        fn(t.data, t.scales, t.scales16, t.meta, np.array([index]), xs, out, scratch)
+        codes, d = quantize_reference(xs)
+        seen = codes.astype(np.float64) * np.repeat(d.astype(np.float64), 32, axis=1)
+        if t.meta[index, M_FMT] == FMT_F32:
+            seen = xs.astype(np.float64)
+        return out[:, :w.shape[0]], seen @ w.T.astype(np.float64)
     if variant.op == "row":
         out = np.zeros(w.shape[1], np.float32)
         fn(t.data, t.scales, t.scales16, t.meta[index], 37, out)

@@ -16,7 +16,6 @@ import numpy as np
 from numba import njit, prange
 
 from worker.engine.kernels.half import f16_to_f32
-from worker.engine.kernels.ops import dequant_row
 from worker.engine.kernels.packing import (FMT_F32, FMT_Q4, M_BIAS, M_DATA, M_FMT, M_GROUP, M_HALF,
                                            M_K, M_SCALE, M_TILES, TILE)
 
@@ -151,10 +150,3 @@ def linear(data, scales, scales16, meta, mats, x, out, scratch):
             _tile_f32(data, m, tile, x, o)
         else:
             _tile_q8(data, scales, scales16, m, tile, x, o, scratch[g])
-
-
-@njit(parallel=True, **_JIT)
-def unpack_f32(data, scales, scales16, meta, mat, out):
-    """Dequantize packed matrix `mat` into out: float32 (n, K), row-major W."""
-    for r in prange(out.shape[0]):
-        dequant_row(data, scales, scales16, meta[mat], r, out[r])

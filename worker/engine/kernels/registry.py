@@ -9,13 +9,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from worker.engine.kernels import matmul_batch, matvec, ops
+from worker.engine.kernels import matmul_batch, matmul_i8, matvec, ops
 from worker.engine.quants import SPECS
 
 
 @dataclass(frozen=True)
 class KernelVariant:
-    op: str  # "matvec": W @ x; "matvec_batch": W @ x[b] for B vectors; "unpack": W → float32; "row": one row
+    op: str  # "matvec": W @ x; "matvec_batch": W @ x[b] for B vectors;
+    # "matvec_batch_int8": the same with x quantized per 32 values; "row": one row
     variant: str
     fn: Callable
     description: str
@@ -30,8 +31,9 @@ KERNELS: dict[tuple[str, str], KernelVariant] = {
     ("matvec_batch", "registers"): KernelVariant("matvec_batch", "registers", matmul_batch.linear_batch,
                                                  "each weight block converted once and applied to up to 8 rows "
                                                  "held in registers (every decode step); same bits as matvec"),
-    ("unpack", "rows"): KernelVariant("unpack", "rows", matvec.unpack_f32,
-                                      "dequantize a packed matrix to float32, parallel over rows"),
+    ("matvec_batch_int8", "vnni"): KernelVariant("matvec_batch_int8", "vnni", matmul_i8.linear_batch_i8,
+                                                 "activations quantized per 32 to int8, dot products on "
+                                                 "AVX-512 VNNI (portable IR elsewhere); rows independent"),
     ("row", "gather"): KernelVariant("row", "gather", ops.dequant_row,
                                      "dequantize one row (embedding lookup)"),
 }

@@ -1,0 +1,127 @@
+"""linear_batch_i8 (int8 activations, VNNI): float64 references with the kernel's quantized
+activations (tight) and with the exact ones (loose), row independence, mixed matrices."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QT
+
+from tests.kernels.quant_cases import random_tensor
+from worker.engine.kernels.matmul_i8 import (_quantize_rows, batch_scratch_i8, linear_batch_i8,
+                                             quantize_reference, scratch_size_i8)
+from worker.engine.kernels.packing import TILE, MatrixTable, pack
+from worker.engine.kernels.registry import ALL_QUANT_TYPES
+from worker.engine.quants import dequantize
+
+ROWS, COLS = 100, 512  # rows not a multiple of TILE: padding is exercised
+FLOAT_TYPES = (QT.F32, QT.F16, QT.BF16)
+
+
+def _table(raws):
+    table = MatrixTable()
+    for raw, qtype in raws:
+        table.add(pack(raw, qtype))
+    table.finalize()
+    return table
+
+
+def _batch(table, mats, x):
+    width = sum(table.padded_rows(int(i)) for i in mats)
+    out = np.full((x.shape[0], width), np.nan, np.float32)  # every output must be written
+    linear_batch_i8(table.data, table.scales, table.scales16, table.meta, np.asarray(mats), x, out,
+                    batch_scratch_i8(width // TILE, x.shape[0], x.shape[1]))
+    return out
+
+
+def _inputs(batch, k, seed=1):
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((batch, k)) * rng.uniform(0.1, 3.0, (batch, 1))).astype(np.float32)
+
+
+def _x_hat(x):
+    q, d = quantize_reference(x)
+    b, k = x.shape
+    return (q.reshape(b, k // 32, 32) * d[:, :, None].astype(np.float64)).reshape(b, k)
+
+
+def test_in_kernel_quantization_equals_the_numpy_reference():
+    x = _inputs(5, 576, seed=4)
+    x[1, 40:72] = 0.0  # an all-zero block: d = 0, codes 0
+    x[2, 100] = 50.0  # an outlier
+    b, k = x.shape
+    xq, xs = np.zeros((b, k), np.int8), np.zeros((b, k // 32), np.float32)
+    f16, f32 = np.zeros((b, k // 16), np.float32), np.zeros((b, k // 32), np.float32)
+    c16, c32 = np.zeros((b, k // 16), np.int32), np.zeros((b, k // 32), np.int32)
+    _quantize_rows(x, xq, xs, f16, f32, c16, c32)
+    q, d = quantize_reference(x)
+    assert np.array_equal(xq, q) and np.array_equal(xs, d)
+    assert np.abs(q).max() == 127
+    s16 = q.reshape(b, -1, 16).astype(np.int64).sum(axis=2)
+    assert np.array_equal(c16, -128 * s16) and np.array_equal(c32, -128 * s16.reshape(b, -1, 2).sum(axis=2))
+    np.testing.assert_allclose(f32, d * s16.reshape(b, -1, 2).sum(axis=2), rtol=1e-6)
+
+
+@pytest.mark.parametrize("batch", [1, 2, 3, 8, 13])
+@pytest.mark.parametrize("qtype", ALL_QUANT_TYPES, ids=lambda q: q.name)
+def test_every_row_matches_the_float64_references(qtype, batch):
+    raw = random_tensor(qtype, ROWS, COLS, seed=3)
+    table = _table([(raw, qtype)])
+    x = _inputs(batch, COLS)
+    got = _batch(table, [0], x)[:, :ROWS]
+    w = dequantize(raw, qtype).T.astype(np.float64)
+    exact = x.astype(np.float64) @ w
+    if qtype in FLOAT_TYPES:  # not quantized: matmul_batch's float path
+        np.testing.assert_allclose(got, exact, rtol=0, atol=2e-5 * np.abs(exact).max())
+        return
+    # Tight: the product of the dequantized weights with the dequantized int8 activations; the
+    # integer dot products are exact, only the float32 group sums round (as linear_batch's 2e-5).
+    with_x_hat = _x_hat(x) @ w
+    np.testing.assert_allclose(got, with_x_hat, rtol=0, atol=2e-5 * np.abs(with_x_hat).max())
+    # Loose: vs the exact product. Each activation moves by at most d/2 = max|block|/254, a
+    # uniform-like error (std d/√12) uncorrelated with the weights, so the output error is about
+    # ‖w‖·‖x‖/(254·√3·√32)-ish of a typical output ~‖w‖·‖x‖/√K: ≲ 1% of max |output| here; 2% bound.
+    np.testing.assert_allclose(got, exact, rtol=0, atol=2e-2 * np.abs(exact).max())
+
+
+@pytest.mark.parametrize("batch", [5, 8, 13])
+def test_a_row_does_not_depend_on_the_rows_batched_with_it(batch):
+    # Q4_1 (q4, fp16 scale and bias), Q6_K (q8, group 16, f32 scales), Q8_0 (q8, no bias), BF16 (f32)
+    types = (QT.Q4_1, QT.Q6_K, QT.Q8_0, QT.BF16)
+    table = _table([(random_tensor(q, 64 + 8 * i, 256, i), q) for i, q in enumerate(types)])
+    mats = [0, 1, 2, 3]
+    x = _inputs(batch, 256, seed=7)
+    together = _batch(table, mats, x)
+    for b in range(batch):
+        assert np.array_equal(together[b], _batch(table, mats, x[b:b + 1])[0])
+    reordered = _batch(table, mats, x[::-1].copy())
+    assert np.array_equal(reordered, together[::-1])
+
+
+def test_several_matrices_of_different_formats_lie_side_by_side():
+    raws = [(random_tensor(QT.Q4_K, 64, 256, 1), QT.Q4_K), (random_tensor(QT.Q6_K, 70, 256, 2), QT.Q6_K),
+            (random_tensor(QT.F16, 64, 256, 3), QT.F16), (random_tensor(QT.Q5_1, 30, 256, 4), QT.Q5_1)]
+    table = _table(raws)
+    x = _inputs(3, 256)
+    got = _batch(table, [0, 1, 2, 3], x)
+    start = 0
+    for i, (raw, qtype) in enumerate(raws):
+        w = dequantize(raw, qtype).T.astype(np.float64)
+        expected = (x.astype(np.float64) if qtype == QT.F16 else _x_hat(x)) @ w
+        np.testing.assert_allclose(got[:, start:start + w.shape[1]], expected, rtol=0,
+                                   atol=2e-5 * np.abs(expected).max(), err_msg=qtype.name)
+        start += table.padded_rows(i)
+    swapped = _batch(table, [2, 0], x)
+    assert np.array_equal(swapped[:, :64], got[:, 64 + 128:64 + 128 + 64])
+    assert np.array_equal(swapped[:, 64:128], got[:, :64])
+
+
+def test_bad_shapes_raise_instead_of_writing_out_of_bounds():
+    table = _table([(random_tensor(QT.Q4_0, 64, 256, 1), QT.Q4_0)])
+    args = (table.data, table.scales, table.scales16, table.meta, np.array([0]))
+    x = _inputs(2, 256)
+    with pytest.raises(ValueError, match="scratch"):
+        linear_batch_i8(*args, x, np.zeros((2, 64), np.float32), np.zeros(scratch_size_i8(2, 256) - 1, np.float32))
+    with pytest.raises(ValueError, match="out"):
+        linear_batch_i8(*args, x, np.zeros((2, 32), np.float32), batch_scratch_i8(1, 2, 256))
+    with pytest.raises(ValueError, match="K"):
+        linear_batch_i8(*args, _inputs(2, 512), np.zeros((2, 64), np.float32), batch_scratch_i8(1, 2, 512))

@@ -1,0 +1,524 @@
+"""Quantized matrix × a few activation vectors with int8 activations and VNNI dot products.
+
+Same calling contract as matmul_batch.linear_batch (packed layouts of packing.py, outputs of the
+listed matrices side by side in out[b], prange over tiles), but the activations are quantized
+once per call, llama.cpp style: each row of x per 32-input block to int8 codes q = rint(x / d),
+d = max|x| / 127. A weight group then contributes, for output t of row b,
+
+    out[b, t] += s[g, t] * d[b, block] * Σ code[g, t, k] q[b, k]  +  m[g, t] * Σx_b(g)
+
+where the integer sum runs in `vpdpbusd` (64 u8 × s8 products summed 4 at a time into 16 int32
+lanes per instruction, 4× the MACs of an f32 FMA) and is exact, so the result for a row does not
+depend on B, on the other rows, or on the blocking of the rows.
+
+Σx_b(g) is the sum of the *quantized* activations, d · Σ q (llama.cpp's Q8_1 does the same): the
+result is then exactly Σ_k w_k · x̂_k with x̂ = d·q the dequantized activations, so the kernel
+computes the product of the dequantized weights with x̂ (to float32 rounding) — which the tests
+check tightly. Using the float Σx instead would leave an error Σ (w_k - m)(x_k - x̂_k), which for
+Q4_1/Q4_K (m ≈ -8 s, codes 0..15) has ~1.9x the standard deviation of Σ w_k (x_k - x̂_k).
+
+Operands. vpdpbusd multiplies unsigned bytes of one operand by signed bytes of the other.
+  FMT_Q4: codes 0..15 are the unsigned operand as they are (low / high nibble masked out).
+  FMT_Q8: signed codes flipped to unsigned, c + 128 (one vpxor per weight vector, shared by the
+          rows); the extra 128 Σ q of a row is removed by starting its accumulator at -128 Σ q
+          (precomputed per group with the quantization), which costs nothing per weight.
+The activation is always the signed operand, a dword of 4 consecutive codes broadcast to every
+lane (folded into vpdpbusd as a {1to16} memory operand).
+
+Layout. vpdpbusd sums 4 adjacent bytes, so a lane needs one output's weights of 4 consecutive
+inputs; packing stores input rows of 64 outputs. Per 4 rows r0..r3 the kernel interleaves them in
+registers (unpack bytes of r0/r1 and r2/r3, then words: 8 shuffles per 4 rows × 64 outputs, shared
+by every row of x). The unpacks work within 128-bit lanes, so vector v (v = 0..3) of the result
+holds outputs t = 16 (j // 4) + 4 v + j % 4 in lane j. The group scales and biases are loaded in
+that order (4 × 4 contiguous values per vector), the tile accumulates in `out` in that order, and
+each tile ends with one in-register permutation per row back to natural order.
+
+Micro-kernel (`_i8_step`, LLVM IR through an @intrinsic like matmul_batch._group_step): one group
+of one tile for up to 8 rows, int32 accumulators for rows × (vectors at a time) in registers; at the
+group's end each is converted and added into out: out = fma(m, Σx, fma(float(acc), s·d, out)).
+
+Portability. The native path needs AVX512-VNNI (and BW) on the host *and* in numba's target (not
+when NUMBA_CPU_NAME / NUMBA_CPU_FEATURES select a CPU without it). Otherwise the same kernel is
+compiled with a generic-IR emulation of vpdpbusd (widen, multiply, add lanes 4 by 4): correct
+everywhere, slow. `available()` says whether the fast path is in use; a caller choosing between
+linear_batch and linear_batch_i8 should check it. Set REAME_I8_GENERIC=1 to force the generic path
+(it is then compiled without the on-disk cache, so cached native code is never mixed in).
+
+Scratch: a C-contiguous float32 array of at least scratch_size_i8(B, K) elements (see
+batch_scratch_i8); it receives the quantized activations, block scales and group sums.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils, config
+from numba.extending import intrinsic
+
+from worker.engine.kernels.matmul_batch import _tile_f32
+from worker.engine.kernels.packing import (FMT_F32, FMT_Q4, FMT_Q8, M_BIAS, M_DATA, M_FMT, M_GROUP,
+                                           M_HALF, M_K, M_SCALE, M_TILES, TILE)
+
+
+def _native_vnni() -> bool:
+    """Whether numba's code for this process may use vpdpbusd on 512-bit vectors."""
+    if os.environ.get("REAME_I8_GENERIC", "") not in ("", "0"):
+        return False
+    try:
+        import llvmlite.binding as llvm
+        feats = llvm.get_host_cpu_features()
+    except Exception:  # pragma: no cover - no host information: be safe
+        return False
+    if not (feats.get("avx512vnni") and feats.get("avx512bw") and feats.get("avx512f")):
+        return False
+    name = config.CPU_NAME
+    if name and name != "host":  # an explicit target CPU (portable caches): trust only host
+        return False
+    extra = config.CPU_FEATURES or ""
+    return "-avx512vnni" not in extra and "-avx512bw" not in extra
+
+
+NATIVE_VNNI = _native_vnni()
+
+
+def available() -> bool:
+    """True when linear_batch_i8 runs on native VNNI; False: it still works, slowly (generic IR)."""
+    return NATIVE_VNNI
+
+
+_JIT = dict(fastmath=True, cache=NATIVE_VNNI, nogil=True)
+
+# Most rows of x one micro-kernel step serves. A step keeps rows × 4 int32 accumulators (all 64
+# outputs of the tile) in registers, so the interleaved weights of a group are built once per 4
+# rows; measured at B=8 (1 thread, a 3072×576 Q4_1 call): 4-row steps 0.45x linear_batch, 5 or 6
+# rows × 4 vectors 0.5x (spills), 8 rows × 2 vectors 0.64-0.84x, 8 rows × 1 vector 1.1x.
+BLOCK = 4
+_STEP_ROWS = (1, 2, 3, 4)
+
+_VEC = 16
+PREFETCH_GROUPS = 4
+
+
+def scratch_size_i8(batch: int, k: int) -> int:
+    """float32 elements linear_batch_i8 needs for B = batch rows of K = k inputs: int8 codes (K/4
+    floats), and per row d (K/32), Σx per 16 and 32 inputs, -128 Σq per 16 and 32 inputs."""
+    return batch * 15 * (k // 32)
+
+
+def batch_scratch_i8(max_tiles: int, max_batch: int, k_max: int | None = None) -> np.ndarray:
+    """A scratch buffer for every linear_batch_i8 call with at most max_batch rows and k_max inputs
+    (k_max defaults to max_tiles * TILE, as matmul_batch.batch_scratch)."""
+    k = max_tiles * TILE if k_max is None else k_max
+    return np.zeros(scratch_size_i8(max_batch, k), np.float32)
+
+
+def quantize_reference(x: np.ndarray):
+    """numpy version of the in-kernel activation quantization: (codes int8 (B, K), d float32 (B, K/32))."""
+    x = np.asarray(x, np.float32)
+    b, k = x.shape
+    blocks = x.reshape(b, k // 32, 32)
+    amax = np.abs(blocks).max(axis=2)
+    a64 = amax.astype(np.float64)
+    d = (a64 / 127.0).astype(np.float32)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax > 0, 127.0 / a64, 0.0).astype(np.float32)
+    q = np.rint(blocks * inv[:, :, None]).astype(np.int8)
+    return q.reshape(b, k), d
+
+
+@intrinsic
+def _rint(typingctx, v):
+    """float32 rounded to the nearest integer, ties to even (np.rint), as llvm.rint: fast-math
+    flags (which numba's parallel caller passes to whatever LLVM inlines into it) cannot drop it."""
+    if v != types.float32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.FloatType(), [ir.FloatType()]),
+                                            "llvm.rint.f32")
+        return builder.call(fn, [args[0]])
+
+    return types.float32(types.float32), codegen
+
+
+@njit(cache=NATIVE_VNNI, nogil=True, fastmath=True)
+def _block_amax(x, amax):
+    """amax[b, blk] = max |x[b, 32 blk : 32 blk + 32]| (exact in any order: fastmath vectorizes it)."""
+    batch, k = x.shape
+    for b in range(batch):
+        for blk in range(k // 32):
+            m = np.float32(0.0)
+            for i in range(32):
+                m = max(m, abs(x[b, blk * 32 + i]))
+            amax[b, blk] = m
+
+
+@njit(**_JIT)
+def _quantize_rows(x, xq, xs, fsum16, fsum32, corr16, corr32):
+    batch, k = x.shape
+    _block_amax(x, xs)
+    for b in range(batch):
+        for blk in range(k // 32):
+            amax = xs[b, blk]
+            # Divisions in float64, rounded once to float32: the result (equal to quantize_reference's)
+            # survives fast-math's x / c → x * (1 / c) (off by < 1e-16 relative before rounding).
+            d = np.float32(np.float64(amax) / 127.0)
+            inv = np.float32(127.0 / np.float64(amax)) if amax > 0 else np.float32(0.0)
+            xs[b, blk] = d
+            total = 0
+            for h in range(2):
+                acc = 0
+                for i in range(16):
+                    q = np.int32(_rint(x[b, blk * 32 + 16 * h + i] * inv))
+                    xq[b, blk * 32 + 16 * h + i] = q
+                    acc += q
+                total += acc
+                fsum16[b, 2 * blk + h] = d * np.float32(acc)
+                corr16[b, 2 * blk + h] = -128 * acc
+            fsum32[b, blk] = d * np.float32(total)
+            corr32[b, blk] = -128 * total
+
+
+# ---- the micro-kernel -------------------------------------------------------------------------
+
+@intrinsic(prefer_literal=True)
+def _i8_step(typingctx, data, d_off, xq, xs, fsum, corr, b0, k0, blk, g, scales, scales16, s_off, m_off,
+             half, out, col0, rows, fmt, group):
+    """out[b0 + r, col0:col0 + TILE] (permuted order) += one group's contribution, r < rows.
+
+    d_off: byte offset of the group's codes in data; xq[b, k0 + e]: the group's int8 activations,
+    xs[b, blk] their scale; fsum[b, g] = Σ of the dequantized activations over the group, corr[b, g]
+    = -128 Σ q (used by q8); s_off / m_off: offsets of the group's TILE scales / biases in scales16
+    (half != 0) or scales, m_off < 0 for none. fmt and group must be literals.
+    """
+    if not (isinstance(fmt, types.IntegerLiteral) and isinstance(group, types.IntegerLiteral)):
+        return None
+    sig = types.void(data, d_off, xq, xs, fsum, corr, b0, k0, blk, g, scales, scales16, s_off, m_off, half,
+                     out, col0, rows, fmt, group)
+
+    def codegen(context, builder, signature, args):
+        _I8Emitter(context, builder, signature, args, fmt.literal_value, group.literal_value).emit()
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+_DATA, _XQ, _XS, _FSUM, _CORR, _SCALES, _SCALES16, _OUT = 0, 2, 3, 4, 5, 10, 11, 15
+
+_I8, _I16, _I32, _I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
+_VB = ir.VectorType(_I8, 64)
+_VW = ir.VectorType(_I16, 32)
+_VD = ir.VectorType(_I32, _VEC)
+_VF = ir.VectorType(ir.FloatType(), _VEC)
+
+
+def _unpack_mask(elems: int, high: bool) -> list[int]:
+    """shufflevector mask of x86 unpack{lo,hi} on two <elems x iN> 512-bit vectors."""
+    per_lane = elems // 4
+    mask = []
+    for lane in range(4):
+        start = lane * per_lane + (per_lane // 2 if high else 0)
+        for i in range(per_lane // 2):
+            mask += [start + i, elems + start + i]
+    return mask
+
+
+def _perm_lanes(v: int) -> list[int]:
+    """Natural output index (within the tile) of each lane of interleaved vector v."""
+    return [16 * (j // 4) + 4 * v + j % 4 for j in range(_VEC)]
+
+
+class _I8Emitter:
+    """IR of one `_i8_step` call: a switch on the row count, straight-line code per case."""
+
+    def __init__(self, context, builder, signature, args, fmt, group):
+        self.context, self.b = context, builder
+        self.tys = signature.args
+        self.fmt, self.group = fmt, group
+        self.arrays = {i: context.make_array(self.tys[i])(context, builder, args[i])
+                       for i in (_DATA, _XQ, _XS, _FSUM, _CORR, _SCALES, _SCALES16, _OUT)}
+        (self.d_off, self.b0, self.k0, self.blk, self.g, self.s_off, self.m_off, self.half, self.col0,
+         self.rows) = (args[i] for i in (1, 6, 7, 8, 9, 12, 13, 14, 16, 17))
+        self.fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VF, [_VF] * 3),
+                                                  "llvm.fma.v16f32")
+        if NATIVE_VNNI:
+            self.vnni = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VD, [_VD] * 3),
+                                                       "llvm.x86.avx512.vpdpbusd.512")
+
+    def emit(self):
+        b = self.b
+        self._prefetch()
+        self.is_half = b.icmp_signed("!=", self.half, ir.Constant(self.half.type, 0))
+        self.has_bias = b.icmp_signed(">=", self.m_off, self._c(0))
+        done = b.append_basic_block("i8.done")
+        switch = b.switch(self.rows, done)
+        for n in _STEP_ROWS:
+            case = b.append_basic_block(f"i8.rows{n}")
+            switch.add_case(ir.Constant(self.rows.type, n), case)
+            b.position_at_end(case)
+            self._rows(n)
+            b.branch(done)
+        b.position_at_end(done)
+
+    # ---- helpers ---------------------------------------------------------------------------
+    def _c(self, n):
+        return ir.Constant(_I64, n)
+
+    def _ptr(self, arg, *indices):
+        return cgutils.get_item_pointer(self.context, self.b, self.tys[arg], self.arrays[arg], list(indices))
+
+    def _vptr(self, arg, vtype, *indices):
+        return self.b.bitcast(self._ptr(arg, *indices), vtype.as_pointer())
+
+    def _splat(self, value, vtype):
+        b = self.b
+        undef = ir.Constant(vtype, ir.Undefined)
+        one = b.insert_element(undef, value, self._c(0))
+        return b.shuffle_vector(one, undef, ir.Constant(ir.VectorType(_I32, vtype.count), None))
+
+    def _prefetch(self):
+        b = self.b
+        group_bytes = (self.group // 2 if self.fmt == FMT_Q4 else self.group) * TILE
+        fn = cgutils.get_or_insert_function(
+            b.module, ir.FunctionType(ir.VoidType(), [_I8.as_pointer()] + [_I32] * 3), "llvm.prefetch.p0i8")
+        start = b.add(self.d_off, self._c(PREFETCH_GROUPS * group_bytes))
+        for line in range(0, group_bytes, 64):
+            at = b.bitcast(self._ptr(_DATA, b.add(start, self._c(line))), _I8.as_pointer())
+            b.call(fn, [at, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+
+    def _dot(self, acc, w, a):
+        """acc + Σ of 4 adjacent u8(w) × s8(a) products per int32 lane (vpdpbusd)."""
+        b = self.b
+        if NATIVE_VNNI:
+            return b.call(self.vnni, [acc, w, a])
+        wide = ir.VectorType(_I32, 64)
+        p = b.mul(b.zext(b.bitcast(w, _VB), wide), b.sext(b.bitcast(a, _VB), wide))
+        for j in range(4):
+            part = b.shuffle_vector(p, ir.Constant(wide, ir.Undefined),
+                                    ir.Constant(ir.VectorType(_I32, _VEC), [4 * i + j for i in range(_VEC)]))
+            acc = b.add(acc, part)
+        return acc
+
+    def _code_rows(self, p):
+        """The 4 code rows (64 bytes each) of quad p of the group."""
+        b = self.b
+        return [b.load(self._vptr(_DATA, _VB, b.add(self.d_off, self._c((4 * p + i) * TILE))), align=1)
+                for i in range(4)]
+
+    def _interleave(self, rows4, vs):
+        """Interleaved vectors v in vs (as <64 x i8>): lane j = bytes of rows 0..3 for output _perm_lanes(v)[j]."""
+        b = self.b
+        out = {}
+        for a8 in sorted({v // 2 for v in vs}):
+            m8 = ir.Constant(ir.VectorType(_I32, 64), _unpack_mask(64, a8 == 1))
+            lo = b.bitcast(b.shuffle_vector(rows4[0], rows4[1], m8), _VW)
+            hi = b.bitcast(b.shuffle_vector(rows4[2], rows4[3], m8), _VW)
+            for v in vs:
+                if v // 2 == a8:
+                    m16 = ir.Constant(ir.VectorType(_I32, 32), _unpack_mask(32, v % 2 == 1))
+                    out[v] = b.bitcast(b.shuffle_vector(lo, hi, m16), _VB)
+        return out
+
+    def _act(self, r, k):
+        """Dword of xq[b0 + r, k:k + 4] broadcast to 16 lanes."""
+        b = self.b
+        word = b.load(self._vptr(_XQ, _I32, b.add(self.b0, self._c(r)), k), align=1)
+        return self._splat(word, _VD)
+
+    def _param(self, offset, v):
+        """Group parameters (scale or bias) of the outputs of interleaved vector v, from scales16 or scales."""
+        b = self.b
+        pieces_h, pieces_f = [], []
+        with b.if_else(self.is_half) as (then, otherwise):
+            with then:
+                for lane in range(4):
+                    at = b.add(offset, self._c(16 * lane + 4 * v))
+                    pieces_h.append(b.load(self._vptr(_SCALES16, ir.VectorType(_I16, 4), at), align=2))
+                bits = self._concat4(pieces_h)
+                from_half = b.fpext(b.bitcast(bits, ir.VectorType(ir.HalfType(), _VEC)), _VF)
+                half_block = b.block
+            with otherwise:
+                for lane in range(4):
+                    at = b.add(offset, self._c(16 * lane + 4 * v))
+                    pieces_f.append(b.load(self._vptr(_SCALES, ir.VectorType(ir.FloatType(), 4), at), align=4))
+                from_f32 = self._concat4(pieces_f)
+                f32_block = b.block
+        phi = b.phi(_VF)
+        phi.add_incoming(from_half, half_block)
+        phi.add_incoming(from_f32, f32_block)
+        return phi
+
+    def _concat4(self, parts):
+        b = self.b
+        a = b.shuffle_vector(parts[0], parts[1], ir.Constant(ir.VectorType(_I32, 8), list(range(8))))
+        c = b.shuffle_vector(parts[2], parts[3], ir.Constant(ir.VectorType(_I32, 8), list(range(8))))
+        return b.shuffle_vector(a, c, ir.Constant(ir.VectorType(_I32, 16), list(range(16))))
+
+    # ---- the step for n rows ---------------------------------------------------------------
+    def _rows(self, n):
+        b, c = self.b, self._c
+        at_once = 4
+        rows_b = [b.add(self.b0, c(r)) for r in range(n)]
+        if self.fmt == FMT_Q8:
+            init = [self._splat(b.load(self._ptr(_CORR, rb, self.g)), _VD) for rb in rows_b]
+        else:
+            init = [ir.Constant(_VD, None)] * n
+        flip = ir.Constant(_VB, 0x80)
+        low = ir.Constant(_VB, 0x0F)
+        four = ir.Constant(_VW, 4)
+        quads = 4 if self.fmt == FMT_Q4 else self.group // 4
+        for chunk in range(4 // at_once):
+            vs = list(range(chunk * at_once, (chunk + 1) * at_once))
+            acc = {(r, v): init[r] for r in range(n) for v in vs}
+            for p in range(quads):
+                wv = self._interleave(self._code_rows(p), vs)
+                if self.fmt == FMT_Q4:
+                    halves = []
+                    lo_w = {v: b.and_(w, low) for v, w in wv.items()}
+                    hi_w = {v: b.and_(b.bitcast(b.lshr(b.bitcast(w, _VW), four), _VB), low) for v, w in wv.items()}
+                    halves = [(lo_w, 4 * p), (hi_w, 16 + 4 * p)]
+                else:
+                    halves = [({v: b.xor(w, flip) for v, w in wv.items()}, 4 * p)]
+                for ws, e in halves:
+                    k = b.add(self.k0, c(e))
+                    acts = [self._act(r, k) for r in range(n)]
+                    for v in vs:
+                        wd = b.bitcast(ws[v], _VD)
+                        for r in range(n):
+                            acc[r, v] = self._dot(acc[r, v], wd, acts[r])
+            self._finish(vs, rows_b, acc)
+
+    def _finish(self, vs, rows_b, acc):
+        """out[b, slot v] = fma(m, Σx, fma(float(acc), s·d_b, out)) (the fma(m, ...) only with a bias)."""
+        b, c = self.b, self._c
+        d = [self._splat(b.load(self._ptr(_XS, rb, self.blk)), _VF) for rb in rows_b]
+        partial = []
+        for v in vs:
+            s = self._param(self.s_off, v)
+            col = b.add(self.col0, c(_VEC * v))
+            for r, rb in enumerate(rows_b):
+                at = self._vptr(_OUT, _VF, rb, col)
+                f = b.sitofp(acc[r, v], _VF)
+                partial.append((at, r, v, b.call(self.fma, [f, b.fmul(s, d[r]), b.load(at, align=4)])))
+        with b.if_else(self.has_bias) as (then, otherwise):
+            with then:
+                ms = {v: self._param(self.m_off, v) for v in vs}
+                sums = [self._splat(b.load(self._ptr(_FSUM, rb, self.g)), _VF) for rb in rows_b]
+                for at, r, v, o in partial:
+                    b.store(b.call(self.fma, [ms[v], sums[r], o]), at, align=4)
+            with otherwise:
+                for at, r, v, o in partial:
+                    b.store(o, at, align=4)
+
+
+@intrinsic
+def _unpermute(typingctx, out, row, col0):
+    """out[row, col0:col0 + TILE] from interleaved-vector order back to natural output order."""
+    sig = types.void(out, row, col0)
+
+    def codegen(context, builder, signature, args):
+        ary = context.make_array(signature.args[0])(context, builder, args[0])
+        ptr = cgutils.get_item_pointer(context, builder, signature.args[0], ary, [args[1], args[2]])
+        v64 = ir.VectorType(ir.FloatType(), TILE)
+        at = builder.bitcast(ptr, v64.as_pointer())
+        perm = builder.load(at, align=4)
+        natural = [0] * TILE
+        for v in range(4):
+            for j, t in enumerate(_perm_lanes(v)):
+                natural[t] = _VEC * v + j
+        builder.store(builder.shuffle_vector(perm, ir.Constant(v64, ir.Undefined),
+                                             ir.Constant(ir.VectorType(_I32, TILE), natural)), at, align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@njit(**_JIT)
+def _tile_i8(data, scales, scales16, meta, tile, xq, xs, fsum16, fsum32, corr16, corr32, out, col0):
+    """out[:, col0:col0 + TILE] = tile `tile` of a q4/q8 matrix times every row of x (quantized)."""
+    k = meta[M_K]
+    group = meta[M_GROUP]
+    groups = k // group
+    batch = xq.shape[0]
+    q4 = meta[M_FMT] == FMT_Q4
+    group_bytes = (group // 2 if q4 else group) * TILE
+    base = meta[M_DATA] + tile * groups * group_bytes
+    for b in range(batch):
+        o = out[b, col0:col0 + TILE]
+        for t in range(TILE):
+            o[t] = 0.0
+    for g in range(groups):
+        d_off = base + g * group_bytes
+        at = (tile * groups + g) * TILE
+        s_off = meta[M_SCALE] + at
+        m_off = meta[M_BIAS] + at if meta[M_BIAS] >= 0 else -1
+        b0 = 0
+        while b0 < batch:  # blocks of BLOCK rows
+            rows = min(BLOCK, batch - b0)
+            if q4:
+                _i8_step(data, d_off, xq, xs, fsum32, corr32, b0, g * 32, g, g, scales, scales16, s_off, m_off,
+                         meta[M_HALF], out, col0, rows, FMT_Q4, 32)
+            elif group == 32:
+                _i8_step(data, d_off, xq, xs, fsum32, corr32, b0, g * 32, g, g, scales, scales16, s_off, m_off,
+                         meta[M_HALF], out, col0, rows, FMT_Q8, 32)
+            else:
+                _i8_step(data, d_off, xq, xs, fsum16, corr16, b0, g * 16, g // 2, g, scales, scales16, s_off,
+                         m_off, meta[M_HALF], out, col0, rows, FMT_Q8, 16)
+            b0 += rows
+    for b in range(batch):
+        _unpermute(out, b, col0)
+
+
+@njit(parallel=True, **_JIT)
+def linear_batch_i8(data, scales, scales16, meta, mats, x, out, scratch):
+    """out[b, cols of mats[i]] ≈ W[mats[i]] @ x[b] with x[b] quantized to int8 per 32 inputs.
+
+    x: float32 (B, K), K the input size of every listed matrix (a multiple of 32 when any is
+    quantized); out: float32 (≥ B, ≥ Σ padded rows) with contiguous rows; scratch: C-contiguous
+    float32 of at least scratch_size_i8(B, K) elements (see batch_scratch_i8). f32 matrices take
+    matmul_batch's float path (x not quantized). out[b] depends on x[b] only.
+    """
+    n_mats = mats.shape[0]
+    batch, k = x.shape
+    first_tile = np.zeros(n_mats + 1, np.int64)
+    quantized = False
+    for i in range(n_mats):
+        m = meta[mats[i]]
+        if m[M_K] != k:
+            raise ValueError("linear_batch_i8: x.shape[1] differs from a listed matrix's K")
+        if m[M_FMT] != FMT_F32:
+            quantized = True
+            if m[M_GROUP] != 16 and m[M_GROUP] != 32:
+                raise ValueError("linear_batch_i8: quantized groups must have 16 or 32 inputs")
+        first_tile[i + 1] = first_tile[i] + m[M_TILES]
+    if quantized and k % 32 != 0:
+        raise ValueError("linear_batch_i8: K must be a multiple of 32")
+    n_tiles = first_tile[n_mats]
+    if out.shape[0] < batch or out.shape[1] < n_tiles * TILE or out.strides[1] != 4:
+        raise ValueError("linear_batch_i8: out must be (≥ B, ≥ Σ padded rows) with contiguous rows")
+    blocks = k // 32 if quantized else 0
+    if scratch.size < batch * 15 * blocks:
+        raise ValueError("linear_batch_i8: scratch too small (see batch_scratch_i8)")
+    flat = scratch.reshape(scratch.size)
+    at = batch * blocks * 8
+    nb = batch * blocks
+    xq = flat[:at].view(np.int8).reshape(batch, blocks * 32)
+    xs = flat[at:at + nb].reshape(batch, blocks)
+    fsum32 = flat[at + nb:at + 2 * nb].reshape(batch, blocks)
+    fsum16 = flat[at + 2 * nb:at + 4 * nb].reshape(batch, 2 * blocks)
+    corr32 = flat[at + 4 * nb:at + 5 * nb].view(np.int32).reshape(batch, blocks)
+    corr16 = flat[at + 5 * nb:at + 7 * nb].view(np.int32).reshape(batch, 2 * blocks)
+    if quantized:
+        _quantize_rows(x, xq, xs, fsum16, fsum32, corr16, corr32)
+    for tg in prange(n_tiles):
+        i = 0
+        while tg >= first_tile[i + 1]:
+            i += 1
+        m = meta[mats[i]]
+        tile = tg - first_tile[i]
+        if m[M_FMT] == FMT_F32:
+            _tile_f32(data, m, tile, x, out, tg * TILE)
+        else:
+            _tile_i8(data, scales, scales16, m, tile, xq, xs, fsum16, fsum32, corr16, corr32, out, tg * TILE)
