@@ -34,10 +34,10 @@ class EngineSection:
     context_length: int = 0  # 0 = the model's trained context, capped by max_context
     max_context: int = 8192
     prefill_chunk: int = 512
-    prefill_weights: str = "auto"  # auto | f32 | dequantize
     kv_block_size: int = 16  # tokens per paged-KV block
-    kv_dtype: str = "float32"  # float32 | float16
+    kv_dtype: str = "float16"  # float16 | float32
     kv_cache_memory: str = "1GiB"  # the KV block pool: bytes ("512MiB", "2GB") or a share of RAM ("10%")
+    matmul_activations: str = "auto"  # auto | float32 | int8: the fast kernels' matmul inputs
 
 
 @dataclass(frozen=True)
@@ -127,8 +127,8 @@ class Config:
 
 _CHOICES = {
     ("engine", "kernels"): {"auto", "reference"},
-    ("engine", "prefill_weights"): {"auto", "f32", "dequantize"},
     ("engine", "kv_dtype"): {"float32", "float16"},
+    ("engine", "matmul_activations"): {"auto", "float32", "int8"},
     ("logging", "level"): {"debug", "info", "warning", "error"},
 }
 

@@ -22,7 +22,9 @@ def test_tokenize_json_gives_llama_cpp_ids(smollm2_gguf):
 
 def test_chat_streams_an_answer_and_keeps_the_conversation(smollm2_gguf):
     result = reame("chat", "--model", str(smollm2_gguf), "--temperature", "0", "--max-tokens", "24",
-                   stdin="What is the capital of France?\nAnd of Italy?\n\n")
+                   # "Answer in one word": without it the first token is a near-tie that int8
+                   # activations flip (as llama.cpp's do), and the answer wanders off.
+                   stdin="What is the capital of France? Answer in one word.\nAnd of Italy?\n\n")
     assert result.returncode == 0, result.stderr
     answers = [line for line in result.stdout.splitlines() if line.startswith("> ")]
     assert "Paris" in answers[0]

@@ -12,8 +12,52 @@ Stopping iteration early (generator close) abandons the sequence and frees its K
 """
 from __future__ import annotations
 
+import hashlib
 import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+_STALE_AFTER_S = 14 * 86400
+
+
+def _source_digest() -> str:
+    """Hash of every engine source file (and the numba version).
+
+    numba invalidates a cached kernel when its own file changes, but not when a function it
+    calls from another file does: after such an edit (or an upgrade) the stale machine code
+    was loaded and crashed (a segfault, seen here). One cache directory per engine source
+    version makes that impossible.
+    """
+    from importlib.metadata import version
+    digest = hashlib.sha256(version("numba").encode())
+    root = Path(__file__).parent
+    for path in sorted(root.rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def _numba_cache_dir() -> str:
+    base = Path(os.environ.get("REAME_NUMBA_CACHE_BASE")
+                or os.environ.get("NUMBA_CACHE_DIR", "~/.cache/reame/numba")).expanduser()
+    here = base / _source_digest()
+    try:
+        here.mkdir(parents=True, exist_ok=True)
+        os.utime(here)
+        for old in base.iterdir():  # versions nobody has used for two weeks
+            if old != here and old.is_dir() and time.time() - old.stat().st_mtime > _STALE_AFTER_S:
+                shutil.rmtree(old, ignore_errors=True)
+    except OSError:
+        pass  # numba reports an unusable cache directory itself
+    return str(here)
+
 
 # Compiled kernels are cached on disk so a restart does not recompile (seconds, not a minute).
 # numba reads this when a kernel module is imported, so it is set here, before any of them.
-os.environ.setdefault("NUMBA_CACHE_DIR", os.path.expanduser("~/.cache/reame/numba"))
+os.environ["REAME_NUMBA_CACHE_BASE"] = os.environ.get("REAME_NUMBA_CACHE_BASE") or os.environ.get(
+    "NUMBA_CACHE_DIR", os.path.expanduser("~/.cache/reame/numba"))
+os.environ["NUMBA_CACHE_DIR"] = _numba_cache_dir()
+if "numba" in sys.modules:  # imported before us: numba read the variable already
+    sys.modules["numba"].config.CACHE_DIR = os.environ["NUMBA_CACHE_DIR"]

@@ -1,8 +1,8 @@
 """What one engine step computes: several sequences' chunks, laid out for the forwards.
 
 A chunk is consecutive tokens of one sequence at positions start.. whose K/V go into the blocks
-of its block table (which already covers them). Prompt chunks run through the ragged BLAS
-forward; one-token chunks (decoding) run through the fused batched decode step.
+of its block table (which already covers them). The fused step takes them as rows (row_arrays);
+the reference set's BLAS forward as a RaggedBatch of segments.
 """
 from __future__ import annotations
 
@@ -58,12 +58,18 @@ class RaggedBatch:
         return int(self.tokens.shape[0])
 
 
-def decode_arrays(chunks: list[StepChunk]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """One-token chunks → tokens (B,), positions (B,), block tables (B, most blocks) padded with 0."""
-    tokens = np.array([c.token_ids[0] for c in chunks], np.int64)
-    positions = np.array([c.start for c in chunks], np.int64)
+def row_arrays(chunks: list[StepChunk]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Every token of every chunk as one row: tokens (R,), positions (R,), block tables
+    (R, most blocks; padded with 0, never read) and the rows whose logits are wanted."""
+    tokens = np.concatenate([c.token_ids for c in chunks])
+    positions = np.concatenate([c.start + np.arange(c.num_tokens, dtype=np.int64) for c in chunks])
     width = max(c.block_table.shape[0] for c in chunks)
-    tables = np.zeros((len(chunks), width), np.int32)
-    for i, c in enumerate(chunks):
-        tables[i, :c.block_table.shape[0]] = c.block_table
-    return tokens, positions, tables
+    tables = np.zeros((tokens.shape[0], width), np.int32)
+    logit_rows = []
+    row = 0
+    for c in chunks:
+        tables[row:row + c.num_tokens, :c.block_table.shape[0]] = c.block_table
+        row += c.num_tokens
+        if c.wants_logits:
+            logit_rows.append(row - 1)
+    return tokens, positions, tables, np.array(logit_rows, np.int64)

@@ -1,8 +1,8 @@
 """Engine: a loaded model, its KV cache and the generation loop.
 
 Kernel sets:
-  auto       prompt chunks with float32 BLAS matmuls, decode with the fused numba step over
-             packed quantized weights (the fast path);
+  auto       every token of a step through the fused numba step over packed quantized
+             weights (the fast path);
   reference  every step through the ragged float32 forward on weights dequantized with the
              numpy reference decoder (slow; the yardstick for the golden checks).
 
@@ -21,10 +21,9 @@ import numpy as np
 from shared.config import memory_bytes
 from shared.errors import ConfigError, ContextLengthError, InvalidRequestError, ModelLoadError
 from worker.block_manager import BlockManager
-from worker.engine.batch import RaggedBatch, StepChunk, decode_arrays
-from worker.engine.dense import PackedDense, ReferenceDense
+from worker.engine.batch import RaggedBatch, StepChunk, row_arrays
+from worker.engine.dense import ReferenceDense
 from worker.engine.gguf_file import GGUFFile
-from worker.engine.kernels.packing import M_K
 from worker.engine.models import build_model
 from worker.engine.paged_kv import KVShape, PagedKVCache, pool_blocks
 from worker.sampler import Sampler, validate_params
@@ -96,26 +95,21 @@ class Engine:
         """Compute every chunk (K/V into its blocks); return each chunk's last-token logits, or
         None for chunks that do not want them.
 
-        Prompt chunks (several tokens) run together through the ragged BLAS forward, one-token
-        chunks together through the fused batched decode step. Each decode row gets the same bits
-        whatever else is in the batch, so batching never changes a sequence's tokens.
+        auto: every token of every chunk is one row of the fused numba step (prompt chunks and
+        decode tokens together, one read of the weights); a row's result depends only on its
+        own token, position and cached K/V, never on the rest of the batch or on where a prompt
+        was split into chunks. reference: the ragged float32 BLAS forward.
         """
         chunk_keys = attention_chunk or self.attention_chunk
-        prompt = [i for i, c in enumerate(chunks) if c.num_tokens > 1 or self.kernels == "reference"]
-        decode = [i for i, c in enumerate(chunks) if c.num_tokens == 1 and self.kernels != "reference"]
+        wanting = [i for i, c in enumerate(chunks) if c.wants_logits]
+        if self.kernels == "reference":
+            logits = self.model.forward(RaggedBatch(chunks), self.kv, self._dense, self._logits_of_rows, chunk_keys)
+        else:
+            tokens, positions, tables, logit_rows = row_arrays(chunks)
+            logits = self.model.forward_rows(tokens, positions, tables, logit_rows, self.kv, chunk_keys)
         results: list[np.ndarray | None] = [None] * len(chunks)
-        if prompt:
-            batch = RaggedBatch([chunks[i] for i in prompt])
-            logits = self.model.forward(batch, self.kv, self._dense, self._logits_of_rows, chunk_keys)
-            wanting = [i for i in prompt if chunks[i].wants_logits]
-            for row, i in enumerate(wanting):
-                results[i] = np.array(logits[row], np.float32)
-        if decode:
-            tokens, positions, tables = decode_arrays([chunks[i] for i in decode])
-            logits = self.model.decode(tokens, positions, tables, self.kv, chunk_keys)
-            for row, i in enumerate(decode):
-                if chunks[i].wants_logits:
-                    results[i] = logits[row].copy()
+        for row, i in enumerate(wanting):
+            results[i] = np.array(logits[row], np.float32)
         return results
 
     # ---------------------------------------------------------------- one sequence
@@ -195,9 +189,10 @@ def _configure_numba(threads: int) -> None:
 
 
 def load_engine(path, kernels: str = "auto", threads: int = 0, context_length: int = 0,
-                max_context: int = 8192, prefill_weights: str = "auto", prefill_chunk: int = 512,
-                kv_block_size: int = 16, kv_dtype: str = "float32", kv_cache_memory: str = "1GiB",
-                attention_chunk: int = 512, progress: Progress | None = None) -> Engine:
+                max_context: int = 8192, prefill_chunk: int = 512,
+                kv_block_size: int = 16, kv_dtype: str = "float16", kv_cache_memory: str = "1GiB",
+                attention_chunk: int = 512, matmul_activations: str = "auto",
+                progress: Progress | None = None) -> Engine:
     """Open a GGUF model and make it ready to generate."""
     if kernels not in KERNEL_SETS:
         raise ModelLoadError(f"unknown kernel set {kernels!r}; choose one of {', '.join(KERNEL_SETS)}")
@@ -212,23 +207,16 @@ def load_engine(path, kernels: str = "auto", threads: int = 0, context_length: i
     trained = int(g.get(f"{g.arch}.context_length") or 2048)
     n_ctx = context_length or min(trained, max_context)
     say(f"loading {g.path.name} ({g.arch}, {g.path.stat().st_size / 1e6:.0f} MB), context {n_ctx}")
-    model = build_model(g, n_ctx, progress=lambda i, n: say(f"packing weights: layer {i}/{n}") if i in (n // 2, n) else None)
+    model = build_model(g, n_ctx,
+                        progress=lambda i, n: say(f"packing weights: layer {i}/{n}") if i in (n // 2, n) else None)
     w = model.w
     if kernels == "reference":
         dense = ReferenceDense(w.tensors)
         out_w = dense(w.output)
         logits_of_rows = lambda h: h @ out_w.T
     else:
-        cache_all = _want_f32_cache(prefill_weights, w.table.nbytes, w.tensors)
-        # Embeddings are looked up row by row and the output matrix is used through the
-        # decode kernels, so neither needs a dense float32 copy.
-        skip = {w.token_embd, w.output}
-        dense = PackedDense(w.table, cache_all, skip=skip)
-        dense_embd = _RowLookup(w.table, w.token_embd)
-        dense = _WithEmbedding(dense, w.token_embd, dense_embd)
-        logits_of_rows = model.project
-        say(f"prefill weights: {'float32 copy' if cache_all else 'dequantized per use'} "
-            f"({dense.nbytes / 1e6:.0f} MB), packed decode weights {w.table.nbytes / 1e6:.0f} MB")
+        dense = logits_of_rows = None  # the fused row step reads the packed weights itself
+        say(f"packed weights {w.table.nbytes / 1e6:.0f} MB")
     import psutil
     hp = model.hp
     shape = KVShape(hp.n_layers, hp.n_kv_heads, hp.head_dim, kv_block_size)
@@ -236,6 +224,9 @@ def load_engine(path, kernels: str = "auto", threads: int = 0, context_length: i
     kv = PagedKVCache(shape, pool_blocks(shape, kv_dtype, budget, n_ctx), kv_dtype)
     say(f"KV cache: {kv.num_blocks} blocks of {kv_block_size} tokens, {kv_dtype}, "
         f"{kv.nbytes / 2**20:.0f} MiB ({kv.num_blocks * kv_block_size} tokens)")
+    model.buffers.int8 = _want_int8(matmul_activations)
+    if kernels == "auto":
+        say(f"matmuls: {'int8 activations (VNNI)' if model.buffers.int8 else 'float32 activations'}")
     engine = Engine(g, model, kernels, n_ctx, dense, logits_of_rows, kv)
     engine.prefill_chunk = prefill_chunk
     engine.attention_chunk = attention_chunk
@@ -243,37 +234,14 @@ def load_engine(path, kernels: str = "auto", threads: int = 0, context_length: i
     return engine
 
 
-def _want_f32_cache(mode: str, packed_bytes: int, tensors) -> bool:
-    if mode != "auto":
-        return mode == "f32"
-    import psutil
-    f32_bytes = sum(int(np.prod(t.shape)) * 4 for t in tensors)
-    return f32_bytes < psutil.virtual_memory().total // 4
-
-
-class _RowLookup:
-    """Embedding rows dequantized on demand: `lookup[tokens]` → (T, d) float32."""
-
-    def __init__(self, table, index: int):
-        self._table, self._index = table, index
-
-    def __getitem__(self, tokens) -> np.ndarray:
-        from worker.engine.kernels.ops import dequant_row
-        t = self._table
-        k = int(t.meta[self._index, M_K])
-        out = np.empty((len(tokens), k), np.float32)
-        for i, tok in enumerate(np.asarray(tokens).reshape(-1)):
-            dequant_row(t.data, t.scales, t.scales16, t.meta[self._index], int(tok), out[i])
-        return out
-
-
-class _WithEmbedding:
-    def __init__(self, dense: PackedDense, embd_index: int, lookup: _RowLookup):
-        self._dense, self._embd, self._lookup = dense, embd_index, lookup
-        self.nbytes = dense.nbytes
-
-    def __call__(self, index: int):
-        return self._lookup if index == self._embd else self._dense(index)
+def _want_int8(mode: str) -> bool:
+    from worker.engine.kernels import matmul_i8
+    if mode not in ("auto", "float32", "int8"):
+        raise ConfigError(f"[engine] matmul_activations = {mode!r}; expected auto, float32 or int8")
+    if mode == "int8" and not matmul_i8.available():
+        log.warning("matmul_activations = int8, but this CPU has no AVX-512 VNNI: the int8 kernel "
+                    "runs its portable (slow) form")
+    return mode == "int8" or (mode == "auto" and matmul_i8.available())
 
 
 def load_engine_from_config(config, model: str | None = None, kernels: str | None = None,
@@ -285,6 +253,7 @@ def load_engine_from_config(config, model: str | None = None, kernels: str | Non
     e = config.engine
     return load_engine(path, kernels=kernels or e.kernels, threads=e.threads,
                        context_length=e.context_length, max_context=e.max_context,
-                       prefill_weights=e.prefill_weights, prefill_chunk=e.prefill_chunk,
+                       prefill_chunk=e.prefill_chunk,
                        kv_block_size=e.kv_block_size, kv_dtype=e.kv_dtype, kv_cache_memory=e.kv_cache_memory,
-                       attention_chunk=config.scheduler.attention_chunk, progress=progress)
+                       attention_chunk=config.scheduler.attention_chunk,
+                       matmul_activations=e.matmul_activations, progress=progress)

@@ -10,9 +10,9 @@ from worker.engine.batch import RaggedBatch
 from worker.engine.gguf_file import GGUFFile, TensorRef
 from worker.engine.kernels.attention import store_kv
 from worker.engine.kernels.matmul_batch import batch_scratch
+from worker.engine.kernels.matmul_i8 import batch_scratch_i8
 from worker.engine.kernels.packing import TILE, MatrixTable, pack
 from worker.engine.layers import causal_attention
-from worker.engine.models.decode_parts import matmul
 from worker.engine.paged_kv import PagedKVCache
 from worker.engine.quants import dequantize
 
@@ -67,21 +67,27 @@ def padded(n: int) -> int:
 
 
 class BatchBuffers:
-    """Every activation the fused batched decode step touches, for up to `rows` sequences.
+    """Every activation the fused row step touches, for up to `rows` tokens.
 
-    Row b of each array belongs to the step's b-th sequence; the arrays grow when a bigger
-    batch arrives (rare: the batch size is capped by the scheduler).
+    Row b of each array belongs to the step's b-th token; the arrays grow when a bigger step
+    arrives (rarely: the scheduler's token budget caps it). Logits are kept for at most
+    `logit_rows` rows (the vocabulary makes them the biggest buffer).
     """
 
     def __init__(self, d_model: int, q_rows: int, kv_rows: int, d_ff: int, vocab: int, rows: int = 1):
         self.dims = (d_model, q_rows, kv_rows, d_ff, vocab)
+        self.int8 = False  # decode matmuls with int8 activations (linear_batch_i8); set by the engine
         self.rows = 0
-        self.ensure(rows)
+        self.logit_rows = 0
+        self.ensure(rows, rows)
 
-    def ensure(self, rows: int) -> None:
+    def ensure(self, rows: int, logit_rows: int) -> None:
+        d_model, q_rows, kv_rows, d_ff, vocab = self.dims
+        if logit_rows > self.logit_rows:
+            self.logit_rows = logit_rows
+            self.logits = np.zeros((logit_rows, padded(vocab)), np.float32)
         if rows <= self.rows:
             return
-        d_model, q_rows, kv_rows, d_ff, vocab = self.dims
         f32 = np.float32
         self.rows = rows
         self.x = np.zeros((rows, d_model), f32)
@@ -94,10 +100,16 @@ class BatchBuffers:
         self.proj = np.zeros((rows, padded(d_model)), f32)
         self.gu = np.zeros((rows, 2 * padded(d_ff)), f32)
         self.act = np.zeros((rows, d_ff), f32)
-        self.logits = np.zeros((rows, padded(vocab)), f32)
-        most_tiles = max(self.logits.shape[1], self.qkv.shape[1], self.gu.shape[1]) // TILE
-        # linear_batch's per-row group sums; K is at most the widest matrix input.
-        self.scratch = batch_scratch(most_tiles, rows, k_max=max(d_model, q_rows, d_ff))
+        most_tiles = max(padded(vocab), self.qkv.shape[1], self.gu.shape[1]) // TILE
+        # The matmul kernels' per-row sums; K is at most the widest matrix input.
+        k_max = max(d_model, q_rows, d_ff)
+        self._f32_scratch = batch_scratch(most_tiles, rows, k_max=k_max)
+        self._i8_scratch = batch_scratch_i8(most_tiles, rows, k_max=k_max)
+
+    @property
+    def scratch(self) -> tuple:
+        """What decode_parts.matmul takes: (int8?, linear_batch's scratch, linear_batch_i8's)."""
+        return (self.int8, self._f32_scratch, self._i8_scratch)
 
 
 def attend(kv: PagedKVCache, layer: int, batch: RaggedBatch, q: np.ndarray, k: np.ndarray, v: np.ndarray,
@@ -115,16 +127,3 @@ def attend(kv: PagedKVCache, layer: int, batch: RaggedBatch, q: np.ndarray, k: n
         queries = q[seg.lo:seg.hi].reshape(seg.hi - seg.lo, -1, kv.shape.head_dim)
         out[seg.lo:seg.hi] = causal_attention(queries, keys, values, seg.start, scale, window, chunk)
     return out
-
-
-def project_rows(w: PackedWeights, buffers: BatchBuffers, h: np.ndarray, vocab: int) -> np.ndarray:
-    """Final normed hidden states (R, d) → logits (R, vocab) through the packed output matrix.
-
-    Returns a view of the buffers, valid until the next call."""
-    rows = h.shape[0]
-    buffers.ensure(rows)
-    buffers.h[:rows] = h
-    t = w.table
-    matmul((t.data, t.scales, t.scales16, t.meta), np.array([w.output]), buffers.h[:rows], buffers.logits[:rows],
-           buffers.scratch)
-    return buffers.logits[:rows, :vocab]

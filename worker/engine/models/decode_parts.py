@@ -1,4 +1,7 @@
-"""numba pieces the fused batched decode steps of every architecture share.
+"""numba pieces the fused row steps of every architecture share.
+
+A step's rows are tokens: one per decoding sequence, or the consecutive tokens of a prompt
+chunk; each row carries its own position and block table, so one code path serves both.
 
 `tab` is a MatrixTable's arrays as one tuple, (data, scales, scales16, meta), so the steps
 pass the weights around as a single argument.
@@ -10,6 +13,7 @@ from numba import njit
 
 from worker.engine.kernels.attention import store_kv
 from worker.engine.kernels.matmul_batch import linear_batch
+from worker.engine.kernels.matmul_i8 import linear_batch_i8
 from worker.engine.kernels.ops import dequant_row, rmsnorm, silu_mul
 from worker.engine.kernels.packing import TILE
 
@@ -50,11 +54,15 @@ def add_into(x, y):
 def matmul(tab, mats, x, out, scratch):
     """out[b] = W @ x[b] for every row of x, each weight read once for all rows.
 
-    linear_batch gives every row the same bits as matvec.linear on that row alone (tested), and
-    is faster even for one row, so one kernel serves every batch size and batching never
-    changes a sequence's logits.
+    scratch is a tuple (int8 flag, float32 scratch of linear_batch, that of linear_batch_i8).
+    Both kernels compute every row exactly as if it were alone, so batching never changes a
+    sequence's logits; int8 quantizes activations per 32 (as llama.cpp does) to use VNNI
+    dot products, float32 keeps them exact (the bits of matvec.linear).
     """
-    linear_batch(tab[0], tab[1], tab[2], tab[3], mats, x, out, scratch)
+    if scratch[0]:
+        linear_batch_i8(tab[0], tab[1], tab[2], tab[3], mats, x, out, scratch[2])
+    else:
+        linear_batch(tab[0], tab[1], tab[2], tab[3], mats, x, out, scratch[1])
 
 
 @njit(**_JIT)
@@ -99,11 +107,14 @@ def swiglu_ffn_rows(tab, m, x, norm_weight, eps, h, gu, act, proj, scratch, rows
 
 
 @njit(**_JIT)
-def output_logits_rows(tab, output, x, norm_weight, eps, h, logits, scratch, rows):
-    rmsnorm_rows(x, norm_weight, eps, h, rows)
+def output_logits_rows(tab, output, x, norm_weight, eps, h, logits, scratch, logit_rows):
+    """logits[i] = output @ RMSNorm(x[logit_rows[i]]): only the rows whose logits are wanted."""
+    wanted = logit_rows.shape[0]
+    for i in range(wanted):
+        rmsnorm(x[logit_rows[i]], norm_weight, eps, h[i])
     out_mat = np.empty(1, np.int64)
     out_mat[0] = output
-    matmul(tab, out_mat, h[:rows], logits[:rows], scratch)
+    matmul(tab, out_mat, h[:wanted], logits[:wanted], scratch)
 
 
 @njit(**_JIT)

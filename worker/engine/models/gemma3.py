@@ -18,7 +18,7 @@ from worker.engine.gguf_file import GGUFFile
 from worker.engine.kernels.attention import paged_attention_decode
 from worker.engine.kernels.ops import gelu_tanh_mul, rmsnorm, rope_halves
 from worker.engine.layers import gelu_tanh, rms_norm
-from worker.engine.models.common import BatchBuffers, attend, load_packed, project_rows
+from worker.engine.models.common import BatchBuffers, attend, load_packed
 from worker.engine.models.decode_parts import (add_rows, embed_rows, head_norm, matmul, output_logits_rows, padded,
                                                rmsnorm_rows, split_qkv_rows, store_kv_rows)
 from worker.engine.paged_kv import PagedKVCache
@@ -99,7 +99,7 @@ class Gemma3:
     def window(self, layer: int) -> int:
         return 0 if self.is_global[layer] else self.hp.sliding_window
 
-    # ---------------------------------------------------------------- ragged batch (BLAS)
+    # ---------------------------------------------------------------- ragged batch (BLAS, reference set)
     def forward(self, batch: RaggedBatch, kv: PagedKVCache, dense, logits_of_rows, attention_chunk: int) -> np.ndarray:
         hp, w, vec = self.hp, self.w, self.w.vectors
         t = batch.num_tokens
@@ -122,27 +122,24 @@ class Gemma3:
             x = x + rms_norm(f, vec["post_ffw_norm"][layer], hp.rms_eps)
         return logits_of_rows(rms_norm(x[batch.logit_rows], w.output_norm, hp.rms_eps))
 
-    # ---------------------------------------------------------------- fused batched decode (numba)
-    def decode(self, tokens: np.ndarray, positions: np.ndarray, block_tables: np.ndarray, kv: PagedKVCache,
-               attention_chunk: int) -> np.ndarray:
+    # ---------------------------------------------------------------- fused rows (numba)
+    def forward_rows(self, tokens: np.ndarray, positions: np.ndarray, block_tables: np.ndarray,
+                     logit_rows: np.ndarray, kv: PagedKVCache, attention_chunk: int) -> np.ndarray:
         hp, w, b, t, vec = self.hp, self.w, self.buffers, self.w.table, self.w.vectors
         rows = tokens.shape[0]
-        b.ensure(rows)
-        _gemma3_decode(tokens, positions, block_tables, (t.data, t.scales, t.scales16, t.meta), w.mats,
+        b.ensure(rows, logit_rows.shape[0])
+        _gemma3_rows(tokens, positions, block_tables, logit_rows, (t.data, t.scales, t.scales16, t.meta), w.mats,
                        w.token_embd, w.output, vec["attn_norm"], vec["attn_q_norm"], vec["attn_k_norm"],
                        vec["post_attention_norm"], vec["ffn_norm"], vec["post_ffw_norm"], w.output_norm,
                        np.float32(hp.rms_eps), self.embed_scale, hp.n_heads, hp.n_kv_heads, hp.head_dim,
                        self.is_global, hp.sliding_window, self.rope_local[0], self.rope_local[1],
                        self.rope_global[0], self.rope_global[1], np.float32(self.scale), kv.k, kv.v, attention_chunk,
                        b.x, b.h, b.qkv, b.q, b.k, b.v, b.att, b.proj, b.gu, b.act, b.scratch, b.logits)
-        return b.logits[:rows, :hp.vocab_size]
-
-    def project(self, h: np.ndarray) -> np.ndarray:
-        return project_rows(self.w, self.buffers, h, self.hp.vocab_size)
+        return b.logits[:logit_rows.shape[0], :hp.vocab_size]
 
 
 @njit(cache=True, nogil=True)
-def _gemma3_decode(tokens, positions, block_tables, tab, mats, token_embd, output,
+def _gemma3_rows(tokens, positions, block_tables, logit_rows, tab, mats, token_embd, output,
                    attn_norm, q_norm, k_norm, post_attn_norm, ffn_norm, post_ffw_norm, output_norm, eps,
                    embed_scale, n_heads, n_kv, head_dim, is_global, window, cos_local, sin_local,
                    cos_global, sin_global, scale, k_pool, v_pool, chunk,
@@ -185,4 +182,4 @@ def _gemma3_decode(tokens, positions, block_tables, tab, mats, token_embd, outpu
         for b in range(rows):
             rmsnorm(proj[b, :d], post_ffw_norm[layer], eps, proj[b, :d])
         add_rows(x, proj, rows)
-    output_logits_rows(tab, output, x, output_norm, eps, h, logits, scratch, rows)
+    output_logits_rows(tab, output, x, output_norm, eps, h, logits, scratch, logit_rows)

@@ -1,11 +1,13 @@
 """The llama architecture (Llama 2/3, SmolLM2, TinyLlama…): RMSNorm, RoPE, GQA, SwiGLU.
 
 Two forwards over the same weights and the same paged KV cache:
-  `forward`  a ragged batch of prompt chunks with float32 matmuls on BLAS (prefill, and every
-             step of the reference set);
-  `decode`   one new token of each of B sequences through every layer inside a single numba call
-             (the fast decode path: per-call Python dispatch would otherwise cost more than the
-             math); the B sequences share each weight read.
+  `forward`       a ragged batch of chunks with float32 matmuls on BLAS over dequantized weights
+                  (the reference kernel set);
+  `forward_rows`  every token of a step (decode tokens and prompt chunks of many sequences)
+                  through every layer inside a single numba call over the packed weights (the
+                  fast path: per-call Python dispatch would otherwise cost more than the math);
+                  all rows share each weight read, and each row's result does not depend on
+                  the others, so batching never changes a sequence's tokens.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from worker.engine.gguf_file import GGUFFile
 from worker.engine.kernels.attention import paged_attention_decode
 from worker.engine.kernels.ops import rope_pairs
 from worker.engine.layers import rms_norm, silu
-from worker.engine.models.common import BatchBuffers, attend, load_packed, project_rows, vector
+from worker.engine.models.common import BatchBuffers, attend, load_packed, vector
 from worker.engine.models.decode_parts import (add_rows, embed_rows, matmul, output_logits_rows, rmsnorm_rows,
                                                split_qkv_rows, store_kv_rows, swiglu_ffn_rows)
 from worker.engine.paged_kv import PagedKVCache
@@ -100,7 +102,7 @@ class Llama:
         self.buffers = BatchBuffers(hp.d_model, hp.n_heads * hp.head_dim, hp.n_kv_heads * hp.head_dim,
                                     hp.d_ff, hp.vocab_size)
 
-    # ---------------------------------------------------------------- ragged batch (BLAS)
+    # ---------------------------------------------------------------- ragged batch (BLAS, reference set)
     def forward(self, batch: RaggedBatch, kv: PagedKVCache, dense, logits_of_rows, attention_chunk: int) -> np.ndarray:
         """Run every chunk of the batch through the model; return logits (R, vocab) of its logit rows.
 
@@ -124,26 +126,24 @@ class Llama:
             x = x + (silu(h @ dense(m[GATE]).T) * (h @ dense(m[UP]).T)) @ dense(m[DOWN]).T
         return logits_of_rows(rms_norm(x[batch.logit_rows], w.output_norm, hp.rms_eps))
 
-    # ---------------------------------------------------------------- fused batched decode (numba)
-    def decode(self, tokens: np.ndarray, positions: np.ndarray, block_tables: np.ndarray, kv: PagedKVCache,
-               attention_chunk: int) -> np.ndarray:
-        """One new token for each of B sequences; returns logits (B, vocab), a view of the buffers."""
+    # ---------------------------------------------------------------- fused rows (numba)
+    def forward_rows(self, tokens: np.ndarray, positions: np.ndarray, block_tables: np.ndarray,
+                     logit_rows: np.ndarray, kv: PagedKVCache, attention_chunk: int) -> np.ndarray:
+        """Every row (a token at its position, with its sequence's block table) through all
+        layers in one numba call; returns logits (len(logit_rows), vocab), a view of the buffers."""
         hp, w, b, t = self.hp, self.w, self.buffers, self.w.table
         rows = tokens.shape[0]
-        b.ensure(rows)
-        _llama_decode(tokens, positions, block_tables, (t.data, t.scales, t.scales16, t.meta), w.mats,
+        b.ensure(rows, logit_rows.shape[0])
+        _llama_rows(tokens, positions, block_tables, logit_rows, (t.data, t.scales, t.scales16, t.meta), w.mats,
                       w.token_embd, w.output, w.vectors["attn_norm"], w.vectors["ffn_norm"], w.output_norm,
                       np.float32(hp.rms_eps), hp.n_heads, hp.n_kv_heads, hp.head_dim, self.cos, self.sin,
                       np.float32(self.scale), kv.k, kv.v, attention_chunk,
                       b.x, b.h, b.qkv, b.q, b.k, b.v, b.att, b.proj, b.gu, b.act, b.scratch, b.logits)
-        return b.logits[:rows, :hp.vocab_size]
-
-    def project(self, h: np.ndarray) -> np.ndarray:
-        return project_rows(self.w, self.buffers, h, self.hp.vocab_size)
+        return b.logits[:logit_rows.shape[0], :hp.vocab_size]
 
 
 @njit(cache=True, nogil=True)
-def _llama_decode(tokens, positions, block_tables, tab, mats, token_embd, output, attn_norm, ffn_norm,
+def _llama_rows(tokens, positions, block_tables, logit_rows, tab, mats, token_embd, output, attn_norm, ffn_norm,
                   output_norm, eps, n_heads, n_kv, head_dim, cos, sin, scale, k_pool, v_pool, chunk,
                   x, h, qkv, q, k, v, att, proj, gu, act, scratch, logits):
     rows = tokens.shape[0]
@@ -161,4 +161,4 @@ def _llama_decode(tokens, positions, block_tables, tab, mats, token_embd, output
         matmul(tab, m[3:4], att[:rows], proj[:rows], scratch)
         add_rows(x, proj, rows)
         swiglu_ffn_rows(tab, m, x, ffn_norm[layer], eps, h, gu, act, proj, scratch, rows)
-    output_logits_rows(tab, output, x, output_norm, eps, h, logits, scratch, rows)
+    output_logits_rows(tab, output, x, output_norm, eps, h, logits, scratch, logit_rows)

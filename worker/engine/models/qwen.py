@@ -11,7 +11,7 @@ from worker.engine.gguf_file import GGUFFile
 from worker.engine.kernels.attention import paged_attention_decode
 from worker.engine.kernels.ops import rope_halves
 from worker.engine.layers import rms_norm, silu
-from worker.engine.models.common import BatchBuffers, attend, load_packed, project_rows, vector
+from worker.engine.models.common import BatchBuffers, attend, load_packed, vector
 from worker.engine.models.decode_parts import (add_into, add_rows, embed_rows, head_norm, matmul,
                                                output_logits_rows, rmsnorm_rows, split_qkv_rows, store_kv_rows,
                                                swiglu_ffn_rows)
@@ -42,7 +42,7 @@ class Qwen:
         self.scale = 1.0 / np.sqrt(hp.head_dim)
         self.buffers = BatchBuffers(hp.d_model, q_rows, kv_rows, hp.d_ff, hp.vocab_size)
 
-    # ---------------------------------------------------------------- ragged batch (BLAS)
+    # ---------------------------------------------------------------- ragged batch (BLAS, reference set)
     def forward(self, batch: RaggedBatch, kv: PagedKVCache, dense, logits_of_rows, attention_chunk: int) -> np.ndarray:
         hp, w, vec, bias = self.hp, self.w, self.w.vectors, self.bias
         t = batch.num_tokens
@@ -64,26 +64,23 @@ class Qwen:
             x = x + (silu(h @ dense(m[GATE]).T) * (h @ dense(m[UP]).T)) @ dense(m[DOWN]).T
         return logits_of_rows(rms_norm(x[batch.logit_rows], w.output_norm, hp.rms_eps))
 
-    # ---------------------------------------------------------------- fused batched decode (numba)
-    def decode(self, tokens: np.ndarray, positions: np.ndarray, block_tables: np.ndarray, kv: PagedKVCache,
-               attention_chunk: int) -> np.ndarray:
+    # ---------------------------------------------------------------- fused rows (numba)
+    def forward_rows(self, tokens: np.ndarray, positions: np.ndarray, block_tables: np.ndarray,
+                     logit_rows: np.ndarray, kv: PagedKVCache, attention_chunk: int) -> np.ndarray:
         hp, w, b, t, vec = self.hp, self.w, self.buffers, self.w.table, self.w.vectors
         rows = tokens.shape[0]
-        b.ensure(rows)
-        _qwen_decode(tokens, positions, block_tables, (t.data, t.scales, t.scales16, t.meta), w.mats,
+        b.ensure(rows, logit_rows.shape[0])
+        _qwen_rows(tokens, positions, block_tables, logit_rows, (t.data, t.scales, t.scales16, t.meta), w.mats,
                      w.token_embd, w.output, vec["attn_norm"], vec["ffn_norm"], w.output_norm, self.bias["attn_q"],
                      self.bias["attn_k"], self.bias["attn_v"], self.qk_norm, vec["attn_q_norm"], vec["attn_k_norm"],
                      np.float32(hp.rms_eps), hp.n_heads, hp.n_kv_heads, hp.head_dim, self.cos, self.sin,
                      np.float32(self.scale), kv.k, kv.v, attention_chunk,
                      b.x, b.h, b.qkv, b.q, b.k, b.v, b.att, b.proj, b.gu, b.act, b.scratch, b.logits)
-        return b.logits[:rows, :hp.vocab_size]
-
-    def project(self, h: np.ndarray) -> np.ndarray:
-        return project_rows(self.w, self.buffers, h, self.hp.vocab_size)
+        return b.logits[:logit_rows.shape[0], :hp.vocab_size]
 
 
 @njit(cache=True, nogil=True)
-def _qwen_decode(tokens, positions, block_tables, tab, mats, token_embd, output, attn_norm, ffn_norm, output_norm,
+def _qwen_rows(tokens, positions, block_tables, logit_rows, tab, mats, token_embd, output, attn_norm, ffn_norm, output_norm,
                  q_bias, k_bias, v_bias, qk_norm, q_norm, k_norm, eps, n_heads, n_kv, head_dim,
                  cos, sin, scale, k_pool, v_pool, chunk, x, h, qkv, q, k, v, att, proj, gu, act, scratch,
                  logits):
@@ -108,4 +105,4 @@ def _qwen_decode(tokens, positions, block_tables, tab, mats, token_embd, output,
         matmul(tab, m[3:4], att[:rows], proj[:rows], scratch)
         add_rows(x, proj, rows)
         swiglu_ffn_rows(tab, m, x, ffn_norm[layer], eps, h, gu, act, proj, scratch, rows)
-    output_logits_rows(tab, output, x, output_norm, eps, h, logits, scratch, rows)
+    output_logits_rows(tab, output, x, output_norm, eps, h, logits, scratch, logit_rows)
