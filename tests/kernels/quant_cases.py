@@ -5,6 +5,7 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 
+from worker.engine.kernels.packing import MatrixTable, pack
 from worker.engine.quants import SPECS
 
 QUANTIZABLE = (QT.F32, QT.F16, QT.BF16, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0)
@@ -30,3 +31,18 @@ def random_tensor(qtype: QT, rows: int, cols: int, seed: int = 0) -> np.ndarray:
         return random_k_quant(qtype, rows, cols, rng)
     w = rng.standard_normal((rows, cols)).astype(np.float32)
     return gguf.quants.quantize(w, qtype).view(np.uint8).reshape(rows, -1)
+
+
+def packed_table(raws) -> MatrixTable:
+    """A finalized MatrixTable of (packed rows, qtype) pairs, in order."""
+    table = MatrixTable()
+    for raw, qtype in raws:
+        table.add(pack(raw, qtype))
+    table.finalize()
+    return table
+
+
+def batch_inputs(batch: int, k: int, seed: int = 1) -> np.ndarray:
+    """float32 (batch, k) activations, each row at its own scale (as hidden states differ)."""
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((batch, k)) * rng.uniform(0.1, 3.0, (batch, 1))).astype(np.float32)

@@ -4,24 +4,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.kernels.quant_cases import random_tensor
+from tests.kernels.quant_cases import packed_table, random_tensor
 from worker.engine.gguf_file import GGUFFile
 from worker.engine.kernels.matmul_batch import batch_scratch
 from worker.engine.kernels.matmul_i8 import batch_scratch_i8, quantize_reference
-from worker.engine.kernels.packing import FMT_F32, M_FMT, TILE, MatrixTable, pack
+from worker.engine.kernels.packing import FMT_F32, M_FMT, TILE, pack
 from worker.engine.kernels.registry import ALL_QUANT_TYPES, KERNELS
 from worker.engine.quants import dequantize
 
 # Rows deliberately not a multiple of TILE, so padding is exercised.
 ROWS, COLS = 100, 512
-
-
-def _table(raws):
-    table = MatrixTable()
-    for raw, qtype in raws:
-        table.add(pack(raw, qtype))
-    table.finalize()
-    return table
 
 
 def _run(variant, table, index, w, x):
@@ -63,7 +55,7 @@ def test_kernel_matches_reference_on_random_tensors(key, qtype):
     raw = random_tensor(qtype, ROWS, COLS, seed=3)
     w = dequantize(raw, qtype)
     x = np.random.default_rng(1).standard_normal(COLS).astype(np.float32)
-    got, expected = _run(KERNELS[key], _table([(raw, qtype)]), 0, w, x)
+    got, expected = _run(KERNELS[key], packed_table([(raw, qtype)]), 0, w, x)
     scale = np.abs(expected).max()
     np.testing.assert_allclose(got, expected, rtol=0, atol=2e-5 * scale)
 
@@ -76,7 +68,7 @@ def test_kernels_on_real_tensors_of_every_type_in_gemma(key, gemma3_gguf):
         if len(t.shape) == 2 and t.qtype not in by_type:
             by_type[t.qtype] = t
     raws = [(t.raw[:130], t.qtype) for t in by_type.values()]
-    table = _table(raws)
+    table = packed_table(raws)
     for i, (raw, qtype) in enumerate(raws):
         w = dequantize(raw, qtype)
         x = np.random.default_rng(i).standard_normal(w.shape[1]).astype(np.float32)
@@ -89,7 +81,7 @@ def test_one_launch_computes_several_matrices_of_different_formats():
     from worker.engine.kernels.matvec import linear
     raws = [(random_tensor(QT.Q4_K, 64, 256, 1), QT.Q4_K), (random_tensor(QT.Q8_0, 70, 256, 2), QT.Q8_0),
             (random_tensor(QT.F16, 64, 256, 3), QT.F16)]
-    table = _table(raws)
+    table = packed_table(raws)
     x = np.random.default_rng(0).standard_normal(256).astype(np.float32)
     widths = [table.padded_rows(i) for i in range(3)]
     out = np.zeros(sum(widths), np.float32)

@@ -6,23 +6,15 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
 
-from tests.kernels.quant_cases import random_tensor
+from tests.kernels.quant_cases import batch_inputs, packed_table, random_tensor
 from worker.engine.gguf_file import GGUFFile
 from worker.engine.kernels.matmul_batch import batch_scratch, linear_batch, scratch_size
 from worker.engine.kernels.matvec import linear
-from worker.engine.kernels.packing import TILE, MatrixTable, pack
+from worker.engine.kernels.packing import TILE
 from worker.engine.kernels.registry import ALL_QUANT_TYPES
 from worker.engine.quants import dequantize
 
 ROWS, COLS = 100, 512  # rows not a multiple of TILE: padding is exercised
-
-
-def _table(raws):
-    table = MatrixTable()
-    for raw, qtype in raws:
-        table.add(pack(raw, qtype))
-    table.finalize()
-    return table
 
 
 def _batch(table, mats, x):
@@ -42,17 +34,12 @@ def _matvec(table, mats, x):
     return out
 
 
-def _inputs(batch, k, seed=1):
-    rng = np.random.default_rng(seed)
-    return (rng.standard_normal((batch, k)) * rng.uniform(0.1, 3.0, (batch, 1))).astype(np.float32)
-
-
 @pytest.mark.parametrize("batch", [1, 2, 3, 8])
 @pytest.mark.parametrize("qtype", ALL_QUANT_TYPES, ids=lambda q: q.name)
 def test_every_row_matches_the_reference_and_matvec_bit_for_bit(qtype, batch):
     raw = random_tensor(qtype, ROWS, COLS, seed=3)
-    table = _table([(raw, qtype)])
-    x = _inputs(batch, COLS)
+    table = packed_table([(raw, qtype)])
+    x = batch_inputs(batch, COLS)
     got = _batch(table, [0], x)
     expected = x.astype(np.float64) @ dequantize(raw, qtype).T.astype(np.float64)
     np.testing.assert_allclose(got[:, :ROWS], expected, rtol=0, atol=2e-5 * np.abs(expected).max())
@@ -66,17 +53,17 @@ def test_real_tensors_of_every_type_in_gemma_equal_matvec(gemma3_gguf):
         if len(t.shape) == 2 and t.qtype not in by_type:
             by_type[t.qtype] = t
     tensors = list(by_type.values())
-    table = _table([(t.raw[:130], t.qtype) for t in tensors])
+    table = packed_table([(t.raw[:130], t.qtype) for t in tensors])
     for i, t in enumerate(tensors):
-        x = _inputs(5, t.shape[1], seed=i)
+        x = batch_inputs(5, t.shape[1], seed=i)
         assert np.array_equal(_batch(table, [i], x), _matvec(table, [i], x)), t.qtype.name
 
 
 def test_several_matrices_of_different_formats_lie_side_by_side():
     raws = [(random_tensor(QT.Q4_K, 64, 256, 1), QT.Q4_K), (random_tensor(QT.Q6_K, 70, 256, 2), QT.Q6_K),
             (random_tensor(QT.F16, 64, 256, 3), QT.F16), (random_tensor(QT.Q5_1, 30, 256, 4), QT.Q5_1)]
-    table = _table(raws)
-    x = _inputs(3, 256)
+    table = packed_table(raws)
+    x = batch_inputs(3, 256)
     got = _batch(table, [0, 1, 2, 3], x)
     assert np.array_equal(got, _matvec(table, [0, 1, 2, 3], x))
     start = 0
@@ -96,9 +83,9 @@ def test_several_matrices_of_different_formats_lie_side_by_side():
 def test_a_row_does_not_depend_on_the_rows_batched_with_it(batch):
     # Q4_1 (q4, fp16 scale and bias), Q6_K (q8, group 16, f32 scales), Q8_0 (q8, no bias), BF16 (f32)
     types = (QT.Q4_1, QT.Q6_K, QT.Q8_0, QT.BF16)
-    table = _table([(random_tensor(q, 64 + 8 * i, 256, i), q) for i, q in enumerate(types)])
+    table = packed_table([(random_tensor(q, 64 + 8 * i, 256, i), q) for i, q in enumerate(types)])
     mats = [0, 1, 2, 3]
-    x = _inputs(batch, 256, seed=7)
+    x = batch_inputs(batch, 256, seed=7)
     together = _batch(table, mats, x)
     for b in range(batch):
         assert np.array_equal(together[b], _batch(table, mats, x[b:b + 1])[0])
@@ -107,23 +94,23 @@ def test_a_row_does_not_depend_on_the_rows_batched_with_it(batch):
 
 
 def test_scratch_from_the_widest_call_serves_narrower_ones():
-    table = _table([(random_tensor(QT.Q4_0, 256, 512, 1), QT.Q4_0), (random_tensor(QT.Q8_0, 64, 256, 2), QT.Q8_0)])
+    table = packed_table([(random_tensor(QT.Q4_0, 256, 512, 1), QT.Q4_0), (random_tensor(QT.Q8_0, 64, 256, 2), QT.Q8_0)])
     scratch = batch_scratch(256 // TILE, 4, 512)
     assert scratch.size == scratch_size(4, 512)
     for index, k, batch in ((0, 512, 4), (1, 256, 2)):
-        x = _inputs(batch, k)
+        x = batch_inputs(batch, k)
         out = np.zeros((batch, table.padded_rows(index)), np.float32)
         linear_batch(table.data, table.scales, table.scales16, table.meta, np.array([index]), x, out, scratch)
         assert np.array_equal(out, _matvec(table, [index], x))
 
 
 def test_bad_shapes_raise_instead_of_writing_out_of_bounds():
-    table = _table([(random_tensor(QT.Q4_0, 64, 256, 1), QT.Q4_0)])
+    table = packed_table([(random_tensor(QT.Q4_0, 64, 256, 1), QT.Q4_0)])
     args = (table.data, table.scales, table.scales16, table.meta, np.array([0]))
-    x = _inputs(2, 256)
+    x = batch_inputs(2, 256)
     with pytest.raises(ValueError, match="scratch"):
         linear_batch(*args, x, np.zeros((2, 64), np.float32), np.zeros(scratch_size(2, 256) - 1, np.float32))
     with pytest.raises(ValueError, match="out"):
         linear_batch(*args, x, np.zeros((2, 32), np.float32), batch_scratch(1, 2, 256))
     with pytest.raises(ValueError, match="K"):
-        linear_batch(*args, _inputs(2, 512), np.zeros((2, 64), np.float32), batch_scratch(1, 2, 512))
+        linear_batch(*args, batch_inputs(2, 512), np.zeros((2, 64), np.float32), batch_scratch(1, 2, 512))

@@ -6,23 +6,15 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
 
-from tests.kernels.quant_cases import random_tensor
+from tests.kernels.quant_cases import batch_inputs, packed_table, random_tensor
 from worker.engine.kernels.matmul_i8 import (_quantize_rows, batch_scratch_i8, linear_batch_i8,
                                              quantize_reference, scratch_size_i8)
-from worker.engine.kernels.packing import TILE, MatrixTable, pack
+from worker.engine.kernels.packing import TILE
 from worker.engine.kernels.registry import ALL_QUANT_TYPES
 from worker.engine.quants import dequantize
 
 ROWS, COLS = 100, 512  # rows not a multiple of TILE: padding is exercised
 FLOAT_TYPES = (QT.F32, QT.F16, QT.BF16)
-
-
-def _table(raws):
-    table = MatrixTable()
-    for raw, qtype in raws:
-        table.add(pack(raw, qtype))
-    table.finalize()
-    return table
 
 
 def _batch(table, mats, x):
@@ -33,11 +25,6 @@ def _batch(table, mats, x):
     return out
 
 
-def _inputs(batch, k, seed=1):
-    rng = np.random.default_rng(seed)
-    return (rng.standard_normal((batch, k)) * rng.uniform(0.1, 3.0, (batch, 1))).astype(np.float32)
-
-
 def _x_hat(x):
     q, d = quantize_reference(x)
     b, k = x.shape
@@ -45,7 +32,7 @@ def _x_hat(x):
 
 
 def test_in_kernel_quantization_equals_the_numpy_reference():
-    x = _inputs(5, 576, seed=4)
+    x = batch_inputs(5, 576, seed=4)
     x[1, 40:72] = 0.0  # an all-zero block: d = 0, codes 0
     x[2, 100] = 50.0  # an outlier
     b, k = x.shape
@@ -65,8 +52,8 @@ def test_in_kernel_quantization_equals_the_numpy_reference():
 @pytest.mark.parametrize("qtype", ALL_QUANT_TYPES, ids=lambda q: q.name)
 def test_every_row_matches_the_float64_references(qtype, batch):
     raw = random_tensor(qtype, ROWS, COLS, seed=3)
-    table = _table([(raw, qtype)])
-    x = _inputs(batch, COLS)
+    table = packed_table([(raw, qtype)])
+    x = batch_inputs(batch, COLS)
     got = _batch(table, [0], x)[:, :ROWS]
     w = dequantize(raw, qtype).T.astype(np.float64)
     exact = x.astype(np.float64) @ w
@@ -87,9 +74,9 @@ def test_every_row_matches_the_float64_references(qtype, batch):
 def test_a_row_does_not_depend_on_the_rows_batched_with_it(batch):
     # Q4_1 (q4, fp16 scale and bias), Q6_K (q8, group 16, f32 scales), Q8_0 (q8, no bias), BF16 (f32)
     types = (QT.Q4_1, QT.Q6_K, QT.Q8_0, QT.BF16)
-    table = _table([(random_tensor(q, 64 + 8 * i, 256, i), q) for i, q in enumerate(types)])
+    table = packed_table([(random_tensor(q, 64 + 8 * i, 256, i), q) for i, q in enumerate(types)])
     mats = [0, 1, 2, 3]
-    x = _inputs(batch, 256, seed=7)
+    x = batch_inputs(batch, 256, seed=7)
     together = _batch(table, mats, x)
     for b in range(batch):
         assert np.array_equal(together[b], _batch(table, mats, x[b:b + 1])[0])
@@ -100,8 +87,8 @@ def test_a_row_does_not_depend_on_the_rows_batched_with_it(batch):
 def test_several_matrices_of_different_formats_lie_side_by_side():
     raws = [(random_tensor(QT.Q4_K, 64, 256, 1), QT.Q4_K), (random_tensor(QT.Q6_K, 70, 256, 2), QT.Q6_K),
             (random_tensor(QT.F16, 64, 256, 3), QT.F16), (random_tensor(QT.Q5_1, 30, 256, 4), QT.Q5_1)]
-    table = _table(raws)
-    x = _inputs(3, 256)
+    table = packed_table(raws)
+    x = batch_inputs(3, 256)
     got = _batch(table, [0, 1, 2, 3], x)
     start = 0
     for i, (raw, qtype) in enumerate(raws):
@@ -116,12 +103,12 @@ def test_several_matrices_of_different_formats_lie_side_by_side():
 
 
 def test_bad_shapes_raise_instead_of_writing_out_of_bounds():
-    table = _table([(random_tensor(QT.Q4_0, 64, 256, 1), QT.Q4_0)])
+    table = packed_table([(random_tensor(QT.Q4_0, 64, 256, 1), QT.Q4_0)])
     args = (table.data, table.scales, table.scales16, table.meta, np.array([0]))
-    x = _inputs(2, 256)
+    x = batch_inputs(2, 256)
     with pytest.raises(ValueError, match="scratch"):
         linear_batch_i8(*args, x, np.zeros((2, 64), np.float32), np.zeros(scratch_size_i8(2, 256) - 1, np.float32))
     with pytest.raises(ValueError, match="out"):
         linear_batch_i8(*args, x, np.zeros((2, 32), np.float32), batch_scratch_i8(1, 2, 256))
     with pytest.raises(ValueError, match="K"):
-        linear_batch_i8(*args, _inputs(2, 512), np.zeros((2, 64), np.float32), batch_scratch_i8(1, 2, 512))
+        linear_batch_i8(*args, batch_inputs(2, 512), np.zeros((2, 64), np.float32), batch_scratch_i8(1, 2, 512))

@@ -5,9 +5,9 @@ from __future__ import annotations
 import random
 from collections import defaultdict
 
-import numpy as np
 import pytest
 
+from shared.errors import ContextLengthError, InvalidRequestError
 from tests.conftest import load_reference
 from tests.model.golden import SHIPPED_RULE
 from tests.model.tiny_gguf import TinyModel, write_tiny
@@ -195,14 +195,13 @@ def test_an_engine_failure_fails_that_steps_requests_and_the_generator_goes_on(t
 
 def test_bad_requests_are_refused_before_they_queue(tiny):
     generator = _generator(tiny)
-    with pytest.raises(Exception, match="context"):
+    with pytest.raises(ContextLengthError, match="context"):
         generator.add("long", [5] * 60, SamplingParams(max_tokens=10))
-    with pytest.raises(Exception, match="vocabulary"):
+    with pytest.raises(InvalidRequestError, match="vocabulary"):
         generator.add("bad", [10**6], SamplingParams(max_tokens=1))
     generator.add("ok", [5], SamplingParams(max_tokens=1))
-    with pytest.raises(Exception, match="already in use"):
+    with pytest.raises(InvalidRequestError, match="already in use"):
         generator.add("ok", [5], SamplingParams(max_tokens=1))
     assert generator.load() == (0, 1)
     generator.abort_all()
     assert not generator.has_work and _all_blocks_free(tiny)
-    assert np.isfinite(tiny.kv.k).all()
