@@ -29,7 +29,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -43,6 +42,8 @@ from pathlib import Path
 import aiohttp
 import orjson
 import psutil
+
+from benchlib import free_port, percentile, tail  # bench/, the script's directory, is on sys.path
 
 REPO = Path(__file__).resolve().parent.parent
 MODELS_DIR = Path(os.environ.get("REAME_TEST_MODELS", "~/.cache/reame/models")).expanduser()
@@ -90,24 +91,7 @@ def prompt(k: int) -> str:
     return " ".join(SENTENCES[i] for i in (first, second, *rest))
 
 
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
-
-
 # ---- processes ----------------------------------------------------------------------------------
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def tail(path: Path, chars: int = 3000) -> str:
-    return path.read_text(errors="replace")[-chars:] if path.exists() else ""
-
 
 class Server:
     """A child server process in its own session (Ctrl-C reaches only us; we stop it in order)."""

@@ -23,7 +23,6 @@ import os
 import random
 import secrets
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -36,6 +35,8 @@ from pathlib import Path
 import openai
 import psutil
 import requests
+
+from benchlib import free_port, percentile, tail  # bench/, the script's directory, is on sys.path
 
 REPO = Path(__file__).resolve().parent.parent
 MODELS_DIR = Path(os.environ.get("REAME_TEST_MODELS", "~/.cache/reame/models")).expanduser()
@@ -93,11 +94,6 @@ class Report:
 
 # ---- the server ---------------------------------------------------------------------------------
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def start_server(directory: Path, model: Path, workers: int, clients: int, key: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
@@ -131,10 +127,6 @@ def stop_server(proc: subprocess.Popen) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
-
-
-def tail(path: Path, chars: int = 3000) -> str:
-    return path.read_text(errors="replace")[-chars:] if path.exists() else ""
 
 
 def rss_by_process(root: int) -> dict[str, int]:
@@ -230,13 +222,6 @@ def soak(model: Path, clients: int, duration: float, sample_every: float, warmup
     return report, samples, outcomes
 
 
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
-
-
 def summarise(clients: int, duration: float, warmup: float, samples: list[Sample], outcomes: list[Outcome]) -> Report:
     report = Report(clients, duration, requests=len(outcomes))
     for o in outcomes:
@@ -244,11 +229,11 @@ def summarise(clients: int, duration: float, warmup: float, samples: list[Sample
             report.errors += 1
             report.error_kinds[o.error] = report.error_kinds.get(o.error, 0) + 1
     ok = [o for o in outcomes if o.ok]
-    report.ttft_p50 = percentile([o.ttft for o in ok], 0.50)
-    report.ttft_p95 = percentile([o.ttft for o in ok], 0.95)
-    report.latency_p50 = percentile([o.total for o in ok], 0.50)
-    report.latency_p95 = percentile([o.total for o in ok], 0.95)
-    report.latency_p99 = percentile([o.total for o in ok], 0.99)
+    report.ttft_p50 = percentile([o.ttft for o in ok], 0.50, empty=0.0)
+    report.ttft_p95 = percentile([o.ttft for o in ok], 0.95, empty=0.0)
+    report.latency_p50 = percentile([o.total for o in ok], 0.50, empty=0.0)
+    report.latency_p95 = percentile([o.total for o in ok], 0.95, empty=0.0)
+    report.latency_p99 = percentile([o.total for o in ok], 0.99, empty=0.0)
     report.tokens_per_s = sum(o.tokens for o in ok) / max(duration, 1e-9)
     warm = next((s for s in samples if s.at >= warmup), samples[-1])
     report.rss_start, report.rss_end = warm.rss, samples[-1].rss
@@ -267,7 +252,7 @@ def print_table(report: Report, samples: list[Sample], outcomes: list[Outcome]) 
     previous = 0.0
     for s in samples:
         window = [o for o in outcomes if previous < o.finished <= s.at]
-        lat = percentile([o.total for o in window if o.ok], 0.95)
+        lat = percentile([o.total for o in window if o.ok], 0.95, empty=0.0)
         cells = "  ".join(f"{s.rss[n] / 2**20:>13.0f} MB" if n in s.rss else f"{'-':>16}" for n in names)
         print(f"{s.at:>7.0f} {len(window):>6} {sum(not o.ok for o in window):>6} {lat:>7.2f}  {cells}")
         previous = s.at
