@@ -1,17 +1,21 @@
-"""The paged KV cache's bookkeeping: which fixed-size blocks are free, and who references each one.
+"""The paged KV cache's bookkeeping: which fixed-size blocks are free, who references each one,
+and which blocks still hold a known prefix (the RAM tier of the prefix cache).
 
 The K/V arrays themselves belong to the engine; this class only hands out block ids.
 
-Free-list order is FIFO: at start the queue is 0, 1, ..., num_blocks-1; allocation takes from the
-head, and a block whose ref count drops to 0 goes to the tail. A sequence releases its blocks in
-reverse block-table order, so its last (least shareable) block is reused first and its first blocks
-(the prompt prefix, the most shareable) stay untouched longest. That is the order a prefix cache
-wants for eviction (least recently freed first), so the later prefix-cache issue can keep it:
-a freed block keeps its contents until it is handed out again, and `share()` may revive it from the
-middle of the queue. The queue is an OrderedDict so that removal from the middle is O(1).
+Two free lists:
+- `empty`: blocks whose contents nobody can name. FIFO: at start 0, 1, ..., num_blocks-1;
+  allocation takes from the head, a freed block goes to the tail.
+- `cached`: free blocks that still hold a full block of K/V registered under its chain hash
+  (shared.hashing). An LRU, oldest first. Allocation evicts from here only when `empty` is
+  exhausted, so computed prefixes survive as long as memory allows.
+A sequence releases its blocks in reverse block-table order, so the tail of a chain becomes
+least recently used before its head: eviction shortens chains from the end, and what survives
+is always a usable prefix.
 
-Ref counts: a block may sit in several sequences' block tables (shared prefix); it returns to the
-free queue only when the last of them frees it.
+Ref counts: a block may sit in several sequences' block tables (a shared prefix); it returns to a
+free list only when the last of them frees it. `share()` revives a free block, keeping its
+contents.
 """
 from __future__ import annotations
 
@@ -30,7 +34,12 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self._ref_counts = [0] * num_blocks
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._empty: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._cached: OrderedDict[int, None] = OrderedDict()  # free but named: LRU, oldest first
+        self._hash_of: list[bytes | None] = [None] * num_blocks
+        self._tokens_of: list[tuple[int, ...] | None] = [None] * num_blocks
+        self._block_of: dict[bytes, int] = {}  # chain hash -> the block holding it (used or free)
+        self.num_evictions = 0  # named blocks reused for other contents
 
     # ---- sizes ---------------------------------------------------------------------------------
 
@@ -40,11 +49,16 @@ class BlockManager:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        return len(self._empty) + len(self._cached)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Free blocks that still hold a named prefix block."""
+        return len(self._cached)
 
     @property
     def usage(self) -> float:
@@ -55,8 +69,36 @@ class BlockManager:
         return self._ref_counts[block_id]
 
     def free_block_ids(self) -> list[int]:
-        """The free queue, head (next to be allocated) first."""
-        return list(self._free)
+        """Free blocks in allocation order: empty ones (FIFO), then named ones (least recent first)."""
+        return list(self._empty) + list(self._cached)
+
+    def cached_block_ids(self) -> list[int]:
+        """Free named blocks, least recently used (next to be evicted) first."""
+        return list(self._cached)
+
+    # ---- the prefix index ----------------------------------------------------------------------
+
+    def register(self, block_id: int, block_hash: bytes, token_ids: tuple[int, ...]) -> bool:
+        """Name a block whose K/V for token_ids (a full block) are computed; False when another
+        block already holds that name (two sequences computed the same prefix at once)."""
+        if self._hash_of[block_id] is not None:
+            return self._hash_of[block_id] == block_hash
+        if block_hash in self._block_of:
+            return False
+        self._hash_of[block_id] = block_hash
+        self._tokens_of[block_id] = token_ids
+        self._block_of[block_hash] = block_id
+        return True
+
+    def lookup(self, block_hash: bytes, token_ids: tuple[int, ...]) -> int | None:
+        """The block holding this name, if its token ids match too; None otherwise."""
+        block_id = self._block_of.get(block_hash)
+        if block_id is None or self._tokens_of[block_id] != token_ids:
+            return None
+        return block_id
+
+    def block_hash(self, block_id: int) -> bytes | None:
+        return self._hash_of[block_id]
 
     # ---- allocate / free -----------------------------------------------------------------------
 
@@ -66,21 +108,32 @@ class BlockManager:
         return max(0, needed - len(seq.block_table))
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
-        return self.num_new_blocks(seq, num_new_tokens) <= len(self._free)
+        return self.num_new_blocks(seq, num_new_tokens) <= self.num_free_blocks
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> list[int]:
         """Grow seq.block_table from the head of the free queue; return the new block ids."""
         count = self.num_new_blocks(seq, num_new_tokens)
-        if count > len(self._free):
+        if count > self.num_free_blocks:
             raise RuntimeError(f"allocate({seq.seq_id!r}) needs {count} blocks, "
-                               f"{len(self._free)} free: call can_allocate first")
-        new_ids = []
-        for _ in range(count):
-            block_id, _ = self._free.popitem(last=False)
-            self._ref_counts[block_id] = 1
-            new_ids.append(block_id)
+                               f"{self.num_free_blocks} free: call can_allocate first")
+        new_ids = [self._take_free() for _ in range(count)]
         seq.block_table.extend(new_ids)
         return new_ids
+
+    def _take_free(self) -> int:
+        if self._empty:
+            block_id, _ = self._empty.popitem(last=False)
+        else:
+            block_id, _ = self._cached.popitem(last=False)
+            self._forget(block_id)
+            self.num_evictions += 1
+        self._ref_counts[block_id] = 1
+        return block_id
+
+    def _forget(self, block_id: int) -> None:
+        del self._block_of[self._hash_of[block_id]]
+        self._hash_of[block_id] = None
+        self._tokens_of[block_id] = None
 
     def share(self, seq: Sequence, block_ids: list[int]) -> None:
         """Append existing blocks (in use, or free but not yet reused) to seq.block_table.
@@ -90,17 +143,18 @@ class BlockManager:
         """
         for block_id in block_ids:
             if self._ref_counts[block_id] == 0:
-                del self._free[block_id]
+                (self._cached if self._hash_of[block_id] is not None else self._empty).pop(block_id)
             self._ref_counts[block_id] += 1
         seq.block_table.extend(block_ids)
 
     def free(self, seq: Sequence) -> None:
-        """Drop seq's references, last block first; blocks nobody references join the free tail."""
+        """Drop seq's references, last block first; blocks nobody references join the tail of
+        their free list (named blocks: the most recently used end of the LRU)."""
         for block_id in reversed(seq.block_table):
             count = self._ref_counts[block_id] - 1
             if count < 0:
                 raise RuntimeError(f"block {block_id} freed more often than allocated")
             self._ref_counts[block_id] = count
             if count == 0:
-                self._free[block_id] = None
+                (self._cached if self._hash_of[block_id] is not None else self._empty)[block_id] = None
         seq.block_table.clear()

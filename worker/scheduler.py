@@ -30,6 +30,12 @@ batch then carries `hold_until`, the time to call `schedule()` again. Arrivals i
 are admitted together in one step, so one weight read serves all of them. While anything runs
 there is no hold: arrivals join the next step, which pays for the weight read anyway.
 
+Prefix cache (optional, worker.prefix_cache): a sequence being admitted first takes the blocks of
+its longest cached prefix (counted as computed), so only the rest is fed; if the remainder does not
+fit, the blocks are given back and admission stops as above. After each step, every newly full
+block is registered under its chain hash. The scheduler itself stays free of I/O: the prefix
+cache may restore blocks from disk, and it is injected (tests run without it or with RAM only).
+
 The step protocol: schedule(now) -> the engine runs the batch -> update(batch, sampled). A
 non-empty batch must be updated before the next schedule(). If the engine fails, abort the
 batch's sequences and call update(batch, {}).
@@ -41,6 +47,7 @@ from dataclasses import dataclass
 
 from shared.errors import ContextLengthError, InvalidRequestError
 from worker.block_manager import BlockManager
+from worker.prefix_cache import PrefixCache
 from worker.sequence import Sequence, SequenceStatus
 from worker.tuning_state import SchedulerKnobs, TuningState
 
@@ -77,9 +84,11 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, tuning: TuningState | None = None):
+    def __init__(self, block_manager: BlockManager, tuning: TuningState | None = None,
+                 prefix: PrefixCache | None = None):
         self.block_manager = block_manager
         self.tuning = tuning if tuning is not None else TuningState()
+        self.prefix = prefix
         self._waiting: deque[Sequence] = deque()  # oldest first
         self._running: list[Sequence] = []  # oldest first
         self._seqs: dict[str, Sequence] = {}  # every unfinished sequence, by id
@@ -191,6 +200,8 @@ class Scheduler:
         for chunk in live:
             seq = chunk.seq
             seq.num_computed_tokens += chunk.num_tokens
+            if self.prefix is not None:
+                self.prefix.commit(seq)
             if not chunk.samples:
                 continue
             token = sampled[seq.seq_id]
@@ -230,9 +241,15 @@ class Scheduler:
         # len(chunks) <= len(running) always, so capping running also caps the batch.
         while self._waiting and budget > 0 and len(self._running) < knobs.max_batch_size:
             seq = self._waiting[0]
+            if self.prefix is not None:
+                self.prefix.attach(seq)
             num_tokens = min(seq.num_uncomputed_tokens, knobs.prefill_chunk, budget)
             if not self.block_manager.can_allocate(seq, num_tokens):
+                if self.prefix is not None:
+                    self._release(seq)  # its cached blocks stay cached; it attaches again next time
                 break  # FCFS: a newer sequence never passes the head of the queue
+            if self.prefix is not None:
+                self.prefix.admitted(seq)
             self._waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self._running.append(seq)
@@ -244,9 +261,13 @@ class Scheduler:
         start = seq.num_computed_tokens
         return ScheduledChunk(seq, start, num_tokens, samples=start + num_tokens == seq.num_tokens)
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _release(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
+        seq.num_named_blocks = 0
+
+    def _preempt(self, seq: Sequence) -> None:
+        self._release(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self._waiting.appendleft(seq)

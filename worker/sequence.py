@@ -6,6 +6,8 @@ Invariants (checked by the scheduler tests):
   blocks of `block_table`. A running sequence between steps has at least one token not yet
   computed (the last sampled one), which is what its next chunk feeds.
 - A waiting sequence owns no blocks and has `num_computed_tokens == 0`; preemption restores that.
+- Prefix cache: `block_hashes[i]` is the chain hash of full block i (shared.hashing), computed
+  lazily; blocks [0, num_named_blocks) of `block_table` are registered under those names.
 """
 from __future__ import annotations
 
@@ -43,6 +45,11 @@ class Sequence:
         self.num_computed_tokens = 0
         self.block_table: list[int] = []  # block ids; block i holds tokens [i*block_size, (i+1)*block_size)
         self.num_preemptions = 0
+        self.block_hashes: list[bytes] = []
+        self.num_named_blocks = 0
+        self.num_cached_tokens = 0  # prompt tokens whose K/V came from the prefix cache at admission
+        self.ram_blocks = 0  # of those, blocks found in this worker's pool ...
+        self.store_blocks = 0  # ... and blocks restored from the host's store
 
     def __repr__(self) -> str:
         return (f"Sequence({self.seq_id!r}, {self.status.name}, tokens={self.num_tokens}, "
@@ -80,6 +87,9 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    def block_token_ids(self, index: int, block_size: int) -> tuple[int, ...]:
+        return tuple(self.token_ids[index * block_size:(index + 1) * block_size])
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)

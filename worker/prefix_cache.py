@@ -1,0 +1,246 @@
+"""Prefix reuse: a new request starts from the K/V of the longest prefix already computed.
+
+Two tiers, searched in order, block by block along the request's hash chain (shared.hashing):
+1. RAM: blocks of this worker's pool that are registered under their chain hash
+   (worker.block_manager keeps them, free or in use, until their memory is needed);
+2. the host's LMDB store (worker.kv_store), shared by every worker and kept across restarts:
+   a run of stored blocks is restored into fresh pool blocks, or left to be recomputed when
+   that is cheaper, as measured on this host (restore bytes/s against prefill tokens/s).
+The last prompt token is always recomputed, because sampling needs its logits.
+
+After every engine step `commit()` names each newly full block and hands a copy of its K/V to
+the store's writer thread, so the store fills behind the request path and never holds a block
+before its write has committed.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from shared.hashing import extend_chain
+from worker.block_manager import BlockManager
+from worker.sequence import Sequence
+
+log = logging.getLogger("reame.prefix")
+
+RESTORE_MODES = ("auto", "always", "never")
+
+
+@dataclass
+class PrefixCounters:
+    """Cumulative since the worker started; the heartbeat carries them to /metrics."""
+    prefix_query_tokens: int = 0
+    prefix_hit_tokens_ram: int = 0
+    prefix_hit_tokens_store: int = 0
+    prefix_restores: int = 0
+    prefix_recomputes: int = 0
+
+
+class Rate:
+    """An exponentially weighted average of amount per second (restore bytes/s, prefill tokens/s)."""
+
+    def __init__(self, weight: float = 0.3):
+        self.weight = weight
+        self.per_second: float | None = None
+
+    def observe(self, amount: float, seconds: float) -> None:
+        if amount <= 0 or seconds <= 0:
+            return
+        rate = amount / seconds
+        self.per_second = rate if self.per_second is None else (
+            (1 - self.weight) * self.per_second + self.weight * rate)
+
+    def seconds_for(self, amount: float) -> float | None:
+        return None if self.per_second is None else amount / self.per_second
+
+
+class PrefixCache:
+    def __init__(self, block_manager: BlockManager, fingerprint: bytes, *, kv=None, store=None,
+                 writer=None, restore: str = "auto", clock: Callable[[], float] = time.perf_counter):
+        if restore not in RESTORE_MODES:
+            raise ValueError(f"restore must be one of {RESTORE_MODES}, got {restore!r}")
+        if store is not None and kv is None:
+            raise ValueError("the store tier needs the KV pool to copy blocks in and out")
+        self.block_manager = block_manager
+        self.fingerprint = fingerprint
+        self.kv = kv  # worker.engine.paged_kv.PagedKVCache (only the store tier touches it)
+        self.store = store
+        self.writer = writer
+        self.restore_mode = restore
+        self.clock = clock
+        self.counters = PrefixCounters()
+        self.restore_rate = Rate()  # bytes/s from the store into the pool
+        self.prefill_rate = Rate()  # prompt tokens/s of engine steps
+
+    @property
+    def block_size(self) -> int:
+        return self.block_manager.block_size
+
+    # ---- admission ------------------------------------------------------------------------------
+
+    def attach(self, seq: Sequence) -> int:
+        """Give a fresh sequence the blocks of its longest cached prefix; return its cached tokens."""
+        if seq.num_computed_tokens or seq.block_table:
+            raise ValueError(f"attach() takes a sequence without blocks, got {seq!r}")
+        bs = self.block_size
+        usable = (seq.num_tokens - 1) // bs  # the last token is always fed: it gives the logits
+        chain = extend_chain(seq.block_hashes, seq.token_ids, bs, usable, self.fingerprint)
+        manager = self.block_manager
+        in_ram = []
+        for i in range(usable):
+            block_id = manager.lookup(chain[i], seq.block_token_ids(i, bs))
+            if block_id is None:
+                break
+            in_ram.append(block_id)
+        manager.share(seq, in_ram)
+        seq.num_computed_tokens = len(in_ram) * bs
+        restored = self._restore(seq, chain, len(in_ram), usable) if self.store is not None else 0
+        blocks = len(in_ram) + restored
+        seq.num_computed_tokens = blocks * bs
+        seq.num_named_blocks = blocks
+        seq.ram_blocks, seq.store_blocks = len(in_ram), restored
+        if self.writer is not None and blocks:
+            self.writer.touch(chain[:blocks])  # keeps popular prefixes at the young end of the store's LRU
+        return blocks * bs
+
+    def admitted(self, seq: Sequence) -> None:
+        """The scheduler admitted seq with the blocks attach() gave it: count the reuse once."""
+        if seq.num_preemptions:
+            return  # a recompute after preemption is not a new query
+        bs = self.block_size
+        seq.num_cached_tokens = seq.num_computed_tokens
+        c = self.counters
+        c.prefix_query_tokens += seq.num_prompt_tokens
+        c.prefix_hit_tokens_ram += seq.ram_blocks * bs
+        c.prefix_hit_tokens_store += seq.store_blocks * bs
+        if seq.num_cached_tokens:
+            log.info("request %s: %d of %d prompt tokens from the prefix cache (%d from RAM, %d from the store)",
+                     seq.seq_id, seq.num_cached_tokens, seq.num_prompt_tokens, seq.ram_blocks * bs,
+                     seq.store_blocks * bs)
+
+    def _restore(self, seq: Sequence, chain: list[bytes], start: int, usable: int) -> int:
+        """Restore the run of stored blocks that follows the RAM prefix, if that beats recomputing."""
+        bs = self.block_size
+        run = 0
+        while start + run < usable and self.store.contains(chain[start + run]):
+            run += 1
+        # Leave a block for the tokens fed after the prefix; the scheduler checks the rest.
+        run = min(run, self.block_manager.num_free_blocks - 1)
+        if run <= 0:
+            return 0
+        nbytes = run * self._block_bytes()
+        if not self._worth_restoring(seq, run, nbytes):
+            self.counters.prefix_recomputes += 1
+            return 0
+        self.counters.prefix_restores += 1
+        started = self.clock()
+        done = 0
+        for i in range(start, start + run):
+            token_ids = seq.block_token_ids(i, bs)
+            payload = self.store.get(chain[i], token_ids)
+            if payload is None:  # evicted meanwhile, or found corrupt (and deleted): recompute from here
+                # The rest of the run is recomputed too; dropping its stored copies lets the
+                # fresh blocks replace them (the store keeps the first copy of a name).
+                for name in chain[i + 1:start + run]:
+                    self.store.delete(name)
+                break
+            seq.num_computed_tokens = i * bs
+            block_id = self.block_manager.allocate(seq, bs)[0]
+            self._write_block(block_id, payload)
+            self.block_manager.register(block_id, chain[i], token_ids)
+            done += 1
+        seconds = self.clock() - started
+        self.restore_rate.observe(done * self._block_bytes(), seconds)
+        if done:
+            log.info("request %s: restored %d blocks (%d tokens, %.1f MB) from the prefix store in %.3f s (%.0f MB/s)",
+                     seq.seq_id, done, done * bs, done * self._block_bytes() / 1e6, seconds,
+                     done * self._block_bytes() / 1e6 / max(seconds, 1e-9))
+        return done
+
+    def _worth_restoring(self, seq: Sequence, blocks: int, nbytes: int) -> bool:
+        if self.restore_mode != "auto":
+            return self.restore_mode == "always"
+        tokens = blocks * self.block_size
+        restore_s = self.restore_rate.seconds_for(nbytes)
+        recompute_s = self.prefill_rate.seconds_for(tokens)
+        if restore_s is None or recompute_s is None:
+            log.info("request %s: restoring %d stored tokens (no measurement of both costs yet)", seq.seq_id, tokens)
+            return True
+        choice = restore_s < recompute_s
+        log.info("request %s: %s %d stored tokens: restore %.3f s (%.0f MB/s measured) vs recompute %.3f s "
+                 "(%.0f tokens/s measured)", seq.seq_id, "restoring" if choice else "recomputing", tokens,
+                 restore_s, self.restore_rate.per_second / 1e6, recompute_s, self.prefill_rate.per_second)
+        return choice
+
+    # ---- after each step ------------------------------------------------------------------------
+
+    def commit(self, seq: Sequence) -> None:
+        """Name seq's newly full, computed blocks and send them to the store."""
+        bs = self.block_size
+        full = seq.num_computed_tokens // bs
+        if full <= seq.num_named_blocks:
+            return
+        chain = extend_chain(seq.block_hashes, seq.token_ids, bs, full, self.fingerprint)
+        writing = self.writer is not None and self.store.writes_enabled
+        for i in range(seq.num_named_blocks, full):
+            block_id = seq.block_table[i]
+            token_ids = seq.block_token_ids(i, bs)
+            self.block_manager.register(block_id, chain[i], token_ids)
+            if writing and not self.store.contains(chain[i]):
+                self.writer.submit(chain[i], list(token_ids), self._read_block(block_id))
+        seq.num_named_blocks = full
+
+    def observe_step(self, prompt_tokens: int, seconds: float) -> None:
+        """An engine step's prompt-chunk tokens and time, the recompute side of the cost model."""
+        if prompt_tokens >= 4 * self.block_size:  # decode-sized steps say little about prefill
+            self.prefill_rate.observe(prompt_tokens, seconds)
+
+    def cached_prompt_tokens(self, seq: Sequence) -> int:
+        """Prompt tokens at the start of seq that the RAM tier can give the next request now."""
+        bs = self.block_size
+        usable = min(seq.num_prompt_tokens // bs, len(seq.block_hashes))
+        for i in range(usable):
+            if self.block_manager.lookup(seq.block_hashes[i], seq.block_token_ids(i, bs)) is None:
+                return i * bs
+        return usable * bs
+
+    def snapshot(self) -> dict[str, int]:
+        """Counters plus the store's size, under the heartbeat's field names."""
+        out = dict(vars(self.counters))
+        if self.store is not None:
+            try:
+                stats = self.store.stats()
+            except Exception:  # the store must never take the heartbeat down
+                log.debug("prefix store stats unavailable", exc_info=True)
+            else:
+                out.update(store_bytes=stats.bytes_used, store_evictions=stats.evictions, store_writes=stats.writes)
+        return out
+
+    def flush(self, timeout: float) -> bool:
+        """Wait until the store has committed every block handed to it so far."""
+        return self.writer.flush(timeout) if self.writer is not None else True
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Let the writer commit what it holds (a worker leaving), then close the store."""
+        if self.writer is not None:
+            self.writer.close(timeout)
+        if self.store is not None:
+            self.store.close()
+
+    # ---- one block's bytes: K then V, every layer (one contiguous span of each array) ----------
+
+    def _block_bytes(self) -> int:
+        return self.kv.k[0].nbytes + self.kv.v[0].nbytes
+
+    def _read_block(self, block_id: int) -> bytes:
+        return self.kv.k[block_id].tobytes() + self.kv.v[block_id].tobytes()
+
+    def _write_block(self, block_id: int, payload: bytes) -> None:
+        k, v = self.kv.k[block_id], self.kv.v[block_id]
+        raw = np.frombuffer(payload, k.dtype)
+        k.reshape(-1)[:] = raw[:k.size]
+        v.reshape(-1)[:] = raw[k.size:]
