@@ -17,6 +17,7 @@ import numpy as np
 from shared.errors import ReameError
 from worker.block_manager import BlockManager
 from worker.engine.batch import StepChunk
+from worker.prefix_cache import PrefixCache
 from worker.sampler import Sampler, validate_params
 from worker.sampling_params import SamplingParams
 from worker.scheduler import ScheduledBatch, Scheduler
@@ -50,6 +51,8 @@ class FinishEvent:
     reason: str  # "stop" | "length" | "abort"
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache (RAM or store)
+    prefix_tokens: int = 0  # prompt tokens whose K/V the prefix cache now holds (full blocks)
 
 
 @dataclass(frozen=True)
@@ -72,19 +75,24 @@ class StepStats:
 
 class BatchGenerator:
     def __init__(self, engine: BatchEngine, tuning: TuningState | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, prefix: PrefixCache | None = None):
         self.engine = engine
-        self.scheduler = Scheduler(engine.block_manager, tuning)
+        self.prefix = prefix
+        self.scheduler = Scheduler(engine.block_manager, tuning, prefix)
         self.clock = clock
         self._samplers: dict[str, Sampler] = {}
+        self._warm: set[str] = set()  # requests that only fill the prefix caches
         self.hold_until: float | None = None  # set while a lone request waits for company
         self.preemptions = 0  # sequences sent back to recompute because KV blocks ran out
         self.last_step = StepStats()
 
     # ---- requests ------------------------------------------------------------------------------
 
-    def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Queue a request; ReameError (nothing queued) when it cannot be served."""
+    def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams, warm: bool = False) -> None:
+        """Queue a request; ReameError (nothing queued) when it cannot be served.
+
+        warm: the request is there to fill the prefix caches; its finish waits until the store
+        has committed its blocks, so the caller may rely on them being there."""
         validate_params(params, self.engine.vocab_size)
         self.engine.validate(prompt_ids, params.max_tokens)
         seq = Sequence(request_id, [int(t) for t in prompt_ids], params, self.clock())
@@ -92,6 +100,8 @@ class BatchGenerator:
         sampler = Sampler(params, self.engine.vocab_size)
         sampler.observe_prompt(seq.prompt_token_ids)
         self._samplers[request_id] = sampler
+        if warm:
+            self._warm.add(request_id)
 
     def abort(self, request_id: str) -> FinishEvent | None:
         """Stop a request now and free its blocks; None when it is unknown or already finished."""
@@ -99,7 +109,8 @@ class BatchGenerator:
         if seq is None:
             return None
         self._samplers.pop(request_id, None)
-        return FinishEvent(request_id, "abort", seq.num_prompt_tokens, seq.num_output_tokens)
+        self._warm.discard(request_id)
+        return self._finish_event(seq)
 
     def abort_all(self) -> list[FinishEvent]:
         ids = [s.seq_id for s in self.scheduler.running + self.scheduler.waiting]
@@ -136,6 +147,9 @@ class BatchGenerator:
         self.last_step = StepStats(len(batch), batch.num_tokens,
                                    sum(1 for c in batch.chunks if c.num_tokens == 1),
                                    time.perf_counter() - started)
+        if self.prefix is not None:
+            prompt_tokens = sum(c.num_tokens for c in batch.chunks if c.num_tokens > 1)
+            self.prefix.observe_step(prompt_tokens, self.last_step.seconds)
         events: list[Event] = []
         sampled: dict[str, int] = {}
         for chunk, row in zip(batch.chunks, logits):
@@ -152,8 +166,28 @@ class BatchGenerator:
                 events.append(TokenEvent(seq.seq_id, token))
         for seq in self.scheduler.update(batch, sampled):
             self._samplers.pop(seq.seq_id, None)
-            events.append(FinishEvent(seq.seq_id, seq.status.value, seq.num_prompt_tokens, seq.num_output_tokens))
+            if seq.seq_id in self._warm:
+                self._warm.discard(seq.seq_id)
+                self._flush_store(seq)
+            events.append(self._finish_event(seq))
         return events
+
+    def _finish_event(self, seq: Sequence) -> FinishEvent:
+        prefix_tokens = self.prefix.cached_prompt_tokens(seq) if self.prefix is not None else 0
+        return FinishEvent(seq.seq_id, seq.status.value, seq.num_prompt_tokens, seq.num_output_tokens,
+                           cached_tokens=seq.num_cached_tokens, prefix_tokens=prefix_tokens)
+
+    def _flush_store(self, seq: Sequence) -> None:
+        started = time.perf_counter()
+        if self.prefix.flush(timeout=30.0):
+            log.info("request %s: warmed %d prompt tokens; the store has them (flushed in %.3f s)",
+                     seq.seq_id, self.prefix.cached_prompt_tokens(seq), time.perf_counter() - started)
+        else:
+            log.warning("request %s: the prefix store did not take the warmed blocks within 30 s", seq.seq_id)
+
+    def prefix_counters(self) -> dict[str, int]:
+        """The prefix cache's counters and the store's size, for heartbeats (read from another thread)."""
+        return self.prefix.snapshot() if self.prefix is not None else {}
 
     def _fail(self, batch: ScheduledBatch, exc: Exception) -> list[Event]:
         error = exc if isinstance(exc, ReameError) else ReameError(

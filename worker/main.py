@@ -129,6 +129,7 @@ def serve(config: Config, node: int, cpus: list[int], engine, path: Path) -> Non
 
     from shared.protocol import Error, Register, encode
     from worker.generation import BatchGenerator
+    from worker.prefix_setup import build_prefix_cache
     from worker.pulse import Pulse
     from worker.service import WorkerService
     from worker.tuning_state import TuningState
@@ -144,10 +145,12 @@ def serve(config: Config, node: int, cpus: list[int], engine, path: Path) -> Non
     sock.setsockopt(zmq.IDENTITY, worker_id.encode())
     sock.setsockopt(zmq.LINGER, 2000)  # long enough for the goodbye to reach the gateway
     sock.connect(config.endpoint)
-    generator = BatchGenerator(engine, TuningState(knobs))
+    prefix = build_prefix_cache(config, engine)
+    generator = BatchGenerator(engine, TuningState(knobs), prefix=prefix)
     log.info("batching: %s", ", ".join(f"{k}={v}" for k, v in knobs.as_dict().items()))
     service = WorkerService(generator, sock, info, drain_timeout=config.worker.drain_timeout)
-    pulse = Pulse(context, config.endpoint, service, config.server.heartbeat_interval)
+    pulse = Pulse(context, config.endpoint, service, config.server.heartbeat_interval,
+                  counters=generator.prefix_counters)
 
     def on_signal(signum, _frame) -> None:
         if service.drain_requested:
@@ -168,6 +171,8 @@ def serve(config: Config, node: int, cpus: list[int], engine, path: Path) -> Non
         raise
     finally:
         pulse.stop()
+        if prefix is not None:
+            prefix.close()
         sock.close()
         context.term()
 

@@ -39,10 +39,15 @@ def _source_digest() -> str:
     return digest.hexdigest()[:16]
 
 
+# Names this version of the engine's code: numba's cache directory, and the prefix store's K/V
+# fingerprint (kernels that changed may round K/V differently).
+SOURCE_DIGEST = _source_digest()
+
+
 def _numba_cache_dir() -> str:
     base = Path(os.environ.get("REAME_NUMBA_CACHE_BASE")
                 or os.environ.get("NUMBA_CACHE_DIR", "~/.cache/reame/numba")).expanduser()
-    here = base / _source_digest()
+    here = base / SOURCE_DIGEST
     try:
         here.mkdir(parents=True, exist_ok=True)
         os.utime(here)
