@@ -65,30 +65,41 @@ async def complete(state: GatewayState, request: web.Request, req: CompletionReq
 
 
 def _max_tokens(state: GatewayState, req: CompletionRequest, ids: list[int], param: str) -> int:
-    if not ids:
-        raise InvalidRequestError("the prompt is empty", param=param)
-    n_ctx = state.pool.n_ctx
-    room = n_ctx - len(ids)
+    room = state.pool.n_ctx - len(ids)
     if req.max_tokens is not None:
         wanted = req.max_tokens
     else:
         wanted = min(state.config.gateway.default_max_tokens or room, room)
+    check_fits(state, ids, wanted, param)
+    return wanted
+
+
+def check_fits(state: GatewayState, ids: list[int], wanted: int, param: str) -> None:
+    """The prompt is not empty and, with `wanted` tokens after it, fits the workers' context."""
+    if not ids:
+        raise InvalidRequestError("the prompt is empty", param=param)
+    n_ctx = state.pool.n_ctx
     if wanted < 1 or len(ids) + wanted > n_ctx:
         wanted = max(wanted, 1)
         raise ContextLengthError(
             f"This model's maximum context length is {n_ctx} tokens. However, you requested "
             f"{len(ids) + wanted} tokens ({len(ids)} in the {param}, {wanted} in the completion). "
             f"Please reduce the length of the {param} or completion.", param=param)
-    return wanted
 
 
-def _check_vocab(state: GatewayState, req: CompletionRequest, prompts: list[list[int]]) -> None:
+def check_token_ids(state: GatewayState, prompts: list[list[int]]) -> None:
+    """Token ids a client sent are inside the vocabulary."""
     vocab = state.tokenizer.vocab_size
     for ids in prompts:
         bad = next((t for t in ids if t >= vocab), None)
         if bad is not None:
             raise InvalidRequestError(f"token id {bad} in 'prompt' is outside the vocabulary (size {vocab})",
                                       param="prompt")
+
+
+def _check_vocab(state: GatewayState, req: CompletionRequest, prompts: list[list[int]]) -> None:
+    check_token_ids(state, prompts)
+    vocab = state.tokenizer.vocab_size
     bad = next((t for t in req.sampling.logit_bias if t >= vocab), None)
     if bad is not None:
         raise InvalidRequestError(f"'logit_bias' token id {bad} is outside the vocabulary (size {vocab})",

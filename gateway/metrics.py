@@ -1,8 +1,14 @@
-"""The gateway's Prometheus metrics, in a registry of its own (tests build several apps per process)."""
+"""The gateway's Prometheus metrics, in a registry of its own (tests build several apps per process).
+
+Workers report their prefix-cache counters in heartbeats as totals since they started; the
+gateway turns each worker's totals into increments of its own counters (see observe_heartbeat).
+"""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from shared.protocol import Heartbeat
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 WORKER_STATES = ("ready", "draining")
@@ -32,9 +38,51 @@ class Metrics:
                                    ["worker"], registry=r)
         self.workers_lost = Counter("reame_workers_lost", "Workers dropped after dying or going silent",
                                     registry=r)
+        self.prefix_query_tokens = Counter("reame_prefix_query_tokens", "Prompt tokens looked up in the prefix cache",
+                                           registry=r)
+        self.prefix_hit_tokens = Counter("reame_prefix_hit_tokens", "Prompt tokens whose K/V the prefix cache had",
+                                         ["tier"], registry=r)
+        self.prefix_restore_choices = Counter(
+            "reame_prefix_restore_choices", "Requests whose blocks the host store had: restored, or recomputed",
+            ["choice"], registry=r)
+        self.prefix_store_evictions = Counter("reame_prefix_store_evictions", "Evictions from the host prefix store",
+                                              registry=r)
+        self.prefix_store_writes = Counter("reame_prefix_store_writes", "Writes to the host prefix store", registry=r)
+        self.prefix_store_bytes = Gauge("reame_prefix_store_bytes", "Size of the host prefix store, as last reported",
+                                        registry=r)
+        # Heartbeat field → the counter its growth goes to (labelled children made now, so they show as 0).
+        self._grows: dict[str, Counter] = {
+            "prefix_query_tokens": self.prefix_query_tokens,
+            "prefix_hit_tokens_ram": self.prefix_hit_tokens.labels("ram"),
+            "prefix_hit_tokens_store": self.prefix_hit_tokens.labels("store"),
+            "prefix_restores": self.prefix_restore_choices.labels("restore"),
+            "prefix_recomputes": self.prefix_restore_choices.labels("recompute"),
+            "store_evictions": self.prefix_store_evictions,
+            "store_writes": self.prefix_store_writes,
+        }
+        self._reported: dict[str, dict[str, int]] = {}  # worker id → its totals in its last heartbeat
+
+    def observe_heartbeat(self, beat: Heartbeat) -> None:
+        """Add what a registered worker's counters grew by since its last heartbeat.
+
+        A total lower than last time means the worker restarted, so all of it is new. The first
+        heartbeat after a worker joins only sets the baseline: a gateway that restarted, or a
+        worker that comes back after being dropped, would otherwise count its history again.
+        """
+        last = self._reported.get(beat.worker_id)
+        totals = {name: getattr(beat, name) for name in self._grows}
+        if last is not None:
+            for name, counter in self._grows.items():
+                now, before = totals[name], last[name]
+                counter.inc(now - before if now >= before else now)
+        self._reported[beat.worker_id] = totals
+        # One store per host, shared by its workers: summing their reports would count it again each time.
+        self.prefix_store_bytes.set(beat.store_bytes)
 
     def set_worker(self, worker_id: str, numa_node: int, state: str | None, active: int = 0) -> None:
-        """Record a worker's state; None removes the worker's series (it left)."""
+        """Record a worker's state; None removes the worker's series and its last counters (it left)."""
+        if state is None:
+            self._reported.pop(worker_id, None)
         for known in WORKER_STATES:
             labels = (worker_id, str(numa_node), known)
             if state is None:

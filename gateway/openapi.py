@@ -3,7 +3,7 @@
 Written as data, next to the code it describes: the limits come from gateway.requests (the same
 constants the validation uses) and from the config (`max_n`, whether a key is required), so the
 document describes this server as configured. tests/unit/test_openapi.py checks that every route
-is here; tests/e2e/test_schemathesis.py fuzzes the live server against it.
+is here; tests/e2e/test_openapi_fuzz.py fuzzes the live server against it.
 
 Every optional request field also accepts null (the validation treats null as "not given").
 """
@@ -30,6 +30,7 @@ def openapi_document(config: Config, vocab_size: int | None = None) -> Schema:
                 "Chat completion", "ChatCompletionRequest", "ChatCompletion", secured)},
             "/v1/completions": {"post": _completion_operation(
                 "Text completion", "CompletionRequest", "Completion", secured)},
+            "/v1/warm": {"post": _warm_operation(secured)},
             "/v1/models": {"get": _operation("The model this server serves", _json_response("ModelList"), secured)},
             "/metrics": {"get": _operation("Prometheus metrics", {
                 "description": "Prometheus text exposition format",
@@ -57,11 +58,28 @@ def _completion_operation(summary: str, request: str, response: str, secured: bo
     ok = {"description": "The completion; with `stream: true`, server-sent events of chunks, then `data: [DONE]`",
           "content": {"application/json": {"schema": _ref(response)},
                       "text/event-stream": {"schema": {"type": "string"}}}}
+    return _worker_operation(summary, request, ok, secured, "invalid request: a bad field (named in `param`), "
+                             "prompt + max_tokens over the context, or more choices (prompts × n) than max_queue")
+
+
+def _warm_operation(secured: bool) -> Schema:
+    ok = _json_response("PrefixWarm", "The prompt is prefilled: its full blocks are in the worker's prefix "
+                                      "cache and committed to the host store")
+    operation = _worker_operation("Prefill a prompt into the prefix cache", "WarmRequest", ok, secured,
+                                  "invalid request: a bad field (named in `param`), neither or both of "
+                                  "`messages` and `prompt`, or a prompt that fills the whole context")
+    operation["description"] = ("Renders `messages` with the chat template as /v1/chat/completions does, or "
+                                "tokenizes `prompt` as /v1/completions does, and has a worker compute its K/V "
+                                "without generating, so that later requests starting the same way reuse it.")
+    return operation
+
+
+def _worker_operation(summary: str, request: str, ok: Schema, secured: bool, invalid: str) -> Schema:
+    """A POST whose JSON body becomes work for a worker: the errors that can come of that."""
     operation = _operation(summary, ok, secured)
     operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": _ref(request)}}}
     operation["responses"].update({
-        "400": _error("invalid request: a bad field (named in `param`), prompt + max_tokens over the context, "
-                      "or more choices (prompts × n) than max_queue"),
+        "400": _error(invalid),
         "404": _error("the requested `model` is not served here"),
         "408": _error("the request body took longer than read_timeout to arrive"),
         "413": _error("the request body is larger than max_body_bytes"),
@@ -166,6 +184,24 @@ def _schemas(max_n: int, vocab_size: int | None) -> Schema:
             **_sampling(max_n),
             "logprobs": _opt("integer", minimum=0, maximum=MAX_LOGPROBS_COMPLETION),
         }},
+        # Exactly one of `messages` and `prompt`; a null one counts as not given.
+        "WarmRequest": {"type": "object", "properties": {"model": _opt("string")}, "oneOf": [
+            {"required": ["messages"], "properties": {
+                "messages": {"type": "array", "minItems": 1, "items": _ref("ChatMessage")},
+                "prompt": {"type": "null"}}},
+            {"required": ["prompt"], "properties": {
+                "prompt": {"anyOf": [{"type": "string", "minLength": 1},
+                                     {"type": "array", "minItems": 1, "items": token_id}],
+                           "description": "text or token ids"},
+                "messages": {"type": "null"}}},
+        ]},
+        "PrefixWarm": {"type": "object", "required": ["object", "model", "prompt_tokens", "cached_tokens",
+                                                      "reused_tokens"], "properties": {
+            "object": {"const": "prefix.warm"}, "model": {"type": "string"},
+            "prompt_tokens": {**token, "description": "tokens of the rendered, tokenized prompt"},
+            "cached_tokens": {**token, "description": "prompt tokens whose K/V the prefix cache now holds "
+                                                      "(whole blocks only)"},
+            "reused_tokens": {**token, "description": "prompt tokens whose K/V were already cached"}}},
         "Usage": usage,
         "ChatCompletion": {"type": "object", "required": ["id", "object", "created", "model", "choices", "usage"],
                            "properties": {

@@ -1,4 +1,5 @@
-"""OpenAI request bodies → a typed `CompletionRequest`, or InvalidRequestError naming the field.
+"""Request bodies → a typed `CompletionRequest` (the OpenAI routes) or `WarmRequest` (/v1/warm),
+or InvalidRequestError naming the field.
 
 Pure functions (no I/O, no tokenizer): the checks here are about shapes, types and ranges.
 Checks that need the model (context length, token ids in range) happen once the prompt is
@@ -43,11 +44,17 @@ class CompletionRequest:
         return replace(self.sampling, max_tokens=max_tokens, stop_token_ids=stop_token_ids, seed=seed, logprobs=top)
 
 
+@dataclass(frozen=True)
+class WarmRequest:
+    """POST /v1/warm: one prompt to prefill into the prefix caches, given as a chat or as a completion."""
+    model: str | None
+    messages: tuple[dict, ...]  # as for /v1/chat/completions; () when `prompt` is given
+    prompt: str | tuple[int, ...] | None  # text or token ids, as one /v1/completions prompt; None when `messages`
+
+
 def parse_chat(body: Any, *, max_n: int) -> CompletionRequest:
     body = _object(body)
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise InvalidRequestError("'messages' must be a non-empty array", param="messages")
+    messages = _messages(body.get("messages"))
     logprobs = _bool(body, "logprobs", False)
     top = _int(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS_CHAT)
     if top and not logprobs:
@@ -55,7 +62,7 @@ def parse_chat(body: Any, *, max_n: int) -> CompletionRequest:
     max_tokens = _int(body, "max_completion_tokens", None, 1, None)
     if max_tokens is None:
         max_tokens = _int(body, "max_tokens", None, 1, None)
-    return _common(body, max_n, chat=True, messages=tuple(_message(m, i) for i, m in enumerate(messages)),
+    return _common(body, max_n, chat=True, messages=messages,
                    prompts=(), max_tokens=max_tokens, logprobs=logprobs, top_logprobs=top)
 
 
@@ -67,10 +74,20 @@ def parse_completion(body: Any, *, max_n: int) -> CompletionRequest:
                    logprobs=logprobs is not None, top_logprobs=logprobs or 0)
 
 
+def parse_warm(body: Any) -> WarmRequest:
+    body = _object(body)
+    model = _model(body)
+    messages, prompt = body.get("messages"), body.get("prompt")
+    if (messages is None) == (prompt is None):
+        raise InvalidRequestError("give exactly one of 'messages' (a chat) and 'prompt' (text or token ids)",
+                                  param="messages" if messages is None else "prompt")
+    if messages is not None:
+        return WarmRequest(model, _messages(messages), None)
+    return WarmRequest(model, (), _one_prompt(prompt))
+
+
 def _common(body: dict, max_n: int, **fields: Any) -> CompletionRequest:
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise InvalidRequestError("'model' must be a string", param="model")
+    model = _model(body)
     stream = _bool(body, "stream", False)
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
@@ -97,6 +114,13 @@ def _common(body: dict, max_n: int, **fields: Any) -> CompletionRequest:
 
 
 # ---- field readers: each names the field in its error -------------------------------------------
+
+def _model(body: dict) -> str | None:
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise InvalidRequestError("'model' must be a string", param="model")
+    return model
+
 
 def _object(body: Any) -> dict:
     if not isinstance(body, dict):
@@ -175,6 +199,12 @@ def _logit_bias(value: Any) -> dict[int, float]:
     return bias
 
 
+def _messages(value: Any) -> tuple[dict, ...]:
+    if not isinstance(value, list) or not value:
+        raise InvalidRequestError("'messages' must be a non-empty array", param="messages")
+    return tuple(_message(m, i) for i, m in enumerate(value))
+
+
 def _message(message: Any, index: int) -> dict:
     where = f"messages[{index}]"
     if not isinstance(message, dict):
@@ -216,6 +246,15 @@ def _prompts(value: Any) -> tuple[str | tuple[int, ...], ...]:
             return tuple(tuple(int(t) for t in v) for v in value)
     raise InvalidRequestError("'prompt' must be a non-empty string, an array of those, an array of token ids, "
                               "or an array of token-id arrays (none empty)", param="prompt")
+
+
+def _one_prompt(value: Any) -> str | tuple[int, ...]:
+    """One prompt: a non-empty string or a non-empty array of token ids."""
+    if isinstance(value, str) and value:
+        return value
+    if isinstance(value, list) and value and all(_is_token(v) for v in value):
+        return tuple(int(v) for v in value)
+    raise InvalidRequestError("'prompt' must be a non-empty string or a non-empty array of token ids", param="prompt")
 
 
 def _is_token(value: Any) -> bool:

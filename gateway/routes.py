@@ -1,7 +1,9 @@
-"""HTTP handlers: the OpenAI routes, /health and /metrics.
+"""HTTP handlers: the OpenAI routes, /v1/warm, /health and /metrics.
 
-Handlers turn a request into token ids and hand them to `completion.complete`; everything they
-raise is a ReameError, which the error middleware turns into the OpenAI envelope.
+Handlers turn a request into token ids and hand them to `completion.complete` (or `warm.prefill`);
+everything they raise is a ReameError, which the error middleware turns into the OpenAI envelope.
+Chat messages and text prompts become token ids in one place each, so that a warmed prompt and
+a later request with the same beginning share their token prefix.
 """
 from __future__ import annotations
 
@@ -16,7 +18,8 @@ from gateway.completion import complete
 from gateway.errors import ModelNotFoundError, PayloadTooLargeError, RequestTimeoutError
 from gateway.metrics import CONTENT_TYPE
 from gateway.openapi import openapi_document
-from gateway.requests import parse_chat, parse_completion
+from gateway.requests import parse_chat, parse_completion, parse_warm
+from gateway.warm import prefill
 from shared.errors import InvalidRequestError, TokenizerError
 
 
@@ -25,13 +28,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     req = parse_chat(await _read_json(request, state), max_n=state.config.gateway.max_n)
     _check_model(state, req.model)
-    try:
-        text = state.template.render(list(req.messages), add_generation_prompt=True)
-    except TokenizerError as exc:  # e.g. a template that insists on alternating roles
-        raise InvalidRequestError(f"the chat template rejected these messages: {exc.message}",
-                                  param="messages") from None
-    # The template leaves BOS out when the tokenizer adds it, so specials are added here.
-    ids = state.tokenizer.encode(text, add_special=True, parse_special=True)
+    ids = _chat_ids(state, req.messages)
     return await complete(state, request, req, [ids], arrived, extra_stops=state.chat_stops)
 
 
@@ -40,9 +37,20 @@ async def completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     req = parse_completion(await _read_json(request, state), max_n=state.config.gateway.max_n)
     _check_model(state, req.model)
-    prompts = [list(p) if isinstance(p, tuple) else state.tokenizer.encode(p, add_special=True, parse_special=True)
-               for p in req.prompts]
-    return await complete(state, request, req, prompts, arrived)
+    return await complete(state, request, req, [_prompt_ids(state, p) for p in req.prompts], arrived)
+
+
+async def warm(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    req = parse_warm(await _read_json(request, state))
+    _check_model(state, req.model)
+    if req.messages:
+        ids, param = _chat_ids(state, req.messages), "messages"
+    else:
+        ids, param = _prompt_ids(state, req.prompt), "prompt"
+    finished = await prefill(state, ids, param)
+    return _json({"object": "prefix.warm", "model": state.model_id, "prompt_tokens": len(ids),
+                  "cached_tokens": finished.prefix_tokens, "reused_tokens": finished.cached_tokens})
 
 
 async def models(request: web.Request) -> web.Response:
@@ -71,6 +79,7 @@ async def openapi(request: web.Request) -> web.Response:
 def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/warm", warm)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
@@ -95,6 +104,22 @@ async def _read_json(request: web.Request, state: GatewayState) -> object:
         return orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         raise InvalidRequestError(f"the request body is not valid JSON: {exc}") from None
+
+
+def _chat_ids(state: GatewayState, messages: tuple[dict, ...]) -> list[int]:
+    try:
+        text = state.template.render(list(messages), add_generation_prompt=True)
+    except TokenizerError as exc:  # e.g. a template that insists on alternating roles
+        raise InvalidRequestError(f"the chat template rejected these messages: {exc.message}",
+                                  param="messages") from None
+    # The template leaves BOS out when the tokenizer adds it, so specials are added here.
+    return state.tokenizer.encode(text, add_special=True, parse_special=True)
+
+
+def _prompt_ids(state: GatewayState, prompt: str | tuple[int, ...]) -> list[int]:
+    if isinstance(prompt, tuple):
+        return list(prompt)
+    return state.tokenizer.encode(prompt, add_special=True, parse_special=True)
 
 
 def _check_model(state: GatewayState, name: str | None) -> None:

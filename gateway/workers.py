@@ -51,6 +51,7 @@ class Job:
     params: SamplingParams
     sink: asyncio.Queue  # receives (job, TokenChunk | Finished | Error | Restarted)
     key: bytes  # prefix-affinity key
+    warm: bool = False  # prefill only (POST /v1/warm): the worker fills its prefix caches and finishes
     worker_id: str | None = None
     delivered: bool = False  # output reached the client: it can no longer move to another worker
     closed: bool = False  # the HTTP side is done with it
@@ -185,6 +186,7 @@ class WorkerPool:
                 self._send(identity, Heartbeat(message.worker_id, registered=False))
             else:
                 worker.last_seen = self.clock()
+                self.metrics.observe_heartbeat(message)
             return
         worker = self.workers.get(identity.decode(errors="replace"))
         if worker is None:
@@ -297,7 +299,7 @@ class WorkerPool:
             worker.jobs[job.request_id] = job
             job.worker_id = worker.worker_id
             job.attempts += 1
-            self._send(worker.identity, Generate(job.request_id, job.prompt_ids, job.params))
+            self._send(worker.identity, Generate(job.request_id, job.prompt_ids, job.params, warm=job.warm))
         self._update_gauges()
 
     def _update_gauges(self) -> None:

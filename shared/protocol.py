@@ -4,10 +4,13 @@ A frame is one kind byte followed by the message's fields as an orjson object. E
 is a frozen dataclass defined here and nowhere else; `decode` refuses unknown kinds and fields
 so a gateway and a worker from different versions fail loudly at registration, not mid-stream.
 
-Flow: the worker connects and sends Register, then a Heartbeat every `heartbeat_interval`;
+Flow: the worker connects and sends Register, then a Heartbeat every `heartbeat_interval`
+carrying its load and its prefix-cache counters (cumulative since it started);
 the gateway answers a Heartbeat from a worker it does not know with Heartbeat(registered=False),
 and the worker registers again (the gateway restarted, or had given up on it).
 For each request: Generate → TokenChunk* → Finished | Error, exactly one of the last two.
+A Generate with `warm` set only fills the prefix caches: the worker prefills the prompt, commits
+its blocks to the host store, and answers Finished (with `prefix_tokens`), no tokens expected.
 Abort may cross a Finished in flight; the worker answers an Abort it can act on with
 Finished(finish_reason="abort"). Drain (worker → gateway) stops new work being routed to the
 worker; Drain(done=True) says it is leaving now and that any request it still had is lost.
@@ -23,7 +26,7 @@ import orjson
 
 from worker.sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: Generate.warm, Finished.prefix_tokens, Heartbeat counters
 
 
 class Kind(IntEnum):
@@ -56,11 +59,29 @@ class Register:
 
 @dataclass(frozen=True)
 class Heartbeat:
-    """Both ways. From a worker: its load. From the gateway: whether it knows the worker."""
+    """Both ways. From a worker: its load and counters. From the gateway: whether it knows the worker.
+
+    The prefix-cache counters are cumulative since the worker process started (the gateway turns
+    them into Prometheus increments); `store_bytes` is a level. The gateway's own Heartbeats leave
+    them at 0.
+    """
     worker_id: str
     active: int = 0
     queued: int = 0
     registered: bool = True
+    prefix_query_tokens: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_hit_tokens_ram: int = 0  # of those, found in this worker's RAM cache
+    prefix_hit_tokens_store: int = 0  # of those, found in the host store
+    prefix_restores: int = 0  # requests that chose to restore blocks from the store
+    prefix_recomputes: int = 0  # requests that chose to recompute although the store had the blocks
+    store_bytes: int = 0  # the host store's size now (one store per host, shared by its workers)
+    store_evictions: int = 0
+    store_writes: int = 0
+
+
+# The Heartbeat fields a worker's counters fill (worker.pulse); the rest are load and control.
+HEARTBEAT_COUNTERS = ("prefix_query_tokens", "prefix_hit_tokens_ram", "prefix_hit_tokens_store", "prefix_restores",
+                      "prefix_recomputes", "store_bytes", "store_evictions", "store_writes")
 
 
 @dataclass(frozen=True)
@@ -68,6 +89,7 @@ class Generate:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
+    warm: bool = False  # prefill only: fill the prefix caches (RAM and host store), flush the store writes, finish
 
 
 @dataclass(frozen=True)
@@ -85,7 +107,8 @@ class Finished:
     finish_reason: str  # stop | length | abort
     prompt_tokens: int = 0
     completion_tokens: int = 0
-    cached_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose K/V were reused from the prefix cache
+    prefix_tokens: int = 0  # prompt tokens whose K/V the prefix cache now holds (full blocks)
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,9 @@ in-process gateway + workers (threads, real ZeroMQ over ipc) to test the gateway
 The fake generator answers a prompt with a fixed text (`REPLY`) at temperature 0, or seeded random
 letters otherwise, then an end-of-generation token, advancing up to 8 requests per step (as the
 batching worker does); `step_s` makes each step take time so that aborts and worker loss can be
-observed mid-generation.
+observed mid-generation. A warm request finishes at its first step without a token. Tests script
+what the prefix cache reports: `cached_tokens`/`prefix_tokens` for every Finished, and `counters`
+for the heartbeats.
 """
 from __future__ import annotations
 
@@ -79,16 +81,27 @@ class FakeGenerator:
         self.hold_until = None
         self.steps = 0  # generated tokens, all requests
         self.closed = 0  # requests aborted before their end
+        self.added: list[tuple[str, list[int], SamplingParams, bool]] = []  # id, prompt, params, warm
+        self.cached_tokens = 0  # what every Finished reports
+        self.prefix_tokens = 0
+        self.counters: dict[str, int] = {}  # what the heartbeats carry
         self._requests: dict[str, tuple[list[int], SamplingParams, list[int]]] = {}  # id → prompt, params, output
+        self._warm: set[str] = set()
 
-    def add(self, request_id: str, prompt_ids, params: SamplingParams) -> None:
+    def add(self, request_id: str, prompt_ids, params: SamplingParams, warm: bool = False) -> None:
         if not prompt_ids:
             raise InvalidRequestError("empty prompt", param="prompt")
         if len(prompt_ids) + params.max_tokens > self.n_ctx:
             raise ContextLengthError("too long", param="max_tokens")
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="id")
+        self.added.append((request_id, list(prompt_ids), params, warm))
         self._requests[request_id] = (list(prompt_ids), params, [])
+        if warm:
+            self._warm.add(request_id)
+
+    def prefix_counters(self) -> dict[str, int]:
+        return dict(self.counters)
 
     def script(self, params: SamplingParams) -> list[int]:
         if params.temperature == 0:
@@ -117,6 +130,7 @@ class FakeGenerator:
         entry = self._requests.pop(request_id, None)
         if entry is None:
             return None
+        self._warm.discard(request_id)
         self.closed += 1
         return FinishEvent(request_id, "abort", len(entry[0]), len(entry[2]))
 
@@ -129,6 +143,11 @@ class FakeGenerator:
         events = []
         for request_id in list(self._requests)[:self.capacity]:
             prompt, params, output = self._requests[request_id]
+            if request_id in self._warm:  # prefill only
+                self._warm.discard(request_id)
+                del self._requests[request_id]
+                events.append(self._finish(request_id, "length", prompt, output))
+                continue
             token = self.script(params)[len(output)]
             output.append(token)
             self.steps += 1
@@ -143,8 +162,11 @@ class FakeGenerator:
                 reason = "length"
             if reason:
                 del self._requests[request_id]
-                events.append(FinishEvent(request_id, reason, len(prompt), len(output)))
+                events.append(self._finish(request_id, reason, prompt, output))
         return events
+
+    def _finish(self, request_id: str, reason: str, prompt: list[int], output: list[int]) -> FinishEvent:
+        return FinishEvent(request_id, reason, len(prompt), len(output), self.cached_tokens, self.prefix_tokens)
 
 
 # ---- an in-process gateway with fake workers ---------------------------------------------------
@@ -182,7 +204,8 @@ class FakeWorker:
         info = Register(name, 0, [0], self.generator.model_name, "/fake.gguf", "fake", self.generator.n_ctx,
                         self.generator.vocab_size, 1, "elsewhere", 0)
         self.service = WorkerService(self.generator, sock, info, drain_timeout=5.0)
-        self.pulse = Pulse(self.context, config.endpoint, self.service, config.server.heartbeat_interval)
+        self.pulse = Pulse(self.context, config.endpoint, self.service, config.server.heartbeat_interval,
+                           counters=self.generator.prefix_counters)
         self.pulse.start()
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()

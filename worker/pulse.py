@@ -5,28 +5,35 @@ thousands of tokens takes seconds), and a gateway that heard nothing for `worker
 drop a healthy worker. This thread keeps beating as long as the process is alive; the engine's
 native calls release the GIL often enough for it to run. (ZeroMQ sockets must not be shared
 between threads, hence the second socket, whose routing id is the worker id + "#pulse".)
+
+Each beat also carries the worker's prefix-cache counters, read from this thread: `counters`
+must be safe to call while the engine steps (reading ints is).
 """
 from __future__ import annotations
 
 import logging
 import threading
 import time
+from typing import Callable
 
 import zmq
 
 from shared import protocol
-from shared.protocol import Heartbeat
+from shared.protocol import HEARTBEAT_COUNTERS, Heartbeat
 
 log = logging.getLogger("reame.worker")
 
 
 class Pulse(threading.Thread):
-    def __init__(self, context: zmq.Context, endpoint: str, service, interval: float):
+    def __init__(self, context: zmq.Context, endpoint: str, service, interval: float,
+                 counters: Callable[[], dict[str, int]] | None = None):
         super().__init__(name="reame-pulse", daemon=True)
         self.context = context
         self.endpoint = endpoint
         self.service = service  # WorkerService: its load is read, and it is asked to re-register
         self.interval = interval
+        self.counters = counters  # Heartbeat counter field → cumulative value
+        self._counters_failed = False
         self._stopping = threading.Event()
 
     def stop(self) -> None:
@@ -42,10 +49,24 @@ class Pulse(threading.Thread):
         try:
             while not self._stopping.is_set():
                 active, queued = self.service.load()
-                sock.send(protocol.encode(Heartbeat(worker_id, active=active, queued=queued)))
+                beat = Heartbeat(worker_id, active=active, queued=queued, **self._read_counters())
+                sock.send(protocol.encode(beat))
                 self._listen(sock, time.monotonic() + self.interval)
         finally:
             sock.close()
+
+    def _read_counters(self) -> dict[str, int]:
+        """The counters that are Heartbeat fields; none when they cannot be read."""
+        if self.counters is None:
+            return {}
+        try:
+            return {name: int(value) for name, value in self.counters().items() if name in HEARTBEAT_COUNTERS}
+        except Exception:
+            # Beats keep the worker registered: a broken counter costs the counters, not the worker.
+            if not self._counters_failed:
+                self._counters_failed = True
+                log.exception("pulse: reading the counters failed; heartbeats go without them")
+            return {}
 
     def _listen(self, sock: zmq.Socket, until: float) -> None:
         """Wait out the interval, answering the gateway's "who are you?" by asking the loop to register."""

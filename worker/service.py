@@ -30,7 +30,7 @@ class GeneratorLike(Protocol):
     @property
     def has_work(self) -> bool: ...
 
-    def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None: ...
+    def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams, warm: bool = False) -> None: ...
 
     def abort(self, request_id: str) -> FinishEvent | None: ...
 
@@ -141,12 +141,12 @@ class WorkerService:
     def _accept(self, request: Generate) -> None:
         # Validated on arrival, so a bad request fails at once, not after the requests ahead of it.
         try:
-            self.generator.add(request.request_id, request.prompt_ids, request.params)
+            self.generator.add(request.request_id, request.prompt_ids, request.params, warm=request.warm)
         except ReameError as exc:
             self._send_error(request.request_id, exc)
             return
-        log.debug("request %s: queued (%d prompt tokens, max %d)", request.request_id,
-                  len(request.prompt_ids), request.params.max_tokens)
+        log.debug("request %s: queued (%d prompt tokens, max %d%s)", request.request_id,
+                  len(request.prompt_ids), request.params.max_tokens, ", warm only" if request.warm else "")
 
     def _emit(self, event: Event) -> None:
         if isinstance(event, TokenEvent):
@@ -155,7 +155,8 @@ class WorkerService:
             self._send(TokenChunk(event.request_id, [int(event.token)], [logprob], [top]))
         elif isinstance(event, FinishEvent):
             log.debug("request %s: %s after %d tokens", event.request_id, event.reason, event.completion_tokens)
-            self._send(Finished(event.request_id, event.reason, event.prompt_tokens, event.completion_tokens))
+            self._send(Finished(event.request_id, event.reason, event.prompt_tokens, event.completion_tokens,
+                                cached_tokens=event.cached_tokens, prefix_tokens=event.prefix_tokens))
         else:
             self._send_error(event.request_id, event.error)
 

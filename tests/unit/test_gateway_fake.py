@@ -10,8 +10,9 @@ import time
 import openai
 import pytest
 import requests
+from prometheus_client.parser import text_string_to_metric_families
 
-from tests.fakes import EOS, OFFSET, REPLY, FakeServer
+from tests.fakes import BOS, EOS, OFFSET, REPLY, FakeServer
 
 
 @pytest.fixture(scope="module")
@@ -295,5 +296,122 @@ def test_workers_register_again_with_a_restarted_gateway(tmp_path):
         srv.wait_until(lambda: len(srv.state.pool.ready) == 2)
         r = post(srv, "/v1/completions", {"prompt": "x", "max_tokens": 3, "temperature": 0})
         assert r.json()["choices"][0]["text"] == REPLY[:3]
+    finally:
+        srv.close()
+
+
+# ---- /v1/warm -------------------------------------------------------------------------------------
+
+def test_warm_messages_prefill_the_prompt_a_chat_then_sends(server):
+    generator = server.workers[0].generator
+    generator.cached_tokens, generator.prefix_tokens = 3, 16
+    try:
+        r = post(server, "/v1/warm", {"messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 200
+        prompt_tokens = len("<user>hi\n<assistant>") + 1
+        assert r.json() == {"object": "prefix.warm", "model": "reame", "prompt_tokens": prompt_tokens,
+                            "cached_tokens": 16, "reused_tokens": 3}
+        _, warmed, params, warm = generator.added[-1]
+        assert warm and params.max_tokens == 1 and params.temperature == 0.0 and len(warmed) == prompt_tokens
+        chat = post(server, "/v1/chat/completions", chat_body(max_tokens=2)).json()
+        assert generator.added[-1][1] == warmed and not generator.added[-1][3]  # the same tokens, for real
+        assert chat["usage"]["prompt_tokens_details"]["cached_tokens"] == 3
+    finally:
+        generator.cached_tokens, generator.prefix_tokens = 0, 0
+
+
+@pytest.mark.parametrize("prompt, ids", [
+    ("ab", [BOS, OFFSET + ord("a"), OFFSET + ord("b")]),  # tokenized as /v1/completions does
+    ([OFFSET + 65, OFFSET + 66], [OFFSET + 65, OFFSET + 66]),
+])
+def test_warm_prompt(server, prompt, ids):
+    generator = server.workers[0].generator
+    generator.prefix_tokens = 2
+    try:
+        r = post(server, "/v1/warm", {"model": "fake.gguf", "prompt": prompt, "messages": None})
+        assert r.json() == {"object": "prefix.warm", "model": "reame", "prompt_tokens": len(ids),
+                            "cached_tokens": 2, "reused_tokens": 0}
+        _, sent, _, warm = generator.added[-1]
+        assert sent == ids and warm
+    finally:
+        generator.prefix_tokens = 0
+
+
+def test_warm_routes_like_the_requests_it_prepares_for(tmp_path):
+    srv = FakeServer(tmp_path, workers=2)
+    try:
+        system = [{"role": "system", "content": "You answer in French. " * 4}]
+        for question in ("hi", "bye"):
+            post(srv, "/v1/warm", {"messages": system})
+            post(srv, "/v1/chat/completions", chat_body(messages=system + [{"role": "user", "content": question}],
+                                                        max_tokens=1))
+        warmed = [w for w in srv.workers if any(warm for *_, warm in w.generator.added)]
+        assert len(warmed) == 1 and len(warmed[0].generator.added) == 4  # the chats followed their prefix
+    finally:
+        srv.close()
+
+
+HI = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({}, 400, "messages"),
+    ({"messages": None, "prompt": None}, 400, "messages"),
+    ({"messages": HI, "prompt": "x"}, 400, "prompt"),
+    ({"messages": []}, 400, "messages"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, 400, "messages[0].role"),
+    ({"prompt": ""}, 400, "prompt"),
+    ({"prompt": ["a", "b"]}, 400, "prompt"),
+    ({"prompt": [[OFFSET]]}, 400, "prompt"),
+    ({"prompt": [99999]}, 400, "prompt"),
+    ({"prompt": "x" * 300}, 400, "prompt"),  # with its one token, over the fake's 256 context
+    ({"prompt": "x", "model": 5}, 400, "model"),
+    ({"prompt": "x", "model": "gpt-9"}, 404, "model"),
+    (b"{not json", 400, None),
+    (b"[1]", 400, None),
+    (b'{"prompt": "' + b"x" * 30000 + b'"}', 413, None),
+])
+def test_warm_refuses_bad_bodies(server, body, status, param):
+    r = post(server, "/v1/warm", body)
+    assert r.status_code == status
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["param"] == param
+    if body == {"prompt": "x" * 300}:
+        assert error["code"] == "context_length_exceeded"
+
+
+# ---- prefix-cache counters from heartbeats --------------------------------------------------------
+
+PREFIX_SERIES = [("reame_prefix_query_tokens_total", ()), ("reame_prefix_hit_tokens_total", ("ram",)),
+                 ("reame_prefix_hit_tokens_total", ("store",)), ("reame_prefix_restore_choices_total", ("restore",)),
+                 ("reame_prefix_restore_choices_total", ("recompute",)), ("reame_prefix_store_evictions_total", ()),
+                 ("reame_prefix_store_writes_total", ()), ("reame_prefix_store_bytes", ())]
+COUNTERS = ["prefix_query_tokens", "prefix_hit_tokens_ram", "prefix_hit_tokens_store", "prefix_restores",
+            "prefix_recomputes", "store_evictions", "store_writes", "store_bytes"]
+
+
+def prefix_metrics(srv) -> list[float]:
+    """The prefix series of /metrics, in PREFIX_SERIES order."""
+    samples = {(s.name, tuple(s.labels.values())): s.value
+               for family in text_string_to_metric_families(requests.get(srv.url + "/metrics").text)
+               for s in family.samples}
+    return [samples[series] for series in PREFIX_SERIES]
+
+
+def test_heartbeat_counters_become_prometheus_counters(tmp_path):
+    srv = FakeServer(tmp_path)
+    try:
+        generator = srv.workers[0].generator
+
+        def report(*values, expect):
+            generator.counters = dict(zip(COUNTERS, values), unknown_key=1)
+            srv.wait_until(lambda: prefix_metrics(srv) == expect)
+
+        # The first report the gateway sees is a baseline; the store size is a level, shown as is.
+        report(0, 0, 0, 0, 0, 0, 0, 4096, expect=[0, 0, 0, 0, 0, 0, 0, 4096])
+        report(100, 40, 20, 2, 1, 3, 7, 8192, expect=[100, 40, 20, 2, 1, 3, 7, 8192])
+        report(150, 40, 30, 2, 1, 3, 9, 8000, expect=[150, 40, 30, 2, 1, 3, 9, 8000])
+        # The worker restarted: its totals start again, and what they show now is all new.
+        report(10, 5, 0, 1, 0, 0, 1, 8000, expect=[160, 45, 30, 3, 1, 3, 10, 8000])
     finally:
         srv.close()

@@ -4,13 +4,16 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import jsonschema_rs
 import pytest
 import requests
 import schemathesis
 
 from gateway.app import build_app
 from gateway.openapi import openapi_document
+from gateway.requests import parse_warm
 from gateway.state import build_state
+from shared.errors import InvalidRequestError
 from tests.fakes import FakeDecoder, FakeServer, FakeTemplate, FakeTokenizer, fake_config
 
 # HEAD is GET without a body (aiohttp adds it beside every GET), so it is not documented apart.
@@ -39,7 +42,7 @@ def test_every_route_is_documented_and_nothing_else(tmp_path, extra):
 def test_document_loads_as_openapi_3_1(tmp_path):
     schema = schemathesis.openapi.from_dict(openapi_document(fake_config(tmp_path, "api_key = k")))
     loaded = {(op.ok().method.upper(), op.ok().path) for op in schema.get_all_operations()}
-    assert ("POST", "/v1/chat/completions") in loaded and len(loaded) == 6
+    assert ("POST", "/v1/chat/completions") in loaded and ("POST", "/v1/warm") in loaded and len(loaded) == 7
 
 
 def test_security_follows_the_config(tmp_path):
@@ -58,3 +61,24 @@ def test_served_without_a_key(tmp_path):
         assert r.status_code == 200 and r.json()["openapi"] == "3.1.0"
     finally:
         server.close()
+
+
+HI = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize("body", [
+    {"messages": HI}, {"messages": HI, "prompt": None, "model": None}, {"prompt": "x"}, {"prompt": [3, 4.0]},
+    {"prompt": "x", "messages": None, "model": "m", "extra": 1},
+    {}, {"messages": None, "prompt": None}, {"messages": HI, "prompt": "x"}, {"messages": []}, {"messages": "hi"},
+    {"messages": [{"role": "robot", "content": "x"}]}, {"prompt": ""}, {"prompt": []}, {"prompt": ["a"]},
+    {"prompt": [[3]]}, {"prompt": [-1]}, {"prompt": [1.5]}, {"prompt": [True]}, {"prompt": "x", "model": 5}, [1],
+])
+def test_warm_schema_accepts_exactly_what_the_handler_parses(tmp_path, body):
+    schemas = openapi_document(fake_config(tmp_path))["components"]
+    validator = jsonschema_rs.Draft202012Validator({"$ref": "#/components/schemas/WarmRequest", "components": schemas})
+    try:
+        parse_warm(body)
+        parsed = True
+    except InvalidRequestError:
+        parsed = False
+    assert validator.is_valid(body) == parsed

@@ -1,6 +1,8 @@
 """Every message survives encode → decode unchanged; bad frames are refused, not guessed at."""
 from __future__ import annotations
 
+import dataclasses
+
 import orjson
 import pytest
 
@@ -13,12 +15,16 @@ MESSAGES = [
     Register("host/node0/12", 0, [0, 1, 2], "SmolLM2", "/m/a.gguf", "llama", 8192, 49152, 1, "host", 12),
     Heartbeat("host/node0/12", active=1, queued=3),
     Heartbeat("w", registered=False),
+    Heartbeat("w", prefix_query_tokens=96, prefix_hit_tokens_ram=32, prefix_hit_tokens_store=16, prefix_restores=1,
+              prefix_recomputes=2, store_bytes=1 << 40, store_evictions=3, store_writes=4),
     Generate("r1", [1, 2, 3], SamplingParams(max_tokens=5, temperature=0.0, logit_bias={7: -100.0, 9: 2.5},
                                               seed=42, stop_token_ids=(2, 0), logprobs=3)),
     Generate("r2", [5], SamplingParams()),
+    Generate("r3", [5, 6], SamplingParams(max_tokens=1, temperature=0.0), warm=True),
     TokenChunk("r1", [17], [-0.25], [[[17, -0.25], [3, -1.5]]]),
     TokenChunk("r1", [17, 18], [None, None], [[], []]),
     Finished("r1", "length", 3, 5, 0),
+    Finished("r3", "length", 40, 0, cached_tokens=16, prefix_tokens=32),
     Error("r1", "ContextLengthError", "too long", "max_tokens", "context_length_exceeded"),
     Error("", "ReameError", "out of memory", fatal=True),
     Abort("r1"),
@@ -38,7 +44,7 @@ def test_kind_byte_leads_the_frame():
 
 
 def test_sampling_params_keep_their_types():
-    params = decode(encode(MESSAGES[3])).params
+    params = decode(encode(MESSAGES[4])).params
     assert params.logit_bias == {7: -100.0, 9: 2.5}
     assert isinstance(params.stop_token_ids, tuple)
 
@@ -59,3 +65,10 @@ def test_bad_frames_are_refused(frame):
 
 def test_every_kind_has_one_class():
     assert sorted(protocol._CLASS_OF) == sorted(int(k) for k in Kind)
+
+
+def test_heartbeat_counters_are_its_int_fields_beyond_load():
+    fields = {f.name: f for f in dataclasses.fields(Heartbeat)}
+    assert set(protocol.HEARTBEAT_COUNTERS) == fields.keys() - {"worker_id", "active", "queued", "registered"}
+    assert all(fields[name].type == "int" and fields[name].default == 0 for name in protocol.HEARTBEAT_COUNTERS)
+

@@ -1,6 +1,8 @@
-"""The worker's serve loop against a scripted socket: one step per message read, aborts, drain."""
+"""The worker's serve loop against a scripted socket: one step per message read, aborts, drain;
+and its pulse thread's heartbeats over a real socket."""
 from __future__ import annotations
 
+import logging
 from collections import deque
 
 import zmq
@@ -8,6 +10,7 @@ import zmq
 from shared import protocol
 from shared.protocol import Abort, Drain, Error, Finished, Generate, Heartbeat, Register, TokenChunk
 from tests.fakes import EOS, FakeGenerator
+from worker.pulse import Pulse
 from worker.sampling_params import SamplingParams
 from worker.service import WorkerService
 
@@ -117,3 +120,60 @@ def test_stop_gives_up_on_running_work():
     sock.on_send = lambda m: service.request_stop() if isinstance(m, TokenChunk) else None
     service.run()
     assert engine.closed == 1 and sock.sent[-1] == Drain("w", done=True)
+
+
+def test_warm_request_reaches_the_generator_and_its_cache_counts_come_back():
+    service, sock, engine = make()
+    engine.cached_tokens, engine.prefix_tokens = 16, 32
+    sock.push(Generate("w", [1] * 40, greedy(1), warm=True))
+    sock.push(Generate("g", [1] * 40, greedy(2)))
+    service.request_drain()
+    service.run()
+    assert [(rid, warm) for rid, _, _, warm in engine.added] == [("w", True), ("g", False)]
+    assert [m.request_id for m in of(sock, TokenChunk)] == ["g", "g"]  # the warm one prefills only
+    assert of(sock, Finished) == [Finished("w", "length", 40, 0, cached_tokens=16, prefix_tokens=32),
+                                  Finished("g", "length", 40, 2, cached_tokens=16, prefix_tokens=32)]
+
+
+class _Loaded:
+    info = INFO
+
+    def load(self):
+        return 1, 2
+
+    def request_register(self):
+        pass
+
+
+def beats(counters, n=2):
+    """Run a Pulse against a ROUTER and return its first `n` heartbeats."""
+    context = zmq.Context()
+    router = context.socket(zmq.ROUTER)
+    router.bind("inproc://pulse")
+    pulse = Pulse(context, "inproc://pulse", _Loaded(), 0.01, counters=counters)
+    pulse.start()
+    try:
+        received = []
+        while len(received) < n:
+            assert router.poll(2000), "the pulse stopped beating"
+            received.append(protocol.decode(router.recv_multipart()[1]))
+        return received
+    finally:
+        pulse.stop()
+        router.close(linger=0)
+        context.term()
+
+
+def test_heartbeats_carry_the_counters_that_are_heartbeat_fields():
+    counters = {"prefix_query_tokens": 64, "store_bytes": 4096, "not_a_field": 1}
+    beat = beats(lambda: counters)[0]
+    assert beat == Heartbeat("w", active=1, queued=2, prefix_query_tokens=64, store_bytes=4096)
+
+
+def test_failing_counters_cost_the_counters_not_the_heartbeats(caplog):
+    def broken():
+        raise RuntimeError("store closed")
+
+    with caplog.at_level(logging.ERROR, logger="reame.worker"):
+        assert beats(broken, n=3) == [Heartbeat("w", active=1, queued=2)] * 3
+    assert len([r for r in caplog.records if "counters failed" in r.message]) == 1
