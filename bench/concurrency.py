@@ -30,24 +30,19 @@ import random
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import aiohttp
 import orjson
-import psutil
 
-from benchlib import free_port, percentile, tail  # bench/, the script's directory, is on sys.path
+from benchlib import Server, free_port, healthy, percentile, say  # bench/, the script's directory, is on sys.path
 
 REPO = Path(__file__).resolve().parent.parent
 MODELS_DIR = Path(os.environ.get("REAME_TEST_MODELS", "~/.cache/reame/models")).expanduser()
-START_TIMEOUT = 600  # seconds for a server to answer /health (a cold numba cache compiles first)
 
 # Prompts are four of these in a per-request order; the first two differ for every request.
 SENTENCES = [
@@ -78,10 +73,6 @@ SENTENCES = [
 ]
 
 
-def say(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
 def prompt(k: int) -> str:
     """Prompt number k: ordinary English, deterministic; the first two sentences differ for k < 552."""
     n = len(SENTENCES)
@@ -91,69 +82,12 @@ def prompt(k: int) -> str:
     return " ".join(SENTENCES[i] for i in (first, second, *rest))
 
 
-# ---- processes ----------------------------------------------------------------------------------
-
-class Server:
-    """A child server process in its own session (Ctrl-C reaches only us; we stop it in order)."""
-
-    def __init__(self, name: str, argv: list[str], log: Path, url: str):
-        self.name, self.log, self.url = name, log, url
-        say(f"starting {name}: {' '.join(argv)}")
-        with open(log, "wb") as out:
-            self.proc = subprocess.Popen(argv, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                         env={**os.environ, "PYTHONUNBUFFERED": "1"})
-
-    def wait_ready(self) -> None:
-        started = time.monotonic()
-        shown = started
-        while (waited := time.monotonic() - started) < START_TIMEOUT:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; its log ends:\n{tail(self.log)}")
-            if healthy(self.url):
-                say(f"{self.name} ready after {waited:.1f} s")
-                return
-            if time.monotonic() - shown >= 5:
-                shown = time.monotonic()
-                say(f"  waiting for {self.name} /health: {waited:.0f} s")
-            time.sleep(0.25)
-        raise TimeoutError(f"{self.name} not ready after {START_TIMEOUT} s; its log ends:\n{tail(self.log)}")
-
-    def stop(self) -> None:
-        """SIGTERM, then after a minute SIGKILL for it and whatever it started (`reame serve` puts its
-        gateway and workers in sessions of their own, so they are found by parentage, not group)."""
-        if self.proc.poll() is not None:
-            return
-        try:
-            children = psutil.Process(self.proc.pid).children(recursive=True)
-        except psutil.NoSuchProcess:
-            children = []
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            say(f"{self.name} did not stop within 60 s: killing it")
-            self.proc.kill()
-            self.proc.wait()
-        for child in children:
-            try:
-                child.kill()  # only those still alive: they were orphaned
-            except psutil.NoSuchProcess:
-                pass
-
-
-def healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url + "/health", timeout=2) as response:
-            return response.status == 200
-    except (urllib.error.URLError, OSError):
-        return False
-
-
 def start_reame(directory: Path, model: Path, threads: int, workers: int) -> Server:
     port = free_port()
     config = directory / "reame.conf"
     config.write_text(f"[model]\nmodel_path = {model}\n[engine]\nthreads = {threads}\n"
                       f"[server]\nstate_dir = {directory}/state\n[gateway]\nport = {port}\n"
+                      f"[prefix_cache]\nstore_path = {directory}/prefix-store\n"
                       f"[logging]\nlevel = warning\n[serve]\nworkers = {workers}\n")
     server = Server("reame serve", [sys.executable, "-m", "reame.cli", "serve", "--config", str(config)],
                     directory / "reame.log", f"http://127.0.0.1:{port}")

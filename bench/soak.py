@@ -23,7 +23,6 @@ import os
 import random
 import secrets
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -101,7 +100,7 @@ def start_server(directory: Path, model: Path, workers: int, clients: int, key: 
     # The queue holds every client's request, so a client waits rather than being refused (429).
     config.write_text(f"[model]\nmodel_path = {model}\n[server]\nstate_dir = {directory}/state\n"
                       f"[gateway]\nport = {port}\napi_key = {key}\nmax_queue = {4 * clients}\n"
-                      f"[serve]\nworkers = {workers}\n")
+                      f"[serve]\nworkers = {workers}\n[prefix_cache]\nstore_path = {directory}/prefix-store\n")
     log = open(directory / "serve.log", "wb")
     proc = subprocess.Popen([sys.executable, "-m", "reame.cli", "serve", "--config", str(config)], cwd=REPO,
                             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})

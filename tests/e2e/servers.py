@@ -30,9 +30,12 @@ def free_port() -> int:
 BATCH = 2  # requests a test worker runs at once (small, so tests can fill the gateway's queue)
 
 
-def write_config(directory: Path, model: Path, port: int, extra: str = "", gateway: str = "") -> Path:
-    """A reame.conf for tests; `gateway` adds keys to [gateway], `extra` adds sections."""
+def write_config(directory: Path, model: Path, port: int, extra: str = "", gateway: str = "",
+                 store: Path | None = None) -> Path:
+    """A reame.conf for tests; `gateway` adds keys to [gateway], `extra` adds sections. The prefix
+    store is the test's own (`store`, else one in `directory`)."""
     path = directory / "reame.conf"
+    prefix = f"[prefix_cache]\nstore_path = {store or directory / 'prefix-store'}"
     path.write_text(f"""
 [model]
 model_path = {model}
@@ -64,6 +67,7 @@ kv_cache_memory = 512MiB
 matmul_activations = float32
 [scheduler]
 max_batch_size = {BATCH}
+{prefix}
 {extra}
 """)
     return path
@@ -157,10 +161,10 @@ def wait_idle(server: "Processes", timeout: float = 10) -> None:
 
 
 @contextmanager
-def gateway_and_worker(directory: Path, model: Path, gateway: str = ""):
+def gateway_and_worker(directory: Path, model: Path, gateway: str = "", store: Path | None = None):
     """A real gateway and one worker on a free port, ready; stopped on exit."""
     port = free_port()
-    config = write_config(directory, model, port, gateway=gateway)
+    config = write_config(directory, model, port, gateway=gateway, store=store)
     procs = Processes(directory, port)
     procs.start("gateway", "-m", "gateway.main", "--config", str(config))
     procs.start("worker", "-m", "worker.main", "--config", str(config), "--numa-node", "0")

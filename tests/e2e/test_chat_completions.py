@@ -20,7 +20,9 @@ def test_answers_and_reports_usage(client):
     assert r.choices[0].finish_reason == "stop" and r.choices[0].message.role == "assistant"
     assert r.usage.prompt_tokens > 10 and 0 < r.usage.completion_tokens <= 30
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
-    assert r.usage.prompt_tokens_details.cached_tokens == 0
+    # Earlier requests may have cached this prompt's first blocks (tests/e2e/test_prefix_cache.py
+    # checks the counts); the last prompt token is always computed.
+    assert 0 <= r.usage.prompt_tokens_details.cached_tokens < r.usage.prompt_tokens
 
 
 def test_stream_equals_non_stream_at_temperature_zero(client):
