@@ -1,6 +1,6 @@
 """Prefix reuse: TTFT of a ~1,500-token shared prefix + a short question, cold and from each cache tier.
 
-    python bench/prefix.py [--model smollm2-135m] [--threads 2] [--rounds 3] [--prefix-sentences 70]
+    python bench/prefix.py [--model smollm2-135m] [--threads 2] [--rounds 3] [--prefix-sentences 88]
                            [--peer PATH/TO/llama-server] [--json FILE]
 
 Runs two independent Reame stacks (a gateway and one worker each, own ports and state
@@ -253,7 +253,7 @@ def main() -> int:
     parser.add_argument("--model", default="smollm2-135m", help="a known model name or a GGUF path")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--rounds", type=int, default=3, help="system prompts (each run cold once)")
-    parser.add_argument("--prefix-sentences", type=int, default=70, help="system prompt length (~21 tokens each)")
+    parser.add_argument("--prefix-sentences", type=int, default=88, help="system prompt length (~17 tokens each)")
     parser.add_argument("--peer", help="llama-server binary to compare against in the same run")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
