@@ -11,6 +11,11 @@ import logging
 import re
 import sys
 
+# Libraries whose debug output is about their own internals: at `level = debug` numba alone logs
+# megabytes of compiler IR per kernel and compiles several times slower (seen: a cold worker start
+# past three minutes). Reame's debug level is for Reame's messages.
+_QUIET_LIBRARIES = ("numba", "llvmlite", "asyncio", "filelock", "urllib3")
+
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 
 
@@ -32,3 +37,5 @@ def setup_logging(level: str, role: str) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+    for name in _QUIET_LIBRARIES:
+        logging.getLogger(name).setLevel(max(logging.INFO, root.level))

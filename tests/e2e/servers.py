@@ -92,7 +92,7 @@ class Processes:
         return "\n".join(f"--- {name} ---\n" + (self.directory / f"{name}.log").read_text(errors="replace")[-3000:]
                          for name, _ in self.procs)
 
-    def wait_ready(self, workers: int = 1, timeout: float = 180) -> None:
+    def wait_ready(self, workers: int = 1, timeout: float = 600) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             for name, proc in self.procs:
