@@ -6,7 +6,7 @@ at once; LMDB's lock file serializes their write transactions and readers never 
 
 Sub-databases, all changed only inside one write transaction, so every invariant below holds at
 every commit and a failed or partial write is never visible:
-  blocks  key -> value (header + token ids + stored payload, see `_HEADER`)
+  blocks  key -> value (header + token ids + stored payload: worker.kv_block_format)
   lru     stamp (8-byte big-endian time_ns) + key -> b""   the access order, oldest first
   atime   key -> stamp                                     finds a key's `lru` row
   meta    b"bytes_used", b"entries" -> u64 big-endian      totals over `blocks`, host-wide
@@ -28,34 +28,23 @@ import logging
 import struct
 import threading
 import time
-import zlib
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import lmdb
 import numpy as np
-import zstandard
+
+from worker.kv_block_format import FORMAT_VERSION, MAGIC, BlockCodec
+
+__all__ = ["FORMAT_VERSION", "MAGIC", "KVStore", "KVStoreUnavailable", "StoreStats", "check_key"]
 
 log = logging.getLogger("reame.kvstore")
 
-FORMAT_VERSION = 1
-MAGIC = b"RKVB"
 KEY_BYTES = 32
-# Measured on float16 K/V-like data (184 KiB blocks): levels 1 and 3 give the same ratio
-# (1.07-1.09: the mantissa bits are noise), level 1 compresses a little faster.
-ZSTD_LEVEL = 1
-
-# magic, format version, compression code, dtype code, fingerprint, n_tokens,
-# stored payload length, raw payload length, crc32 (over everything before it + tokens + payload)
-_HEADER = struct.Struct("<4sHBB32sIIII")
-_CRC_OFFSET = _HEADER.size - 4
-_CRC = struct.Struct("<I")
 _TOTAL = struct.Struct(">Q")
 _STAMP = struct.Struct(">Q")
 
-_COMPRESSION_CODES = {"none": 0, "zstd": 1}
-_DTYPE_CODES = {"float16": 1, "bfloat16": 2, "float32": 3, "int8": 4}
 _DB_NAMES = (b"blocks", b"lru", b"atime", b"meta")
 _MAX_MAP_EVICTIONS_PER_TXN = 64
 _RESIZE_RETRIES = 8  # each retry adopts a map another process grew; more in a row is a bug
@@ -83,24 +72,16 @@ class KVStore:
     def __init__(self, path, *, fingerprint: bytes, payload_bytes: int, budget_bytes: int,
                  dtype: str = "float16", compression: str = "zstd",
                  initial_map_bytes: int = 64 << 20, max_map_bytes: int | None = None):
-        if not isinstance(fingerprint, bytes) or len(fingerprint) != 32:
-            raise ValueError("fingerprint must be 32 bytes")
-        if dtype not in _DTYPE_CODES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPE_CODES)}, got {dtype!r}")
-        if compression not in _COMPRESSION_CODES:
-            raise ValueError(f"compression must be one of {sorted(_COMPRESSION_CODES)}, got {compression!r}")
-        if payload_bytes < 1 or budget_bytes < 1:
-            raise ValueError("payload_bytes and budget_bytes must be positive")
+        if budget_bytes < 1:
+            raise ValueError("budget_bytes must be positive")
         self.path = Path(path)
-        self._fingerprint = fingerprint
+        self._codec = BlockCodec(fingerprint=fingerprint, payload_bytes=payload_bytes, dtype=dtype,
+                                 compression=compression)
         self._payload_bytes = payload_bytes
         self._budget = budget_bytes
-        self._dtype_code = _DTYPE_CODES[dtype]
-        self._compress = compression == "zstd"
         # LMDB needs room above the payload bytes for B-tree and free pages.
         self._max_map = max_map_bytes if max_map_bytes is not None else 2 * budget_bytes + (64 << 20)
         self._guard = _MapGuard()
-        self._codecs = threading.local()  # zstd contexts are not safe to share between threads
         self._lock = threading.Lock()     # counters, writes_enabled, the stamp clock
         self._counts = dict.fromkeys(
             ("hits", "misses", "corrupt", "writes", "evictions", "write_errors"), 0)
@@ -183,78 +164,6 @@ class KVStore:
         with self._guard.resize():
             self._env.close()
 
-    # ---- the value format ----------------------------------------------------------------------
-
-    def _encode(self, tokens: bytes, n_tokens: int, payload: memoryview) -> bytes:
-        stored, code = payload, _COMPRESSION_CODES["none"]
-        if self._compress:
-            packed = self._compressor().compress(payload)
-            if len(packed) < len(payload):  # incompressible data is stored raw: faster to read
-                stored, code = packed, _COMPRESSION_CODES["zstd"]
-        head = _HEADER.pack(MAGIC, FORMAT_VERSION, code, self._dtype_code, self._fingerprint,
-                            n_tokens, len(stored), len(payload), 0)[:_CRC_OFFSET]
-        crc = zlib.crc32(stored, zlib.crc32(tokens, zlib.crc32(head)))
-        return b"".join((head, _CRC.pack(crc), tokens, stored))
-
-    def _header_problem(self, value: memoryview) -> str | None:
-        """What makes value unusable by this store judging by its header and length, or None."""
-        if len(value) < _HEADER.size:
-            return f"truncated: {len(value)} bytes, shorter than the header"
-        magic, version, code, dtype, fingerprint, n_tokens, stored_len, raw_len, _ = \
-            _HEADER.unpack_from(value)
-        if magic != MAGIC:
-            return "bad magic"
-        if version != FORMAT_VERSION:
-            return f"unknown format version {version}"
-        if fingerprint != self._fingerprint:
-            return "fingerprint differs (another model or KV layout)"
-        if dtype != self._dtype_code:
-            return f"dtype code {dtype} differs from {self._dtype_code}"
-        if raw_len != self._payload_bytes:
-            return f"payload length {raw_len} differs from {self._payload_bytes}"
-        if code not in _COMPRESSION_CODES.values():
-            return f"unknown compression code {code}"
-        if code == _COMPRESSION_CODES["none"] and stored_len != raw_len:
-            return "uncompressed payload with a stored length unlike its raw length"
-        if len(value) != _HEADER.size + 4 * n_tokens + stored_len:
-            return f"length {len(value)} inconsistent with the header (truncated?)"
-        return None
-
-    def _decode(self, value: memoryview, tokens: bytes) -> tuple[bytes | None, str | None]:
-        """(payload, None) when value is a valid entry for tokens, else (None, the reason)."""
-        problem = self._header_problem(value)
-        if problem is not None:
-            return None, problem
-        _, _, code, _, _, n_tokens, _, raw_len, crc = _HEADER.unpack_from(value)
-        stored_tokens = value[_HEADER.size:_HEADER.size + 4 * n_tokens]
-        if stored_tokens != tokens:
-            return None, "token ids differ"
-        stored = value[_HEADER.size + 4 * n_tokens:]
-        if zlib.crc32(stored, zlib.crc32(stored_tokens, zlib.crc32(value[:_CRC_OFFSET]))) != crc:
-            return None, "checksum mismatch"
-        if code == _COMPRESSION_CODES["none"]:
-            return bytes(stored), None
-        try:
-            # The frame's own size field decides the allocation: check it before trusting it.
-            if zstandard.frame_content_size(stored) != raw_len:
-                return None, "compressed frame does not declare the payload length"
-            payload = self._decompressor().decompress(stored)
-        except zstandard.ZstdError as exc:
-            return None, f"decompression failed: {exc}"
-        if len(payload) != raw_len:
-            return None, f"decompressed to {len(payload)} bytes, not {raw_len}"
-        return payload, None
-
-    def _compressor(self) -> zstandard.ZstdCompressor:
-        if not hasattr(self._codecs, "compressor"):
-            self._codecs.compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
-        return self._codecs.compressor
-
-    def _decompressor(self) -> zstandard.ZstdDecompressor:
-        if not hasattr(self._codecs, "decompressor"):
-            self._codecs.decompressor = zstandard.ZstdDecompressor()
-        return self._codecs.decompressor
-
     # ---- reading -------------------------------------------------------------------------------
 
     def _read(self, body):
@@ -271,7 +180,7 @@ class KVStore:
         value = txn.get(key, db=self._blocks)
         if value is None:
             return False, None, None
-        payload, problem = self._decode(value, tokens)
+        payload, problem = self._codec.decode(value, tokens)
         return True, payload, problem
 
     def _discard_corrupt(self, key: bytes, problem: str) -> None:
@@ -311,7 +220,7 @@ class KVStore:
         encoded = []
         for key, token_ids, view in absent:
             tokens = _token_bytes(token_ids)
-            value = self._encode(tokens, len(tokens) // 4, view)
+            value = self._codec.encode(tokens, len(tokens) // 4, view)
             if len(value) <= self._budget:  # a single entry over the budget is never stored
                 encoded.append((key, value))
         if not encoded:
@@ -327,7 +236,7 @@ class KVStore:
                 continue
             seen.add(key)
             value = txn.get(key, db=self._blocks)
-            if value is None or self._header_problem(value) is not None:
+            if value is None or self._codec.header_problem(value) is not None:
                 absent.append((key, token_ids, view))
         return absent
 
@@ -419,7 +328,7 @@ class KVStore:
         for key, value in encoded:
             existing = txn.get(key, db=self._blocks)
             if existing is not None:
-                if self._header_problem(existing) is None:  # another process stored it meanwhile
+                if self._codec.header_problem(existing) is None:  # another process stored it meanwhile
                     present += 1
                     continue
                 self._remove_in_txn(txn, key, totals)
