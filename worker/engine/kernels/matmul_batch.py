@@ -2,8 +2,9 @@
 call and converted once per block of up to BLOCK rows of x, then applied to all of them.
 
 Same packed layouts as matvec.linear (see packing.py); outputs of the listed matrices are laid
-side by side in out[b]. Every out[b] is bit-identical to `matvec.linear` on x[b] alone, so a
-request's greedy output does not change when it is batched, whatever B and the other rows are.
+side by side in out[b]. Every out[b] depends on x[b] alone, bit for bit, whatever B and the other
+rows are, so a request's output does not change when it is batched; it is the same sums in the
+same order as `matvec.linear` on x[b] (equal unless LLVM contracts multiply-adds differently).
 
 How. Per tile and group of 16/32 inputs, a micro-kernel written in LLVM IR (`_group_step`, an
 `@intrinsic`) keeps the group's accumulators for up to BLOCK rows × 64 outputs in vector
@@ -334,7 +335,9 @@ def linear_batch(data, scales, scales16, meta, mats, x, out, scratch):
 
     x: float32 (B, K), K the input size of every listed matrix; out: float32 (≥ B, ≥ Σ padded
     rows) with contiguous rows; scratch: C-contiguous float32 of at least scratch_size(B, K)
-    elements (see batch_scratch). Each out[b] equals matvec.linear on x[b] bit for bit.
+    elements (see batch_scratch). Each out[b] is the same sums in the same order as matvec.linear
+    on x[b] (bit for bit, unless LLVM contracts multiply-adds differently in the two compiles),
+    and never depends on the other rows.
     """
     n_mats = mats.shape[0]
     batch, k = x.shape
