@@ -214,7 +214,9 @@ async def one_request(session: aiohttp.ClientSession, url: str, result: Result, 
 async def run_level(name: str, url: str, headers: dict, streams: int, per_stream: int, first_prompt: int,
                     max_tokens: int, end_ids: list[int], timeout: float) -> Level:
     results: list[Result] = []
-    connector = aiohttp.TCPConnector(limit=streams + 1)
+    # A connection per request: llama-server closes kept-alive connections after a stream, and a
+    # request sent on such a connection failed (ClientOSError) instead of measuring anything.
+    connector = aiohttp.TCPConnector(limit=streams + 1, force_close=True)
     client_timeout = aiohttp.ClientTimeout(total=timeout, sock_connect=30)
     async with aiohttp.ClientSession(connector=connector, timeout=client_timeout,
                                      headers={"Content-Type": "application/json", **headers}) as session:
