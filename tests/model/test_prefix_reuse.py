@@ -157,6 +157,24 @@ def test_restore_never_recomputes_what_the_store_has(engine, uncached, tmp_path)
     prefix.close()
 
 
+def test_a_store_that_cannot_grow_stops_writing_and_serving_goes_on(engine, uncached, tmp_path, caplog):
+    """A full disk, as a map that cannot hold even one block: one warning, the same tokens, and
+    the RAM tier still serves the prefix."""
+    _fresh_pool(engine)
+    store = _store(engine, tmp_path / "store", max_map_bytes=64 << 10)
+    prefix = _prefix(engine, store)
+    generator = _generator(engine, prefix)
+    with caplog.at_level("WARNING", logger="reame.kvstore"):
+        first, _ = _run(generator, {"a": SYSTEM + QUESTION_A})
+        assert prefix.flush(timeout=30.0)
+        second, done = _run(generator, {"b": SYSTEM + QUESTION_B})
+    assert first["a"] == uncached[0]["a"] and second["b"] == uncached[0]["b"]
+    assert done["b"].cached_tokens == 96  # from RAM
+    assert not store.writes_enabled and store.stats().entries == 0
+    assert len([r for r in caplog.records if "writes stopped" in r.getMessage()]) == 1
+    prefix.close()
+
+
 # ---- reading the LMDB environment directly -------------------------------------------------------
 
 def store_entries(path) -> int:
