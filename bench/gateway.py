@@ -5,7 +5,7 @@
 One request at a time over a kept-alive connection (http.client: cheap on the client side),
 max_tokens=1, a tiny prompt; p50 and p99 of the wall time per request.
 
-1. null engine: the real gateway and the real worker loop, but an engine that answers at once.
+1. null engine: the real gateway and the real worker loop, but a generator that answers at once.
    Its latency *is* the overhead: HTTP parsing, validation, tokenizer and chat template, ZeroMQ
    both ways, JSON. This is the number to compare against the 2 ms budget.
 2. real engine: the same requests through a real worker, interleaved with the same generation
@@ -15,7 +15,6 @@ max_tokens=1, a tiny prompt; p50 and p99 of the wall time per request.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import http.client
 import json
 import os
@@ -33,6 +32,7 @@ sys.path.insert(0, str(REPO))
 from shared import blas_env  # noqa: E402
 
 blas_env.prefer_native_blas()  # before numpy loads OpenBLAS
+from worker.generation import FinishEvent, TokenEvent  # noqa: E402
 
 MODELS_DIR = Path(os.environ.get("REAME_TEST_MODELS", "~/.cache/reame/models")).expanduser()
 PROMPT = [1, 504, 3575, 282, 4649, 314, 253, 1345]
@@ -54,22 +54,40 @@ def percentiles(samples: list[float]) -> tuple[float, float]:
 
 # ---- the null worker: a real WorkerService around an engine that costs nothing ------------------
 
-@dataclasses.dataclass
-class _Out:
-    token: int
-    logprob: float | None = None
-    top_logprobs: list = dataclasses.field(default_factory=list)
-    finish_reason: str | None = "length"
-
-
-class NullEngine:
+class NullGenerator:
+    """worker.service's generator interface: every request gets one token at the next step."""
     model_name, arch, n_ctx, vocab_size = "null", "null", 8192, 49152
+    hold_until = None
 
-    def validate(self, prompt_ids, max_tokens):
-        pass
+    def __init__(self):
+        self._waiting: list[tuple[str, int]] = []
 
-    def generate(self, prompt_ids, params):
-        yield _Out(token=28)
+    @property
+    def has_work(self) -> bool:
+        return bool(self._waiting)
+
+    def add(self, request_id, prompt_ids, params, warm=False) -> None:
+        self._waiting.append((request_id, len(prompt_ids)))
+
+    def abort(self, request_id):
+        for i, (rid, n) in enumerate(self._waiting):
+            if rid == request_id:
+                del self._waiting[i]
+                return FinishEvent(rid, "abort", n, 0)
+        return None
+
+    def abort_all(self):
+        return [event for rid, _ in list(self._waiting) if (event := self.abort(rid)) is not None]
+
+    def load(self) -> tuple[int, int]:
+        return len(self._waiting), 0
+
+    def step(self):
+        events = []
+        for rid, n in self._waiting:
+            events += [TokenEvent(rid, 28), FinishEvent(rid, "length", n, 1)]
+        self._waiting.clear()
+        return events
 
 
 def run_null_worker(config_path: str) -> int:
@@ -81,7 +99,7 @@ def run_null_worker(config_path: str) -> int:
     from worker.service import WorkerService
 
     config = load_config(config_path)
-    engine = NullEngine()
+    engine = NullGenerator()
     worker_id = f"null/{os.getpid()}"
     info = Register(worker_id, 0, [0], engine.model_name, "", engine.arch, engine.n_ctx, engine.vocab_size, 1,
                     socket.gethostname(), os.getpid())
