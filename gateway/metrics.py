@@ -5,6 +5,8 @@ gateway turns each worker's totals into increments of its own counters (see obse
 """
 from __future__ import annotations
 
+from collections import OrderedDict
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
@@ -15,6 +17,7 @@ WORKER_STATES = ("ready", "draining")
 
 # Seconds. TTFT includes queueing, so its buckets reach far; inter-token latency is per step.
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_REMEMBERED_WORKERS = 4096  # last counter reports kept, most recent workers first to stay
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
 
 
@@ -60,29 +63,32 @@ class Metrics:
             "store_evictions": self.prefix_store_evictions,
             "store_writes": self.prefix_store_writes,
         }
-        self._reported: dict[str, dict[str, int]] = {}  # worker id → its totals in its last heartbeat
+        # worker id → its totals in its last heartbeat. Kept when a worker is dropped (it may come
+        # back with the same id and must not be counted twice); the oldest go beyond the cap.
+        self._reported: OrderedDict[str, dict[str, int]] = OrderedDict()
 
     def observe_heartbeat(self, beat: Heartbeat) -> None:
         """Add what a registered worker's counters grew by since its last heartbeat.
 
-        A total lower than last time means the worker restarted, so all of it is new. The first
-        heartbeat after a worker joins only sets the baseline: a gateway that restarted, or a
-        worker that comes back after being dropped, would otherwise count its history again.
+        A worker's first heartbeat counts in full: a new worker may serve requests before its
+        first beat arrives, and those must not vanish into a baseline. (A worker id holds its
+        pid, so a restarted worker is a new id; after a gateway restart its counters start at 0
+        anyway, as a Prometheus counter reset.) A total lower than last time means the worker
+        restarted, so all of it is new.
         """
-        last = self._reported.get(beat.worker_id)
+        last = self._reported.pop(beat.worker_id, None) or dict.fromkeys(self._grows, 0)
         totals = {name: getattr(beat, name) for name in self._grows}
-        if last is not None:
-            for name, counter in self._grows.items():
-                now, before = totals[name], last[name]
-                counter.inc(now - before if now >= before else now)
+        for name, counter in self._grows.items():
+            now, before = totals[name], last[name]
+            counter.inc(now - before if now >= before else now)
         self._reported[beat.worker_id] = totals
+        while len(self._reported) > _REMEMBERED_WORKERS:
+            self._reported.popitem(last=False)
         # One store per host, shared by its workers: summing their reports would count it again each time.
         self.prefix_store_bytes.set(beat.store_bytes)
 
     def set_worker(self, worker_id: str, numa_node: int, state: str | None, active: int = 0) -> None:
-        """Record a worker's state; None removes the worker's series and its last counters (it left)."""
-        if state is None:
-            self._reported.pop(worker_id, None)
+        """Record a worker's state; None removes the worker's series (it left)."""
         for known in WORKER_STATES:
             labels = (worker_id, str(numa_node), known)
             if state is None:

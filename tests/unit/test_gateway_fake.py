@@ -407,7 +407,7 @@ def test_heartbeat_counters_become_prometheus_counters(tmp_path):
             generator.counters = dict(zip(COUNTERS, values), unknown_key=1)
             srv.wait_until(lambda: prefix_metrics(srv) == expect)
 
-        # The first report the gateway sees is a baseline; the store size is a level, shown as is.
+        # Counted from 0: the first report adds all it shows; the store size is a level, shown as is.
         report(0, 0, 0, 0, 0, 0, 0, 4096, expect=[0, 0, 0, 0, 0, 0, 0, 4096])
         report(100, 40, 20, 2, 1, 3, 7, 8192, expect=[100, 40, 20, 2, 1, 3, 7, 8192])
         report(150, 40, 30, 2, 1, 3, 9, 8000, expect=[150, 40, 30, 2, 1, 3, 9, 8000])

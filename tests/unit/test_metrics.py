@@ -11,26 +11,26 @@ def value(metrics: Metrics, name: str, **labels: str) -> float:
 
 def test_each_worker_adds_what_grew_since_its_last_report():
     metrics = Metrics()
-    metrics.observe_heartbeat(Heartbeat("a", prefix_query_tokens=500))  # joined with history: a baseline
+    metrics.observe_heartbeat(Heartbeat("a", prefix_query_tokens=500))  # served before its first beat
     metrics.observe_heartbeat(Heartbeat("b", prefix_query_tokens=0))
     metrics.observe_heartbeat(Heartbeat("a", prefix_query_tokens=520, prefix_hit_tokens_store=8))
     metrics.observe_heartbeat(Heartbeat("b", prefix_query_tokens=30, prefix_recomputes=1))
-    assert value(metrics, "reame_prefix_query_tokens_total") == 50
+    assert value(metrics, "reame_prefix_query_tokens_total") == 550
     assert value(metrics, "reame_prefix_hit_tokens_total", tier="store") == 8
     assert value(metrics, "reame_prefix_hit_tokens_total", tier="ram") == 0
     assert value(metrics, "reame_prefix_restore_choices_total", choice="recompute") == 1
     metrics.observe_heartbeat(Heartbeat("b", prefix_query_tokens=4))  # b restarted
-    assert value(metrics, "reame_prefix_query_tokens_total") == 54
+    assert value(metrics, "reame_prefix_query_tokens_total") == 554
 
 
-def test_a_worker_that_left_starts_from_a_new_baseline():
+def test_a_worker_dropped_and_back_is_not_counted_twice():
     metrics = Metrics()
     metrics.observe_heartbeat(Heartbeat("a", store_writes=1))
     metrics.observe_heartbeat(Heartbeat("a", store_writes=3))
     metrics.set_worker("a", 0, None)
-    metrics.observe_heartbeat(Heartbeat("a", store_writes=10))  # back after a drop: not counted again
+    metrics.observe_heartbeat(Heartbeat("a", store_writes=10))  # back after a drop: only what grew
     metrics.observe_heartbeat(Heartbeat("a", store_writes=11))
-    assert value(metrics, "reame_prefix_store_writes_total") == 3
+    assert value(metrics, "reame_prefix_store_writes_total") == 11
 
 
 def test_store_size_is_the_latest_report_not_a_sum():
