@@ -1,4 +1,4 @@
-"""Batched decode matmul with int8 activations (VNNI): linear_batch_i8 vs linear_batch on SmolLM2.
+"""Batched decode matmul with int8 activations (VNNI / AVX2): linear_batch_i8 vs linear_batch on SmolLM2.
 
     python bench/matmul_i8.py [--threads 2 1] [--batches 1 2 4 8 16] [--repeats 9] [--model PATH]
 
@@ -29,7 +29,7 @@ import numpy as np  # noqa: E402
 
 from worker.engine.engine import load_engine  # noqa: E402
 from worker.engine.kernels.matmul_batch import batch_scratch, linear_batch  # noqa: E402
-from worker.engine.kernels.matmul_i8 import (available, batch_scratch_i8, linear_batch_i8,  # noqa: E402
+from worker.engine.kernels.matmul_i8 import (ISA, batch_scratch_i8, linear_batch_i8,  # noqa: E402
                                                quantize_reference)  # noqa: E402
 from worker.engine.kernels.packing import M_K, M_TILES, TILE  # noqa: E402
 from worker.engine.quants import dequantize  # noqa: E402
@@ -97,7 +97,7 @@ def main() -> None:
     out = np.zeros((b_max, width), np.float32)
     s_f32 = batch_scratch(width // TILE, b_max, k_max)
     s_i8 = batch_scratch_i8(width // TILE, b_max, k_max)
-    print(f"native VNNI: {available()}; kernels per step: "
+    print(f"int8 dot products: {ISA}; kernels per step: "
           + ", ".join(f"{k}×{len(v)}" for k, v in calls.items()))
     print(f"{'thr':>3} {'B':>3} {'kernel':6} " + " ".join(f"{k:>8}" for k in calls) + f" {'step µs':>9} "
           f"{'i8/f32':>7} {'vs@1':>6}")

@@ -1,4 +1,4 @@
-"""linear_batch_i8 (int8 activations, VNNI): float64 references with the kernel's quantized
+"""linear_batch_i8 (int8 activations, VNNI / AVX2): float64 references with the kernel's quantized
 activations (tight) and with the exact ones (loose), row independence, mixed matrices."""
 from __future__ import annotations
 

@@ -226,7 +226,7 @@ def load_engine(path, kernels: str = "auto", threads: int = 0, context_length: i
         f"{kv.nbytes / 2**20:.0f} MiB ({kv.num_blocks * kv_block_size} tokens)")
     model.buffers.int8 = _want_int8(matmul_activations)
     if kernels == "auto":
-        say(f"matmuls: {'int8 activations (VNNI)' if model.buffers.int8 else 'float32 activations'}")
+        say(f"matmuls: {_matmul_description(model.buffers.int8)}")
     engine = Engine(g, model, kernels, n_ctx, dense, logits_of_rows, kv)
     engine.prefill_chunk = prefill_chunk
     engine.attention_chunk = attention_chunk
@@ -239,9 +239,17 @@ def _want_int8(mode: str) -> bool:
     if mode not in ("auto", "float32", "int8"):
         raise ConfigError(f"[engine] matmul_activations = {mode!r}; expected auto, float32 or int8")
     if mode == "int8" and not matmul_i8.available():
-        log.warning("matmul_activations = int8, but this CPU has no AVX-512 VNNI: the int8 kernel "
-                    "runs its portable (slow) form")
+        log.warning("matmul_activations = int8, but this CPU has neither AVX-512 VNNI nor AVX2: the "
+                    "int8 kernel runs its portable (slow) form")
     return mode == "int8" or (mode == "auto" and matmul_i8.available())
+
+
+def _matmul_description(int8: bool) -> str:
+    from worker.engine.kernels import matmul_i8
+    if not int8:
+        return "float32 activations"
+    how = {"vnni": "AVX-512 VNNI", "avx2": "AVX2"}.get(matmul_i8.ISA, "portable IR, slow")
+    return f"int8 activations ({how} dot products)"
 
 
 def load_engine_from_config(config, model: str | None = None, kernels: str | None = None,

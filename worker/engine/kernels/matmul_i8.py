@@ -1,4 +1,5 @@
-"""Quantized matrix × a few activation vectors with int8 activations and VNNI dot products.
+"""Quantized matrix × a few activation vectors with int8 activations and integer dot products
+(AVX-512 VNNI, or AVX2).
 
 Same calling contract as matmul_batch.linear_batch (packed layouts of packing.py, outputs of the
 listed matrices side by side in out[b], prange over tiles), but the activations are quantized
@@ -37,10 +38,12 @@ Micro-kernel (`_i8_step`, LLVM IR through an @intrinsic like matmul_batch._group
 of one tile for up to 8 rows, int32 accumulators for rows × (vectors at a time) in registers; at the
 group's end each is converted and added into out: out = fma(m, Σx, fma(float(acc), s·d, out)).
 
-Portability. The native path needs AVX512-VNNI (and BW) on the host *and* in numba's target (not
-when NUMBA_CPU_NAME / NUMBA_CPU_FEATURES select a CPU without it). Otherwise the same kernel is
+Portability. The native paths need the instructions on the host *and* in numba's target (not
+when NUMBA_CPU_NAME / NUMBA_CPU_FEATURES select a CPU without them): AVX512-VNNI (and BW) for
+vpdpbusd; else AVX2, where `_rows_avx2` builds the same 4-input dword sums from vpmaddubsw and
+vpmaddwd on ymm halves (exact too, so both paths give the same bits). Otherwise the kernel is
 compiled with a generic-IR emulation of vpdpbusd (widen, multiply, add lanes 4 by 4): correct
-everywhere, slow. `available()` says whether the fast path is in use; a caller choosing between
+everywhere, slow. `available()` says whether a fast path is in use; a caller choosing between
 linear_batch and linear_batch_i8 should check it. Set REAME_I8_GENERIC=1 to force the generic path
 (it is then compiled without the on-disk cache, so cached native code is never mixed in).
 
@@ -62,40 +65,49 @@ from worker.engine.kernels.packing import (FMT_F32, FMT_Q4, FMT_Q8, M_BIAS, M_DA
                                            M_HALF, M_K, M_SCALE, M_TILES, TILE)
 
 
-def _native_vnni() -> bool:
-    """Whether numba's code for this process may use vpdpbusd on 512-bit vectors."""
+def _instruction_set() -> str:
+    """Which dot-product instructions numba's code for this process may use: "vnni" (vpdpbusd on
+    512-bit vectors), "avx2" (vpmaddubsw + vpmaddwd on 256-bit vectors) or "generic" (plain IR)."""
     if os.environ.get("REAME_I8_GENERIC", "") not in ("", "0"):
-        return False
+        return "generic"
     try:
         import llvmlite.binding as llvm
         feats = llvm.get_host_cpu_features()
     except Exception:  # pragma: no cover - no host information: be safe
-        return False
-    if not (feats.get("avx512vnni") and feats.get("avx512bw") and feats.get("avx512f")):
-        return False
+        return "generic"
     name = config.CPU_NAME
     if name and name != "host":  # an explicit target CPU (portable caches): trust only host
-        return False
+        return "generic"
     extra = config.CPU_FEATURES or ""
-    return "-avx512vnni" not in extra and "-avx512bw" not in extra
+    if (feats.get("avx512vnni") and feats.get("avx512bw") and feats.get("avx512f")
+            and "-avx512vnni" not in extra and "-avx512bw" not in extra):
+        return "vnni"
+    if feats.get("avx2") and "-avx2" not in extra:
+        return "avx2"
+    return "generic"
 
 
-NATIVE_VNNI = _native_vnni()
+ISA = _instruction_set()
+NATIVE_VNNI = ISA == "vnni"
 
 
 def available() -> bool:
-    """True when linear_batch_i8 runs on native VNNI; False: it still works, slowly (generic IR)."""
-    return NATIVE_VNNI
+    """True when linear_batch_i8 runs on native integer dot products (AVX-512 VNNI or AVX2);
+    False: it still works, slowly (generic IR)."""
+    return ISA != "generic"
 
 
-_JIT = dict(fastmath=True, cache=NATIVE_VNNI, nogil=True)
+_JIT = dict(fastmath=True, cache=ISA != "generic", nogil=True)
 
-# Most rows of x one micro-kernel step serves. A step keeps rows × 4 int32 accumulators (all 64
-# outputs of the tile) in registers, so the interleaved weights of a group are built once per 4
-# rows; measured at B=8 (1 thread, a 3072×576 Q4_1 call): 4-row steps 0.45x linear_batch, 5 or 6
-# rows × 4 vectors 0.5x (spills), 8 rows × 2 vectors 0.64-0.84x, 8 rows × 1 vector 1.1x.
+# Most rows of x one micro-kernel step serves, and how many of the tile's 4 interleaved vectors
+# (16 outputs each) it accumulates at once. A step keeps rows × vectors int32 accumulators in
+# registers. VNNI (32 zmm): measured at B=8 (1 thread, a 3072×576 Q4_1 call): 4-row steps 0.45x
+# linear_batch, 5 or 6 rows × 4 vectors 0.5x (spills), 8 rows × 2 vectors 0.64-0.84x, 8 rows × 1
+# vector 1.1x. AVX2 (16 ymm, a vector is two), SmolLM2 step at 1 thread vs linear_batch: 4 rows ×
+# 1 vector 0.63x (B=1) / 0.28x (B=8), × 2 vectors 0.52x / 0.28x, × 4 vectors 0.54x / 0.42x (spills).
 BLOCK = 4
 _STEP_ROWS = (1, 2, 3, 4)
+_VECTORS_AT_ONCE = 2 if ISA == "avx2" else 4
 
 _VEC = 16
 PREFETCH_GROUPS = 4
@@ -143,7 +155,7 @@ def _rint(typingctx, v):
     return types.float32(types.float32), codegen
 
 
-@njit(cache=NATIVE_VNNI, nogil=True, fastmath=True)
+@njit(cache=ISA != "generic", nogil=True, fastmath=True)
 def _block_amax(x, amax):
     """amax[b, blk] = max |x[b, 32 blk : 32 blk + 32]| (exact in any order: fastmath vectorizes it)."""
     batch, k = x.shape
@@ -212,6 +224,7 @@ _VB = ir.VectorType(_I8, 64)
 _VW = ir.VectorType(_I16, 32)
 _VD = ir.VectorType(_I32, _VEC)
 _VF = ir.VectorType(ir.FloatType(), _VEC)
+_YB, _YW, _YD = ir.VectorType(_I8, 32), ir.VectorType(_I16, 16), ir.VectorType(_I32, 8)  # one ymm
 
 
 def _unpack_mask(elems: int, high: bool) -> list[int]:
@@ -246,6 +259,14 @@ class _I8Emitter:
         if NATIVE_VNNI:
             self.vnni = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VD, [_VD] * 3),
                                                        "llvm.x86.avx512.vpdpbusd.512")
+        if ISA == "avx2":
+            module = builder.module
+            self.maddubs = cgutils.get_or_insert_function(module, ir.FunctionType(_YW, [_YB, _YB]),
+                                                          "llvm.x86.avx2.pmadd.ub.sw")
+            self.maddwd = cgutils.get_or_insert_function(module, ir.FunctionType(_YD, [_YW, _YW]),
+                                                         "llvm.x86.avx2.pmadd.wd")
+            self.psign = cgutils.get_or_insert_function(module, ir.FunctionType(_YB, [_YB, _YB]),
+                                                        "llvm.x86.avx2.psign.b")
 
     def emit(self):
         b = self.b
@@ -356,10 +377,85 @@ class _I8Emitter:
         c = b.shuffle_vector(parts[2], parts[3], ir.Constant(ir.VectorType(_I32, 8), list(range(8))))
         return b.shuffle_vector(a, c, ir.Constant(ir.VectorType(_I32, 16), list(range(16))))
 
+    # ---- AVX2: 512-bit values as two ymm halves ---------------------------------------------
+    def _halves(self, v, count):
+        """The two 256-bit halves of a 512-bit vector of `count` elements."""
+        b = self.b
+        undef = ir.Constant(v.type, ir.Undefined)
+        h = count // 2
+        return [b.shuffle_vector(v, undef, ir.Constant(ir.VectorType(_I32, h), list(range(i * h, i * h + h))))
+                for i in (0, 1)]
+
+    def _join(self, lo, hi, count):
+        return self.b.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(_I32, count), list(range(count))))
+
+    def _maddubs(self, u, s):
+        """Σ of 2 adjacent u8(u) × s8(s) products per int16 lane (vpmaddubsw; saturating, so the
+        callers keep |pair sums| ≤ 32767)."""
+        lo = [self.b.call(self.maddubs, [x, y]) for x, y in zip(self._halves(u, 64), self._halves(s, 64))]
+        return self._join(lo[0], lo[1], 32)
+
+    def _widen_pairs(self, w16):
+        """Σ of 2 adjacent int16 lanes per int32 lane (vpmaddwd by ones)."""
+        ones = ir.Constant(_YW, 1)
+        parts = [self.b.call(self.maddwd, [h, ones]) for h in self._halves(w16, 32)]
+        return self._join(parts[0], parts[1], 16)
+
+    def _sign(self, a, w):
+        """a negated where w < 0, zeroed where w == 0 (vpsignb)."""
+        parts = [self.b.call(self.psign, [x, y]) for x, y in zip(self._halves(a, 64), self._halves(w, 64))]
+        return self._join(parts[0], parts[1], 64)
+
+    def _rows_avx2(self, n):
+        """AVX2 has no vpdpbusd: vpmaddubsw multiplies u8 × s8 and sums pairs into int16 (saturating),
+        vpmaddwd by ones sums int16 pairs into int32 — the same 4-input dword sums.
+
+        q4: codes 0..15 are the unsigned operand; a pair sum is at most 2·15·127 = 3810, so all 8
+        products of a 32-input group add up in int16 (≤ 30480) and widen once per group.
+        q8: signed codes cannot be flipped to c + 128 here (pairs would saturate), so the unsigned
+        operand is |c| and the activation takes c's sign (vpsignb): |c|·sign(c)·a = c·a, pair sums
+        ≤ 2·128·127 = 32512; each product is widened at once. The accumulators start at 0."""
+        b, c = self.b, self._c
+        rows_b = [b.add(self.b0, c(r)) for r in range(n)]
+        low = ir.Constant(_VB, 0x0F)
+        four = ir.Constant(_VW, 4)
+        quads = 4 if self.fmt == FMT_Q4 else self.group // 4
+        at_once = _VECTORS_AT_ONCE
+        for chunk in range(4 // at_once):
+            vs = list(range(chunk * at_once, (chunk + 1) * at_once))
+            acc = {(r, v): ir.Constant(_VD, None) for r in range(n) for v in vs}
+            acc16 = {(r, v): ir.Constant(_VW, None) for r in range(n) for v in vs}
+            for p in range(quads):
+                wv = self._interleave(self._code_rows(p), vs)
+                if self.fmt == FMT_Q4:
+                    lo_w = {v: b.and_(w, low) for v, w in wv.items()}
+                    hi_w = {v: b.and_(b.bitcast(b.lshr(b.bitcast(w, _VW), four), _VB), low) for v, w in wv.items()}
+                    for ws, e in ((lo_w, 4 * p), (hi_w, 16 + 4 * p)):
+                        k = b.add(self.k0, c(e))
+                        acts = [b.bitcast(self._act(r, k), _VB) for r in range(n)]
+                        for v in vs:
+                            for r in range(n):
+                                acc16[r, v] = b.add(acc16[r, v], self._maddubs(ws[v], acts[r]))
+                else:
+                    k = b.add(self.k0, c(4 * p))
+                    acts = [b.bitcast(self._act(r, k), _VB) for r in range(n)]
+                    for v in vs:
+                        w = wv[v]
+                        neg = b.icmp_signed("<", w, ir.Constant(_VB, 0))
+                        mag = b.select(neg, b.sub(ir.Constant(_VB, 0), w), w)
+                        for r in range(n):
+                            pairs = self._maddubs(mag, self._sign(acts[r], w))
+                            acc[r, v] = b.add(acc[r, v], self._widen_pairs(pairs))
+            if self.fmt == FMT_Q4:
+                acc = {key: self._widen_pairs(a16) for key, a16 in acc16.items()}
+            self._finish(vs, rows_b, acc)
+
     # ---- the step for n rows ---------------------------------------------------------------
     def _rows(self, n):
+        if ISA == "avx2":
+            return self._rows_avx2(n)
         b, c = self.b, self._c
-        at_once = 4
+        at_once = _VECTORS_AT_ONCE
         rows_b = [b.add(self.b0, c(r)) for r in range(n)]
         if self.fmt == FMT_Q8:
             init = [self._splat(b.load(self._ptr(_CORR, rb, self.g)), _VD) for rb in rows_b]

@@ -33,7 +33,7 @@ KERNELS: dict[tuple[str, str], KernelVariant] = {
                                                  "held in registers (every decode step); same bits as matvec"),
     ("matvec_batch_int8", "vnni"): KernelVariant("matvec_batch_int8", "vnni", matmul_i8.linear_batch_i8,
                                                  "activations quantized per 32 to int8, dot products on "
-                                                 "AVX-512 VNNI (portable IR elsewhere); rows independent"),
+                                                 "AVX-512 VNNI or AVX2 (portable IR elsewhere); rows independent"),
     ("row", "gather"): KernelVariant("row", "gather", ops.dequant_row,
                                      "dequantize one row (embedding lookup)"),
 }

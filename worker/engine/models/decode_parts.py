@@ -57,7 +57,7 @@ def matmul(tab, mats, x, out, scratch):
     scratch is a tuple (int8 flag, float32 scratch of linear_batch, that of linear_batch_i8).
     Both kernels compute every row exactly as if it were alone, so batching never changes a
     sequence's logits; int8 quantizes activations per 32 (as llama.cpp does) to use VNNI
-    dot products, float32 keeps them exact (the bits of matvec.linear).
+    or AVX2 integer dot products, float32 keeps them exact (the bits of matvec.linear).
     """
     if scratch[0]:
         linear_batch_i8(tab[0], tab[1], tab[2], tab[3], mats, x, out, scratch[2])
