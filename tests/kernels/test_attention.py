@@ -193,6 +193,41 @@ def test_decode_equals_per_sequence_attention(dtype, shape, window, chunk):
     np.testing.assert_allclose(from_njit, out, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("shape", [(9, 3, 64), (4, 1, 256)], ids=lambda s: "h%d-kv%d-d%d" % s)
+def test_a_decode_row_has_the_same_bits_alone_and_in_any_batch(dtype, shape):
+    # Small batches give each query head its own item and read the pool directly; larger ones
+    # share each K/V conversion among the heads of a kv head. A row must not notice which.
+    n_heads, n_kv, d = shape
+    bs, n = 4, 8
+    rng = np.random.default_rng(5)
+    lengths = rng.integers(1, 40, n)
+    used = [-(-int(x) // bs) for x in lengths]
+    tables = np.zeros((n, max(used)), np.int32)
+    at = 0
+    for b, u in enumerate(used):
+        tables[b, :u] = np.arange(at, at + u)
+        at += u
+    k_pool = _nan_pool(at, n_kv, bs, d, dtype)
+    v_pool = _nan_pool(at, n_kv, bs, d, dtype)
+    for b in range(n):
+        _fill(k_pool, tables[b], int(lengths[b]), rng)
+        _fill(v_pool, tables[b], int(lengths[b]), rng)
+    positions = (lengths - 1).astype(np.int64)
+    q = (3.0 * rng.standard_normal((n, n_heads * d))).astype(np.float32)
+
+    def run(rows, chunk=16):
+        out = np.full((len(rows), q.shape[1]), np.nan, np.float32)
+        paged_attention_decode(q[rows], k_pool, v_pool, LAYER, tables[rows], positions[rows], 0, 0.125, chunk, out)
+        return out
+
+    together = run(np.arange(n))
+    for b in range(n):
+        assert np.array_equal(run(np.array([b]))[0], together[b]), b
+        assert np.array_equal(run(np.array([b, (b + 1) % n]))[0], together[b]), b
+    assert np.array_equal(run(np.arange(n)[::-1]), together[::-1])
+
+
 def test_chunk_must_be_positive():
     k_pool = np.zeros((1, N_LAYERS, 1, 4, 64), np.float32)
     q = np.zeros((1, 64), np.float32)

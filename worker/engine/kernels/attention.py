@@ -310,7 +310,10 @@ def paged_attention_decode(q, k_pool, v_pool, layer, block_tables, positions, wi
     q: (B, n_heads*head_dim) float32; block_tables: int32 (B, max_blocks), row b padded with
     anything past its used blocks; positions: int64 (B,), position of each query (keys
     0..positions[b] stored); out: (B, n_heads*head_dim). Same masking and GQA as
-    paged_attention. chunk >= 1. Parallel over (B x n_heads).
+    paged_attention. chunk >= 1. Parallel over (B x kv heads): the query heads of one kv head
+    share each read and float16 conversion of its K/V (_attend_group). With fewer than 4 such items
+    (one sequence of a model with 1-3 kv heads) each query head is its own item, so both threads
+    work; a head's arithmetic is the same either way, so a row's result never depends on B.
     """
     if chunk < 1:
         raise ValueError("paged_attention_decode: chunk must be >= 1")
@@ -319,16 +322,206 @@ def paged_attention_decode(q, k_pool, v_pool, layer, block_tables, positions, wi
     n_b = q.shape[0]
     n_heads = q.shape[1] // d
     group = n_heads // n_kv
+    per_item = group if n_b * n_kv >= 4 else 1
+    n_sets = n_heads // per_item
     sc = np.float32(scale)
-    for item in prange(n_b * n_heads):
-        # Head-major (all sequences of head 0, then head 1, ...): numba splits the range
-        # statically into one contiguous part per thread, so each thread gets ~n_heads/threads
-        # heads of EVERY sequence and the work stays balanced whatever the mix of context lengths
+    for item in prange(n_b * n_sets):
+        # Head-set-major (all sequences of head set 0, then set 1, ...): numba splits the range
+        # statically into one contiguous part per thread, so each thread gets ~n_sets/threads
+        # sets of EVERY sequence and the work stays balanced whatever the mix of context lengths
         # (sequence-major order gave one thread all the long sequences: up to 2x slower).
-        # Heads sharing a kv head are still near each other (n_b items apart).
-        h = item // n_b
-        b = item - h * n_b
+        # Within a set, rows alternate from both ends (0, B-1, 1, B-2, ...): the rows of a prompt
+        # chunk come in position order, and a contiguous half of them would be all the short or
+        # all the long contexts (with one kv head, Gemma's prefill ran 1:3 between the threads).
+        hs = item // n_b
+        r = item - hs * n_b
+        half = r >> 1
+        b = half if (r & 1) == 0 else n_b - 1 - half
         p = positions[b]
         lo = max(0, p - window + 1) if window > 0 else 0
-        _attend_one(q[b], h * d, k_pool, v_pool, layer, h // group, block_tables[b], lo, p + 1, sc, chunk,
-                    out[b], h * d)
+        h0 = hs * per_item
+        _attend_group(q[b], h0, per_item, k_pool, v_pool, layer, h0 // group, block_tables[b], lo, p + 1, sc,
+                      chunk, out[b])
+
+
+# ---- several query heads over one kv head (GQA) -------------------------------------------------
+
+@njit(**_JIT)
+def group_scratch_size(heads, keys, block_size, d):
+    """float32 elements _attend_group needs: scores and accumulators per head, one block of K
+    and of V as float32, the running maxima."""
+    return heads * (keys + d + 1) + 2 * block_size * d
+
+
+@njit(**_JIT)
+def _slab_to_f32(slab, ks, run, dst):
+    """dst[:run] = the pool rows slab[ks:ks + run] as float32 (one conversion per element)."""
+    d = slab.shape[1]
+    for r in range(run):
+        src = slab[ks + r]
+        row = dst[r]
+        for i in range(d):
+            row[i] = kv_load(src[i])
+
+
+@njit(**_JIT)
+def _group_scores(qv, h0, heads, k_pool, layer, kvh, table, kb, ks, nc, scale, keys, scores):
+    """scores[hh, :nc] = scale * q_{h0+hh}·k for nc consecutive keys from slot ks of table block kb.
+
+    Each block's run of keys is converted to float32 once (into `keys`) and read by every head of
+    the group; per head, four keys at a time share each load of q."""
+    bs = k_pool.shape[3]
+    d = k_pool.shape[4]
+    j = 0
+    while j < nc:
+        if ks == bs:
+            ks = 0
+            kb += 1
+        run = min(bs - ks, nc - j)
+        slab = k_pool[table[kb], layer, kvh]
+        if heads == 1:  # nothing to share: read the pool directly, as _chunk_scores
+            _chunk_scores(qv[h0 * d:(h0 + 1) * d], k_pool, layer, kvh, table, kb, ks, run, scale, scores[0, j:])
+            j += run
+            ks += run
+            continue
+        _slab_to_f32(slab, ks, run, keys)
+        for hh in range(heads):
+            q = qv[(h0 + hh) * d:(h0 + hh + 1) * d]
+            out = scores[hh]
+            r = 0
+            while r + 4 <= run:
+                k0 = keys[r]
+                k1 = keys[r + 1]
+                k2 = keys[r + 2]
+                k3 = keys[r + 3]
+                s0 = np.float32(0.0)
+                s1 = np.float32(0.0)
+                s2 = np.float32(0.0)
+                s3 = np.float32(0.0)
+                for i in range(d):
+                    qi = q[i]
+                    s0 += qi * k0[i]
+                    s1 += qi * k1[i]
+                    s2 += qi * k2[i]
+                    s3 += qi * k3[i]
+                out[j + r] = s0 * scale
+                out[j + r + 1] = s1 * scale
+                out[j + r + 2] = s2 * scale
+                out[j + r + 3] = s3 * scale
+                r += 4
+            while r < run:
+                k0 = keys[r]
+                s0 = np.float32(0.0)
+                for i in range(d):
+                    s0 += q[i] * k0[i]
+                out[j + r] = s0 * scale
+                r += 1
+        j += run
+        ks += run
+
+
+@njit(**_JIT)
+def _group_values(v_pool, layer, kvh, table, kb, ks, nc, heads, weights, values, acc):
+    """acc[hh] += Σ_j weights[hh, j] v_j over nc consecutive keys from slot ks of table block kb,
+    each block's run of values converted to float32 once for the whole group."""
+    bs = v_pool.shape[3]
+    d = v_pool.shape[4]
+    j = 0
+    while j < nc:
+        if ks == bs:
+            ks = 0
+            kb += 1
+        run = min(bs - ks, nc - j)
+        if heads == 1:  # nothing to share: read the pool directly, as _chunk_values
+            _chunk_values(v_pool, layer, kvh, table, kb, ks, run, weights[0, j:], acc[0])
+            j += run
+            ks += run
+            continue
+        _slab_to_f32(v_pool[table[kb], layer, kvh], ks, run, values)
+        for hh in range(heads):
+            a = acc[hh]
+            w = weights[hh]
+            r = 0
+            while r + 4 <= run:
+                v0 = values[r]
+                v1 = values[r + 1]
+                v2 = values[r + 2]
+                v3 = values[r + 3]
+                e0 = w[j + r]
+                e1 = w[j + r + 1]
+                e2 = w[j + r + 2]
+                e3 = w[j + r + 3]
+                for i in range(d):
+                    a[i] += (e0 * v0[i] + e1 * v1[i]) + (e2 * v2[i] + e3 * v3[i])
+                r += 4
+            while r < run:
+                v0 = values[r]
+                e0 = w[j + r]
+                for i in range(d):
+                    a[i] += e0 * v0[i]
+                r += 1
+        j += run
+        ks += run
+
+
+@njit(**_JIT)
+def _attend_group(qv, h0, heads, k_pool, v_pool, layer, kvh, table, lo, hi, scale, chunk, ov):
+    """ov[h·d:(h+1)·d] = softmax(scale · q_h·K[lo:hi]) @ V[lo:hi] for the query heads
+    h = h0 .. h0+heads-1, which all read kv head `kvh` (hi > lo).
+
+    The same online softmax as _attend_one, per head; the heads share every read and float16
+    conversion of K and V. Scratch: one allocation (each one costs ~0.4 µs, as much as the
+    attention of a short context) of group_scratch_size(heads, min(chunk, hi-lo), block_size, d)
+    float32 plus `heads` float64 (the running sums of exponentials)."""
+    bs = k_pool.shape[3]
+    d = k_pool.shape[4]
+    ce = min(chunk, hi - lo)
+    raw = np.empty(heads + (group_scratch_size(heads, ce, bs, d) + 1) // 2, np.float64)
+    total = raw[:heads]
+    buf = raw[heads:].view(np.float32)
+    at = heads * ce
+    scores = buf[:at].reshape((heads, ce))
+    acc = buf[at:at + heads * d].reshape((heads, d))
+    at += heads * d
+    keys = buf[at:at + bs * d].reshape((bs, d))
+    at += bs * d
+    values = buf[at:at + bs * d].reshape((bs, d))
+    at += bs * d
+    m = buf[at:at + heads]
+    total[:] = 0.0
+    acc[:] = 0.0
+    c0 = lo
+    while c0 < hi:
+        nc = min(chunk, hi - c0)
+        kb = c0 // bs
+        ks = c0 - kb * bs
+        _group_scores(qv, h0, heads, k_pool, layer, kvh, table, kb, ks, nc, scale, keys, scores)
+        for hh in range(heads):
+            w = scores[hh]
+            cmax = w[0]
+            for j in range(1, nc):
+                cmax = max(cmax, w[j])
+            # Online softmax: rescale what was accumulated when the running max grows.
+            if c0 == lo:
+                m[hh] = cmax
+            elif cmax > m[hh]:
+                alpha = _exp_neg(m[hh] - cmax)
+                total[hh] *= alpha
+                a = acc[hh]
+                for i in range(d):
+                    a[i] *= alpha
+                m[hh] = cmax
+            mh = m[hh]
+            t = total[hh]
+            for j in range(nc):
+                e = _exp_neg(w[j] - mh)
+                w[j] = e
+                t += e
+            total[hh] = t
+        _group_values(v_pool, layer, kvh, table, kb, ks, nc, heads, scores, values, acc)
+        c0 += nc
+    for hh in range(heads):
+        inv = np.float32(1.0 / total[hh])
+        base = (h0 + hh) * d
+        for i in range(d):
+            ov[base + i] = acc[hh, i] * inv
