@@ -7,6 +7,11 @@ Prints medians of --runs runs and the ratio to the peer. Each (engine, model, th
 its own process, so neither thread pool outlives its measurement and disturbs the next one.
 Not a test: machines are shared and noisy, so read ratios from one run, not absolute numbers
 across runs.
+
+The peer without a pip build of llama-cpp-python: its Python package from the sdist plus a
+llama.cpp built natively (cmake -DGGML_NATIVE=ON) are enough:
+    LLAMA_CPP_LIB_PATH=SDIST/vendor/llama.cpp/build/bin PYTHONPATH=SDIST:DIR_WITH_diskcache \
+        python bench/engine.py ...
 """
 from __future__ import annotations
 
