@@ -141,49 +141,80 @@ def store_kv(k_pool, v_pool, layer, block_table, start, k, v):
 
 
 @njit(**_JIT)
+def _scores_run(q, rows, ks, run, scale, out, j):
+    """out[j + r] = scale * q·rows[ks + r] for r < run; rows is a pool slab (block_size, d) or
+    float32 keys converted from one. Four keys at a time share each load of q."""
+    d = rows.shape[1]
+    r = 0
+    while r + 4 <= run:
+        k0 = rows[ks + r]
+        k1 = rows[ks + r + 1]
+        k2 = rows[ks + r + 2]
+        k3 = rows[ks + r + 3]
+        s0 = np.float32(0.0)
+        s1 = np.float32(0.0)
+        s2 = np.float32(0.0)
+        s3 = np.float32(0.0)
+        for i in range(d):
+            qi = q[i]
+            s0 += qi * kv_load(k0[i])
+            s1 += qi * kv_load(k1[i])
+            s2 += qi * kv_load(k2[i])
+            s3 += qi * kv_load(k3[i])
+        out[j + r] = s0 * scale
+        out[j + r + 1] = s1 * scale
+        out[j + r + 2] = s2 * scale
+        out[j + r + 3] = s3 * scale
+        r += 4
+    while r < run:
+        k0 = rows[ks + r]
+        s0 = np.float32(0.0)
+        for i in range(d):
+            s0 += q[i] * kv_load(k0[i])
+        out[j + r] = s0 * scale
+        r += 1
+
+
+@njit(**_JIT)
+def _values_run(rows, ks, run, weights, j, acc):
+    """acc += Σ_r weights[j + r] · rows[ks + r] for r < run (rows as in _scores_run)."""
+    d = rows.shape[1]
+    r = 0
+    while r + 4 <= run:
+        v0 = rows[ks + r]
+        v1 = rows[ks + r + 1]
+        v2 = rows[ks + r + 2]
+        v3 = rows[ks + r + 3]
+        e0 = weights[j + r]
+        e1 = weights[j + r + 1]
+        e2 = weights[j + r + 2]
+        e3 = weights[j + r + 3]
+        for i in range(d):
+            acc[i] += (e0 * kv_load(v0[i]) + e1 * kv_load(v1[i])) + (e2 * kv_load(v2[i]) + e3 * kv_load(v3[i]))
+        r += 4
+    while r < run:
+        v0 = rows[ks + r]
+        e0 = weights[j + r]
+        for i in range(d):
+            acc[i] += e0 * kv_load(v0[i])
+        r += 1
+
+
+@njit(**_JIT)
 def _chunk_scores(q, k_pool, layer, kvh, table, kb, ks, nc, scale, buf):
     """buf[:nc] = scale * q·k for nc consecutive keys starting at slot ks of table block kb.
 
-    Walks runs of keys inside one block (a contiguous (block_size, d) slab) four rows at a time,
-    so q is loaded once per four keys. Returns the max score of the chunk.
+    Walks runs of keys inside one block (a contiguous (block_size, d) slab). Returns the max
+    score of the chunk.
     """
     bs = k_pool.shape[3]
-    d = k_pool.shape[4]
     j = 0
     while j < nc:
         if ks == bs:
             ks = 0
             kb += 1
-        slab = k_pool[table[kb], layer, kvh]
         run = min(bs - ks, nc - j)
-        r = 0
-        while r + 4 <= run:
-            k0 = slab[ks + r]
-            k1 = slab[ks + r + 1]
-            k2 = slab[ks + r + 2]
-            k3 = slab[ks + r + 3]
-            s0 = np.float32(0.0)
-            s1 = np.float32(0.0)
-            s2 = np.float32(0.0)
-            s3 = np.float32(0.0)
-            for i in range(d):
-                qi = q[i]
-                s0 += qi * kv_load(k0[i])
-                s1 += qi * kv_load(k1[i])
-                s2 += qi * kv_load(k2[i])
-                s3 += qi * kv_load(k3[i])
-            buf[j + r] = s0 * scale
-            buf[j + r + 1] = s1 * scale
-            buf[j + r + 2] = s2 * scale
-            buf[j + r + 3] = s3 * scale
-            r += 4
-        while r < run:
-            k0 = slab[ks + r]
-            s0 = np.float32(0.0)
-            for i in range(d):
-                s0 += q[i] * kv_load(k0[i])
-            buf[j + r] = s0 * scale
-            r += 1
+        _scores_run(q, k_pool[table[kb], layer, kvh], ks, run, scale, buf, j)
         j += run
         ks += run
     cmax = buf[0]
@@ -196,33 +227,13 @@ def _chunk_scores(q, k_pool, layer, kvh, table, kb, ks, nc, scale, buf):
 def _chunk_values(v_pool, layer, kvh, table, kb, ks, nc, weights, acc):
     """acc += sum_j weights[j] * v_j over nc consecutive keys from slot ks of table block kb."""
     bs = v_pool.shape[3]
-    d = v_pool.shape[4]
     j = 0
     while j < nc:
         if ks == bs:
             ks = 0
             kb += 1
-        slab = v_pool[table[kb], layer, kvh]
         run = min(bs - ks, nc - j)
-        r = 0
-        while r + 4 <= run:
-            v0 = slab[ks + r]
-            v1 = slab[ks + r + 1]
-            v2 = slab[ks + r + 2]
-            v3 = slab[ks + r + 3]
-            e0 = weights[j + r]
-            e1 = weights[j + r + 1]
-            e2 = weights[j + r + 2]
-            e3 = weights[j + r + 3]
-            for i in range(d):
-                acc[i] += (e0 * kv_load(v0[i]) + e1 * kv_load(v1[i])) + (e2 * kv_load(v2[i]) + e3 * kv_load(v3[i]))
-            r += 4
-        while r < run:
-            v0 = slab[ks + r]
-            e0 = weights[j + r]
-            for i in range(d):
-                acc[i] += e0 * kv_load(v0[i])
-            r += 1
+        _values_run(v_pool[table[kb], layer, kvh], ks, run, weights, j, acc)
         j += run
         ks += run
 
@@ -368,8 +379,9 @@ def _slab_to_f32(slab, ks, run, dst):
 def _group_scores(qv, h0, heads, k_pool, layer, kvh, table, kb, ks, nc, scale, keys, scores):
     """scores[hh, :nc] = scale * q_{h0+hh}·k for nc consecutive keys from slot ks of table block kb.
 
-    Each block's run of keys is converted to float32 once (into `keys`) and read by every head of
-    the group; per head, four keys at a time share each load of q."""
+    With several heads, each block's run of keys is converted to float32 once (into `keys`) and
+    read by every head; one head reads the pool directly. Both go through _scores_run, and the
+    conversion is exact, so a head's scores have the same bits either way."""
     bs = k_pool.shape[3]
     d = k_pool.shape[4]
     j = 0
@@ -379,43 +391,12 @@ def _group_scores(qv, h0, heads, k_pool, layer, kvh, table, kb, ks, nc, scale, k
             kb += 1
         run = min(bs - ks, nc - j)
         slab = k_pool[table[kb], layer, kvh]
-        if heads == 1:  # nothing to share: read the pool directly, as _chunk_scores
-            _chunk_scores(qv[h0 * d:(h0 + 1) * d], k_pool, layer, kvh, table, kb, ks, run, scale, scores[0, j:])
-            j += run
-            ks += run
-            continue
-        _slab_to_f32(slab, ks, run, keys)
-        for hh in range(heads):
-            q = qv[(h0 + hh) * d:(h0 + hh + 1) * d]
-            out = scores[hh]
-            r = 0
-            while r + 4 <= run:
-                k0 = keys[r]
-                k1 = keys[r + 1]
-                k2 = keys[r + 2]
-                k3 = keys[r + 3]
-                s0 = np.float32(0.0)
-                s1 = np.float32(0.0)
-                s2 = np.float32(0.0)
-                s3 = np.float32(0.0)
-                for i in range(d):
-                    qi = q[i]
-                    s0 += qi * k0[i]
-                    s1 += qi * k1[i]
-                    s2 += qi * k2[i]
-                    s3 += qi * k3[i]
-                out[j + r] = s0 * scale
-                out[j + r + 1] = s1 * scale
-                out[j + r + 2] = s2 * scale
-                out[j + r + 3] = s3 * scale
-                r += 4
-            while r < run:
-                k0 = keys[r]
-                s0 = np.float32(0.0)
-                for i in range(d):
-                    s0 += q[i] * k0[i]
-                out[j + r] = s0 * scale
-                r += 1
+        if heads == 1:
+            _scores_run(qv[h0 * d:(h0 + 1) * d], slab, ks, run, scale, scores[0], j)
+        else:
+            _slab_to_f32(slab, ks, run, keys)
+            for hh in range(heads):
+                _scores_run(qv[(h0 + hh) * d:(h0 + hh + 1) * d], keys, 0, run, scale, scores[hh], j)
         j += run
         ks += run
 
@@ -423,43 +404,21 @@ def _group_scores(qv, h0, heads, k_pool, layer, kvh, table, kb, ks, nc, scale, k
 @njit(**_JIT)
 def _group_values(v_pool, layer, kvh, table, kb, ks, nc, heads, weights, values, acc):
     """acc[hh] += Σ_j weights[hh, j] v_j over nc consecutive keys from slot ks of table block kb,
-    each block's run of values converted to float32 once for the whole group."""
+    each block's run of values converted to float32 once for the whole group (as _group_scores)."""
     bs = v_pool.shape[3]
-    d = v_pool.shape[4]
     j = 0
     while j < nc:
         if ks == bs:
             ks = 0
             kb += 1
         run = min(bs - ks, nc - j)
-        if heads == 1:  # nothing to share: read the pool directly, as _chunk_values
-            _chunk_values(v_pool, layer, kvh, table, kb, ks, run, weights[0, j:], acc[0])
-            j += run
-            ks += run
-            continue
-        _slab_to_f32(v_pool[table[kb], layer, kvh], ks, run, values)
-        for hh in range(heads):
-            a = acc[hh]
-            w = weights[hh]
-            r = 0
-            while r + 4 <= run:
-                v0 = values[r]
-                v1 = values[r + 1]
-                v2 = values[r + 2]
-                v3 = values[r + 3]
-                e0 = w[j + r]
-                e1 = w[j + r + 1]
-                e2 = w[j + r + 2]
-                e3 = w[j + r + 3]
-                for i in range(d):
-                    a[i] += (e0 * v0[i] + e1 * v1[i]) + (e2 * v2[i] + e3 * v3[i])
-                r += 4
-            while r < run:
-                v0 = values[r]
-                e0 = w[j + r]
-                for i in range(d):
-                    a[i] += e0 * v0[i]
-                r += 1
+        slab = v_pool[table[kb], layer, kvh]
+        if heads == 1:
+            _values_run(slab, ks, run, weights[0], j, acc[0])
+        else:
+            _slab_to_f32(slab, ks, run, values)
+            for hh in range(heads):
+                _values_run(values, 0, run, weights[hh], j, acc[hh])
         j += run
         ks += run
 
