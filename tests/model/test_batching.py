@@ -3,16 +3,16 @@ block pool never leaks (finish, abort, preemption, engine failure)."""
 from __future__ import annotations
 
 import random
-from collections import defaultdict
 
 import pytest
 
 from shared.errors import ContextLengthError, InvalidRequestError
 from tests.conftest import load_reference
 from tests.model.golden import SHIPPED_RULE
+from tests.model.run_requests import run_requests
 from tests.model.tiny_gguf import TinyModel, write_tiny
 from worker.engine.engine import load_engine
-from worker.generation import BatchGenerator, ErrorEvent, FinishEvent, TokenEvent
+from worker.generation import BatchGenerator, ErrorEvent, FinishEvent
 from worker.sampling_params import SamplingParams
 from worker.tuning_state import SchedulerKnobs, TuningState
 
@@ -23,23 +23,9 @@ def _generator(engine, **knobs) -> BatchGenerator:
 
 
 def _run(generator: BatchGenerator, requests: dict[str, tuple[list[int], SamplingParams]]):
-    """Add every request, step until all finish; (tokens by id, finish events by id, max batch seen)."""
-    for rid, (prompt, params) in requests.items():
-        generator.add(rid, prompt, params)
-    tokens: dict[str, list[int]] = defaultdict(list)
-    finished: dict[str, FinishEvent] = {}
-    widest = 0
-    while generator.has_work:
-        events = generator.step()
-        widest = max(widest, generator.last_step.sequences)
-        for event in events:
-            if isinstance(event, TokenEvent):
-                tokens[event.request_id].append(event.token)
-            elif isinstance(event, FinishEvent):
-                finished[event.request_id] = event
-            else:
-                raise AssertionError(f"unexpected {event}")
-    return dict(tokens), finished, widest
+    """(tokens by id, finish events by id, max batch seen)."""
+    out = run_requests(generator, requests)
+    return out.tokens, out.finished, out.widest
 
 
 def _all_blocks_free(engine) -> bool:

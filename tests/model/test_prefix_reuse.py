@@ -3,15 +3,15 @@ it gives without any cache, whether the prefix comes from RAM, from the store af
 or is recomputed because the stored copy was corrupt."""
 from __future__ import annotations
 
-from collections import defaultdict
 
 import lmdb
 import pytest
 
 from shared.hashing import extend_chain
 from worker.block_manager import BlockManager
+from tests.model.run_requests import run_requests
 from worker.engine.engine import load_engine
-from worker.generation import BatchGenerator, FinishEvent, TokenEvent
+from worker.generation import BatchGenerator
 from worker.kv_store import KVStore
 from worker.kv_store_writer import StoreWriter
 from worker.prefix_cache import PrefixCache
@@ -44,19 +44,8 @@ def _generator(engine, prefix: PrefixCache | None) -> BatchGenerator:
 
 
 def _run(generator: BatchGenerator, requests: dict[str, list[int]], params=GREEDY):
-    for rid, prompt in requests.items():
-        generator.add(rid, prompt, params)
-    tokens: dict[str, list[int]] = defaultdict(list)
-    finished: dict[str, FinishEvent] = {}
-    while generator.has_work:
-        for event in generator.step():
-            if isinstance(event, TokenEvent):
-                tokens[event.request_id].append(event.token)
-            elif isinstance(event, FinishEvent):
-                finished[event.request_id] = event
-            else:
-                raise AssertionError(f"unexpected {event}")
-    return dict(tokens), finished
+    out = run_requests(generator, {rid: (prompt, params) for rid, prompt in requests.items()})
+    return out.tokens, out.finished
 
 
 @pytest.fixture(scope="module")
