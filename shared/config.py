@@ -38,6 +38,7 @@ class EngineSection:
     kv_dtype: str = "float16"  # float16 | float32
     kv_cache_memory: str = "1GiB"  # the KV block pool: bytes ("512MiB", "2GB") or a share of RAM ("10%")
     matmul_activations: str = "auto"  # auto | float32 | int8: the fast kernels' matmul inputs
+    window_kv: str = "bounded"  # bounded | full: sliding-window layers' K/V kept to the window or not
 
 
 @dataclass(frozen=True)
@@ -141,6 +142,7 @@ _CHOICES = {
     ("engine", "kernels"): {"auto", "reference"},
     ("engine", "kv_dtype"): {"float32", "float16"},
     ("engine", "matmul_activations"): {"auto", "float32", "int8"},
+    ("engine", "window_kv"): {"bounded", "full"},
     ("logging", "level"): {"debug", "info", "warning", "error"},
     ("prefix_cache", "store_compression"): {"zstd", "none"},
     ("prefix_cache", "store_restore"): {"auto", "always", "never"},

@@ -16,17 +16,24 @@ is always a usable prefix.
 Ref counts: a block may sit in several sequences' block tables (a shared prefix); it returns to a
 free list only when the last of them frees it. `share()` revives a free block, keeping its
 contents.
+
+Window slots (models with sliding-window layers, worker.window_slots): every allocated block also
+gets a slot for those layers' K/V, and a sequence holds a reference on the slots of the blocks
+its next query can attend to (`seq.window_start` on); `slide()` lets go of the rest as it moves.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
 
+import numpy as np
+
 from shared.errors import ConfigError
 from worker.sequence import Sequence
+from worker.window_slots import WindowSlots
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int = 16):
+    def __init__(self, num_blocks: int, block_size: int = 16, window: WindowSlots | None = None):
         if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 1:
             raise ConfigError(f"the KV cache needs at least one block, got num_blocks={num_blocks!r}")
         if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
@@ -40,6 +47,7 @@ class BlockManager:
         self._tokens_of: list[tuple[int, ...] | None] = [None] * num_blocks
         self._block_of: dict[bytes, int] = {}  # chain hash -> the block holding it (used or free)
         self.num_evictions = 0  # named blocks reused for other contents
+        self.window = window
 
     # ---- sizes ---------------------------------------------------------------------------------
 
@@ -108,16 +116,19 @@ class BlockManager:
         return max(0, needed - len(seq.block_table))
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
-        return self.num_new_blocks(seq, num_new_tokens) <= self.num_free_blocks
+        count = self.num_new_blocks(seq, num_new_tokens)
+        return count <= self.num_free_blocks and (self.window is None or count <= self.window.num_available)
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> list[int]:
         """Grow seq.block_table from the head of the free queue; return the new block ids."""
-        count = self.num_new_blocks(seq, num_new_tokens)
-        if count > self.num_free_blocks:
-            raise RuntimeError(f"allocate({seq.seq_id!r}) needs {count} blocks, "
-                               f"{self.num_free_blocks} free: call can_allocate first")
-        new_ids = [self._take_free() for _ in range(count)]
+        if not self.can_allocate(seq, num_new_tokens):
+            raise RuntimeError(f"allocate({seq.seq_id!r}) needs {self.num_new_blocks(seq, num_new_tokens)} "
+                               f"blocks, {self.num_free_blocks} free: call can_allocate first")
+        new_ids = [self._take_free() for _ in range(self.num_new_blocks(seq, num_new_tokens))]
         seq.block_table.extend(new_ids)
+        if self.window is not None:
+            for block_id in new_ids:
+                self.window.acquire_new(block_id)
         return new_ids
 
     def _take_free(self) -> int:
@@ -127,6 +138,8 @@ class BlockManager:
             block_id, _ = self._cached.popitem(last=False)
             self._forget(block_id)
             self.num_evictions += 1
+        if self.window is not None:
+            self.window.drop(block_id)  # a retained slot of the old contents
         self._ref_counts[block_id] = 1
         return block_id
 
@@ -140,16 +153,58 @@ class BlockManager:
 
         For the prefix cache: the caller guarantees the blocks hold exactly the tokens seq has at
         those positions. A free block is taken out of the free queue, keeping its contents.
+        With window slots, the blocks the next query attends to must be resident (usable_prefix).
         """
+        old = len(seq.block_table)
         for block_id in block_ids:
             if self._ref_counts[block_id] == 0:
                 (self._cached if self._hash_of[block_id] is not None else self._empty).pop(block_id)
             self._ref_counts[block_id] += 1
         seq.block_table.extend(block_ids)
+        if self.window is not None:
+            start = self.window.first_block(len(seq.block_table) * self.block_size)
+            for block_id in seq.block_table[max(old, start):]:
+                self.window.acquire(block_id)
+            self._release_window(seq, min(start, old))
+            seq.window_start = max(seq.window_start, start)
+
+    def usable_prefix(self, block_ids: list[int]) -> int:
+        """How many leading blocks of a found prefix a sequence can resume after: with window
+        slots, every block its next query attends to must still hold its slot."""
+        n = len(block_ids)
+        if self.window is None:
+            return n
+        while n and not all(self.window.resident(b) for b in block_ids[self.window.first_block(n * self.block_size):n]):
+            n -= 1
+        return n
+
+    # ---- window slots ----------------------------------------------------------------------------
+
+    def slide(self, seq: Sequence) -> None:
+        """After seq computed more tokens: let go of the window slots its next query cannot see."""
+        if self.window is not None:
+            self._release_window(seq, self.window.first_block(seq.num_computed_tokens))
+
+    def window_table(self, block_table) -> np.ndarray | None:
+        """The window slot of each block in block_table (-1: none), or None without a window pool."""
+        if self.window is None:
+            return None
+        return self.window.slot_of[np.asarray(block_table, np.int64)]
+
+    def _release_window(self, seq: Sequence, upto: int) -> None:
+        """Release seq's window references on blocks [seq.window_start, upto), last first."""
+        upto = min(upto, len(seq.block_table))
+        for i in range(upto - 1, seq.window_start - 1, -1):
+            block_id = seq.block_table[i]
+            self.window.release(block_id, keep=self._hash_of[block_id] is not None)
+        seq.window_start = max(seq.window_start, upto)
 
     def free(self, seq: Sequence) -> None:
         """Drop seq's references, last block first; blocks nobody references join the tail of
         their free list (named blocks: the most recently used end of the LRU)."""
+        if self.window is not None:
+            self._release_window(seq, len(seq.block_table))
+            seq.window_start = 0
         for block_id in reversed(seq.block_table):
             count = self._ref_counts[block_id] - 1
             if count < 0:

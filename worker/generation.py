@@ -137,7 +137,9 @@ class BatchGenerator:
         self.hold_until = batch.hold_until
         if batch.is_empty:
             return []
-        chunks = [StepChunk.of(c.token_ids, c.start, c.seq.block_table, c.samples) for c in batch.chunks]
+        window_table = self.engine.block_manager.window_table
+        chunks = [StepChunk.of(c.token_ids, c.start, c.seq.block_table, c.samples, window_table(c.seq.block_table))
+                  for c in batch.chunks]
         started = time.perf_counter()
         try:
             logits = self.engine.execute(chunks, batch.knobs.attention_chunk)

@@ -4,7 +4,7 @@
             code (u8), the 32-byte K/V fingerprint, n_tokens (u32), stored payload length (u32),
             raw payload length (u32), CRC32 over everything before it + token ids + payload
     tokens  n_tokens little-endian int32
-    payload the block's K/V (worker.engine.paged_kv: K then V, all layers), zstd-compressed or not
+    payload the block's K/V (worker.engine.paged_kv.PagedKVCache.read_block), zstd-compressed or not
 
 Nothing read back is trusted: `decode` returns the payload only when every field matches what
 this store expects (fingerprint, dtype, lengths, the very token ids asked for) and the CRC holds;

@@ -19,8 +19,6 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-import numpy as np
-
 from shared.hashing import extend_chain
 from worker.block_manager import BlockManager
 from worker.sequence import Sequence
@@ -96,6 +94,8 @@ class PrefixCache:
             if block_id is None:
                 break
             in_ram.append(block_id)
+        # A window model resumes only where its sliding-window layers' recent K/V are still held.
+        in_ram = in_ram[:manager.usable_prefix(in_ram)]
         manager.share(seq, in_ram)
         seq.num_computed_tokens = len(in_ram) * bs
         restored = self._restore(seq, chain, len(in_ram), usable) if self.store is not None else 0
@@ -129,7 +129,8 @@ class PrefixCache:
         while start + run < usable and self.store.contains(chain[start + run]):
             run += 1
         # Leave a block for the tokens fed after the prefix; the scheduler checks the rest.
-        run = min(run, self.block_manager.num_free_blocks - 1)
+        manager = self.block_manager
+        run = min(run, manager.num_free_blocks - 1)
         if run <= 0:
             return 0
         nbytes = run * self._block_bytes()
@@ -140,6 +141,9 @@ class PrefixCache:
         started = self.clock()
         done = 0
         for i in range(start, start + run):
+            seq.num_computed_tokens = i * bs
+            if not manager.can_allocate(seq, bs):  # window slots ran out: recompute the rest
+                break
             token_ids = seq.block_token_ids(i, bs)
             payload = self.store.get(chain[i], token_ids)
             if payload is None:  # evicted meanwhile, or found corrupt (and deleted): recompute from here
@@ -148,10 +152,11 @@ class PrefixCache:
                 for name in chain[i + 1:start + run]:
                     self.store.delete(name)
                 break
-            seq.num_computed_tokens = i * bs
-            block_id = self.block_manager.allocate(seq, bs)[0]
-            self._write_block(block_id, payload)
-            self.block_manager.register(block_id, chain[i], token_ids)
+            block_id = manager.allocate(seq, bs)[0]
+            self.kv.write_block(block_id, payload, self._slot(block_id))
+            manager.register(block_id, chain[i], token_ids)
+            seq.num_computed_tokens = (i + 1) * bs
+            manager.slide(seq)  # only the last window's worth of blocks keep their slots
             done += 1
         seconds = self.clock() - started
         self.restore_rate.observe(done * self._block_bytes(), seconds)
@@ -191,7 +196,7 @@ class PrefixCache:
             token_ids = seq.block_token_ids(i, bs)
             self.block_manager.register(block_id, chain[i], token_ids)
             if writing and not self.store.contains(chain[i]):
-                self.writer.submit(chain[i], list(token_ids), self._read_block(block_id))
+                self.writer.submit(chain[i], list(token_ids), self.kv.read_block(block_id, self._slot(block_id)))
         seq.num_named_blocks = full
 
     def observe_step(self, prompt_tokens: int, seconds: float) -> None:
@@ -203,10 +208,13 @@ class PrefixCache:
         """Prompt tokens at the start of seq that the RAM tier can give the next request now."""
         bs = self.block_size
         usable = min(seq.num_prompt_tokens // bs, len(seq.block_hashes))
+        found = []
         for i in range(usable):
-            if self.block_manager.lookup(seq.block_hashes[i], seq.block_token_ids(i, bs)) is None:
-                return i * bs
-        return usable * bs
+            block_id = self.block_manager.lookup(seq.block_hashes[i], seq.block_token_ids(i, bs))
+            if block_id is None:
+                break
+            found.append(block_id)
+        return self.block_manager.usable_prefix(found) * bs
 
     def snapshot(self) -> dict[str, int]:
         """Counters plus the store's size, under the heartbeat's field names."""
@@ -231,16 +239,11 @@ class PrefixCache:
         if self.store is not None:
             self.store.close()
 
-    # ---- one block's bytes: K then V, every layer (one contiguous span of each array) ----------
+    # ---- one block's bytes (worker.engine.paged_kv.PagedKVCache.read_block) ----------------------
 
     def _block_bytes(self) -> int:
-        return self.kv.k[0].nbytes + self.kv.v[0].nbytes
+        return self.kv.block_payload_bytes
 
-    def _read_block(self, block_id: int) -> bytes:
-        return self.kv.k[block_id].tobytes() + self.kv.v[block_id].tobytes()
-
-    def _write_block(self, block_id: int, payload: bytes) -> None:
-        k, v = self.kv.k[block_id], self.kv.v[block_id]
-        raw = np.frombuffer(payload, k.dtype)
-        k.reshape(-1)[:] = raw[:k.size]
-        v.reshape(-1)[:] = raw[k.size:]
+    def _slot(self, block_id: int) -> int:
+        window = self.block_manager.window
+        return -1 if window is None else int(window.slot_of[block_id])

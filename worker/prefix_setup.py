@@ -9,16 +9,12 @@ from worker.prefix_cache import PrefixCache
 
 log = logging.getLogger("reame.prefix")
 
-# The pool's block layout (worker.engine.paged_kv): bump when the bytes of a block change meaning.
-KV_LAYOUT = "v1:blocks,layers,kv_heads,block_size,head_dim"
-
-
 def engine_fingerprint(engine) -> bytes:
     """Everything that changes the K/V bytes a block holds: a stored block computed under any
     other setup is not served (its hash chain differs)."""
     from worker.engine import SOURCE_DIGEST
     return kv_fingerprint(model_sha256=engine.gguf.fingerprint(), arch=engine.arch, kv_dtype=engine.kv.dtype,
-                          block_size=engine.kv.block_size, kv_layout=KV_LAYOUT, kernels=engine.kernels,
+                          block_size=engine.kv.block_size, kv_layout=engine.kv.layout, kernels=engine.kernels,
                           int8_activations=bool(engine.model.buffers.int8), engine_code=SOURCE_DIGEST)
 
 
@@ -35,7 +31,7 @@ def build_prefix_cache(config: Config, engine) -> PrefixCache | None:
 
         path = config.resolve_path(settings.store_path)
         budget = memory_bytes(settings.store_budget, 1, "[prefix_cache] store_budget")
-        payload = engine.kv.k[0].nbytes + engine.kv.v[0].nbytes
+        payload = engine.kv.block_payload_bytes
         try:
             store = KVStore(path, fingerprint=fingerprint, payload_bytes=payload, budget_bytes=budget,
                             dtype=engine.kv.dtype, compression=settings.store_compression)

@@ -201,7 +201,8 @@ class Scheduler:
             seq = chunk.seq
             seq.num_computed_tokens += chunk.num_tokens
             if self.prefix is not None:
-                self.prefix.commit(seq)
+                self.prefix.commit(seq)  # reads the new blocks' window slots: before slide()
+            self.block_manager.slide(seq)
             if not chunk.samples:
                 continue
             token = sampled[seq.seq_id]

@@ -44,6 +44,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
         self.block_table: list[int] = []  # block ids; block i holds tokens [i*block_size, (i+1)*block_size)
+        self.window_start = 0  # window models: first block whose window slot this sequence references
         self.num_preemptions = 0
         self.block_hashes: list[bytes] = []
         self.num_named_blocks = 0

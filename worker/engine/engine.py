@@ -21,14 +21,16 @@ import numpy as np
 from shared.config import memory_bytes
 from shared.errors import ConfigError, ContextLengthError, InvalidRequestError, ModelLoadError
 from worker.block_manager import BlockManager
-from worker.engine.batch import RaggedBatch, StepChunk, row_arrays
+from worker.engine.batch import RaggedBatch, StepChunk, row_arrays, window_row_tables
 from worker.engine.dense import ReferenceDense
 from worker.engine.gguf_file import GGUFFile
 from worker.engine.models import build_model
-from worker.engine.paged_kv import KVShape, PagedKVCache, pool_blocks
+from worker.engine.paged_kv import (WINDOW_KV_MODES, KVShape, PagedKVCache, WindowLayout, pool_blocks,
+                                    window_blocks_per_sequence)
 from worker.sampler import Sampler, validate_params
 from worker.sampling_params import SamplingParams
 from worker.sequence import Sequence
+from worker.window_slots import WindowSlots
 
 log = logging.getLogger("reame.engine")
 
@@ -69,7 +71,10 @@ class Engine:
         self.kv = kv
         # Who owns which block: the single-sequence generate() below and the worker's scheduler
         # both allocate here, so the two never hand out the same block.
-        self.block_manager = BlockManager(kv.num_blocks, kv.block_size)
+        window = None
+        if kv.window is not None:
+            window = WindowSlots(kv.window.slots, kv.num_blocks, kv.window.tokens, kv.block_size)
+        self.block_manager = BlockManager(kv.num_blocks, kv.block_size, window)
         self.prefill_chunk = 512
         self.attention_chunk = 512
         self.times = StepTimes()
@@ -106,7 +111,11 @@ class Engine:
             logits = self.model.forward(RaggedBatch(chunks), self.kv, self._dense, self._logits_of_rows, chunk_keys)
         else:
             tokens, positions, tables, logit_rows = row_arrays(chunks)
-            logits = self.model.forward_rows(tokens, positions, tables, logit_rows, self.kv, chunk_keys)
+            if self.kv.window is None:
+                logits = self.model.forward_rows(tokens, positions, tables, logit_rows, self.kv, chunk_keys)
+            else:
+                logits = self.model.forward_rows(tokens, positions, tables, logit_rows, self.kv, chunk_keys,
+                                                 window_tables=window_row_tables(chunks))
         results: list[np.ndarray | None] = [None] * len(chunks)
         for row, i in enumerate(wanting):
             results[i] = np.array(logits[row], np.float32)
@@ -128,19 +137,15 @@ class Engine:
         times = self.times = StepTimes()
         seq = Sequence("generate", ids.tolist(), params, 0.0)
         manager = self.block_manager
-        if not manager.can_allocate(seq, seq.max_num_tokens):
+        if manager.blocks_needed(seq.max_num_tokens) > manager.num_free_blocks:
             raise ContextLengthError(f"the KV cache has {manager.num_free_blocks * manager.block_size} free token "
                                      f"slots; this request needs {seq.max_num_tokens}", param="max_tokens")
-        manager.allocate(seq, seq.max_num_tokens)
-        table = np.array(seq.block_table, np.int32)
         try:
             t0 = time.perf_counter()
             for lo in range(0, len(ids), self.prefill_chunk):
                 part = ids[lo:lo + self.prefill_chunk]
-                last = lo + len(part) == len(ids)
-                logits = self.execute([StepChunk.of(part, lo, table, last)])[0]
+                logits = self._step_alone(seq, part, lo + len(part) == len(ids))
             times.prefill_tokens, times.prefill_s = len(ids), time.perf_counter() - t0
-            pos = len(ids)
             t0 = time.perf_counter()
             for n in range(params.max_tokens):
                 out = self._emit(sampler, logits, params)
@@ -154,10 +159,20 @@ class Engine:
                 yield out
                 if out.finish_reason:
                     return
-                logits = self.execute([StepChunk.of([out.token], pos, table, True)])[0]
-                pos += 1
+                logits = self._step_alone(seq, [out.token], True)
         finally:
             manager.free(seq)
+
+    def _step_alone(self, seq: Sequence, token_ids, wants_logits: bool) -> np.ndarray | None:
+        """Compute seq's next tokens on their own, with blocks (and window slots) as they are needed."""
+        manager = self.block_manager
+        manager.allocate(seq, len(token_ids))
+        chunk = StepChunk.of(token_ids, seq.num_computed_tokens, seq.block_table, wants_logits,
+                             manager.window_table(seq.block_table))
+        logits = self.execute([chunk])[0]
+        seq.num_computed_tokens += len(token_ids)
+        manager.slide(seq)
+        return logits
 
     def _emit(self, sampler: Sampler, logits: np.ndarray, params: SamplingParams) -> TokenOutput:
         token = sampler.sample(logits)
@@ -192,8 +207,13 @@ def load_engine(path, kernels: str = "auto", threads: int = 0, context_length: i
                 max_context: int = 8192, prefill_chunk: int = 512,
                 kv_block_size: int = 16, kv_dtype: str = "float16", kv_cache_memory: str = "1GiB",
                 attention_chunk: int = 512, matmul_activations: str = "auto",
+                window_kv: str = "bounded", window_sequences: int = 16,
                 progress: Progress | None = None) -> Engine:
-    """Open a GGUF model and make it ready to generate."""
+    """Open a GGUF model and make it ready to generate.
+
+    window_kv: "bounded" keeps a sliding-window layer's K/V only while a query can see it, in a
+    window pool sized for window_sequences sequences at once; "full" keeps every layer's K/V for
+    the whole context (paged_kv)."""
     if kernels not in KERNEL_SETS:
         raise ModelLoadError(f"unknown kernel set {kernels!r}; choose one of {', '.join(KERNEL_SETS)}")
     say = progress or (lambda msg: log.info("%s", msg))
@@ -201,6 +221,8 @@ def load_engine(path, kernels: str = "auto", threads: int = 0, context_length: i
     t0 = time.perf_counter()
     if kv_block_size < 1:
         raise ConfigError(f"[engine] kv_block_size must be at least 1, got {kv_block_size}")
+    if window_kv not in WINDOW_KV_MODES:
+        raise ConfigError(f"[engine] window_kv = {window_kv!r}; expected one of {', '.join(WINDOW_KV_MODES)}")
     if prefill_chunk < 1 or attention_chunk < 1:
         raise ConfigError(f"prefill_chunk ({prefill_chunk}) and attention_chunk ({attention_chunk}) must be >= 1")
     g = GGUFFile(path)
@@ -221,7 +243,16 @@ def load_engine(path, kernels: str = "auto", threads: int = 0, context_length: i
     hp = model.hp
     shape = KVShape(hp.n_layers, hp.n_kv_heads, hp.head_dim, kv_block_size)
     budget = memory_bytes(kv_cache_memory, psutil.virtual_memory().total)
-    kv = PagedKVCache(shape, pool_blocks(shape, kv_dtype, budget, n_ctx), kv_dtype)
+    window = _window_layout(model, window_kv, window_sequences, n_ctx, prefill_chunk, kv_block_size)
+    if window is None:
+        kv = PagedKVCache(shape, pool_blocks(shape, kv_dtype, budget, n_ctx), kv_dtype)
+    else:
+        window_bytes = window.slots * shape.block_bytes(kv_dtype, len(window.layers))
+        main_layers = hp.n_layers - len(window.layers)
+        kv = PagedKVCache(shape, pool_blocks(shape, kv_dtype, budget - window_bytes, n_ctx, main_layers), kv_dtype,
+                          window)
+        say(f"KV window pool: {len(window.layers)} sliding-window layers ({window.tokens} tokens) keep their K/V "
+            f"for {window_sequences} sequences' windows: {window.slots} slots, {window_bytes / 2**20:.0f} MiB")
     say(f"KV cache: {kv.num_blocks} blocks of {kv_block_size} tokens, {kv_dtype}, "
         f"{kv.nbytes / 2**20:.0f} MiB ({kv.num_blocks * kv_block_size} tokens)")
     model.buffers.int8 = _want_int8(matmul_activations)
@@ -232,6 +263,20 @@ def load_engine(path, kernels: str = "auto", threads: int = 0, context_length: i
     engine.attention_chunk = attention_chunk
     say(f"model ready in {time.perf_counter() - t0:.1f} s")
     return engine
+
+
+def _window_layout(model, mode: str, sequences: int, n_ctx: int, prefill_chunk: int,
+                   block_size: int) -> WindowLayout | None:
+    """The window pool for a model with sliding-window layers, when bounding them saves memory."""
+    layers, tokens = model.window_layers() if hasattr(model, "window_layers") else ((), 0)
+    if mode != "bounded" or not layers:
+        return None
+    per_sequence = window_blocks_per_sequence(tokens, prefill_chunk, block_size)
+    if per_sequence >= -(-n_ctx // block_size):
+        return None  # a window as long as the context: bounding it saves nothing
+    if sequences < 1:
+        raise ConfigError(f"the window pool must hold at least one sequence's window, got {sequences}")
+    return WindowLayout(tuple(layers), tokens, per_sequence * sequences)
 
 
 def _want_int8(mode: str) -> bool:
@@ -264,4 +309,5 @@ def load_engine_from_config(config, model: str | None = None, kernels: str | Non
                        prefill_chunk=e.prefill_chunk,
                        kv_block_size=e.kv_block_size, kv_dtype=e.kv_dtype, kv_cache_memory=e.kv_cache_memory,
                        attention_chunk=config.scheduler.attention_chunk,
-                       matmul_activations=e.matmul_activations, progress=progress)
+                       matmul_activations=e.matmul_activations, window_kv=e.window_kv,
+                       window_sequences=2 * config.scheduler.max_batch_size, progress=progress)

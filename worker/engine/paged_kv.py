@@ -1,4 +1,6 @@
-"""The paged KV cache's memory: one pool of fixed-size blocks shared by every sequence.
+"""The paged KV cache's memory: one pool of fixed-size blocks shared by every sequence, plus, for
+models with sliding-window layers, a smaller window pool that holds those layers' K/V only for
+the blocks some sequence can still attend to.
 
 Layout (n_blocks, n_layers, n_kv_heads, block_size, head_dim) for K and for V:
 - attention reads, for one layer and KV head, a block's (block_size, head_dim) slab contiguously;
@@ -6,7 +8,14 @@ Layout (n_blocks, n_layers, n_kv_heads, block_size, head_dim) for K and for V:
   copied, hashed or stored as a unit (the prefix store needs that).
 float16 pools hold IEEE half bits as uint16 (numba has no float16 scalar); the kernels convert.
 
-Which block belongs to whom is worker.block_manager's job; this class only owns the arrays.
+Window layers (Gemma 3's local layers: a query sees only the last `window` keys). In "bounded"
+mode their K/V leave the main pool for the window pool (n_slots, n_window_layers, ...), indexed
+by slot, not block: worker.block_manager gives a block a slot while it is inside some sequence's
+window and takes it back after, so a long context costs the main pool only its global layers
+(for Gemma 3 270M: 3 of 18 layers) and the window pool a fixed amount per running sequence.
+"full" mode keeps every layer in the main pool (llama.cpp's --swa-full), as for every other model.
+
+Which block (or slot) belongs to whom is worker.block_manager's job; this class only owns the arrays.
 """
 from __future__ import annotations
 
@@ -17,6 +26,7 @@ import numpy as np
 from shared.errors import ConfigError
 
 KV_DTYPES = {"float32": np.float32, "float16": np.uint16}
+WINDOW_KV_MODES = ("bounded", "full")
 
 
 @dataclass(frozen=True)
@@ -26,23 +36,46 @@ class KVShape:
     head_dim: int
     block_size: int
 
-    def block_bytes(self, dtype: str) -> int:
-        """K and V of one block, all layers."""
+    def block_bytes(self, dtype: str, layers: int | None = None) -> int:
+        """K and V of one block, all layers (or `layers` of them)."""
         item = np.dtype(KV_DTYPES[dtype]).itemsize
-        return 2 * self.n_layers * self.n_kv_heads * self.block_size * self.head_dim * item
+        n = self.n_layers if layers is None else layers
+        return 2 * n * self.n_kv_heads * self.block_size * self.head_dim * item
+
+
+@dataclass(frozen=True)
+class WindowLayout:
+    """Which layers attend only the last `tokens` keys, and how many window slots hold them."""
+    layers: tuple[int, ...]
+    tokens: int
+    slots: int
 
 
 class PagedKVCache:
-    def __init__(self, shape: KVShape, num_blocks: int, dtype: str = "float32"):
+    def __init__(self, shape: KVShape, num_blocks: int, dtype: str = "float32", window: WindowLayout | None = None):
         if dtype not in KV_DTYPES:
             raise ConfigError(f"KV dtype {dtype!r} is not supported (choose float32 or float16)")
         self.shape = shape
         self.dtype = dtype
         self.num_blocks = num_blocks
-        dims = (num_blocks, shape.n_layers, shape.n_kv_heads, shape.block_size, shape.head_dim)
+        self.window = window
+        windowed = set(window.layers) if window else set()
+        # Per model layer: does it live in the window pool, and its index inside its pool.
+        self.in_window = np.array([i in windowed for i in range(shape.n_layers)], np.bool_)
+        self.pool_layer = np.zeros(shape.n_layers, np.int64)
+        counts = [0, 0]
+        for i, w in enumerate(self.in_window.tolist()):
+            self.pool_layer[i] = counts[w]
+            counts[w] += 1
+        main_dims = (num_blocks, counts[0], shape.n_kv_heads, shape.block_size, shape.head_dim)
+        # A 1-slot placeholder when there is no window pool: the kernels take both pools always.
+        window_dims = (window.slots if window else 1, max(counts[1], 1), shape.n_kv_heads, shape.block_size,
+                       shape.head_dim)
         # np.zeros maps pages lazily: memory is committed only as blocks are first written.
-        self.k = np.zeros(dims, KV_DTYPES[dtype])
-        self.v = np.zeros(dims, KV_DTYPES[dtype])
+        self.k = np.zeros(main_dims, KV_DTYPES[dtype])
+        self.v = np.zeros(main_dims, KV_DTYPES[dtype])
+        self.k_window = np.zeros(window_dims, KV_DTYPES[dtype])
+        self.v_window = np.zeros(window_dims, KV_DTYPES[dtype])
 
     @property
     def block_size(self) -> int:
@@ -50,30 +83,90 @@ class PagedKVCache:
 
     @property
     def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
+        return self.k.nbytes + self.v.nbytes + (self.k_window.nbytes + self.v_window.nbytes if self.window else 0)
+
+    @property
+    def layout(self) -> str:
+        """Names the byte layout of a stored block (part of the prefix store's fingerprint)."""
+        base = "v1:blocks,layers,kv_heads,block_size,head_dim"
+        if self.window is None:
+            return base
+        return f"{base};window_layers={','.join(map(str, self.window.layers))}"
 
     def reserve(self) -> None:
         """Commit the pool's memory now (a server's choice): RSS is then flat while serving, and
         a host without the memory fails at start-up, not under load."""
-        self.k.fill(0)
-        self.v.fill(0)
+        for pool in (self.k, self.v, self.k_window, self.v_window):
+            pool.fill(0)
 
-    def gather(self, layer: int, block_table: np.ndarray, length: int) -> tuple[np.ndarray, np.ndarray]:
-        """One sequence's first `length` keys and values of a layer, contiguous float32 (KVH, length, D)."""
-        blocks = block_table[:-(-length // self.block_size)]
+    # ---- where a layer lives ---------------------------------------------------------------------
+
+    def pool_of(self, layer: int, block_table: np.ndarray, window_table: np.ndarray | None):
+        """(K pool, V pool, index of the layer in them, the table that maps positions' blocks there)."""
+        index = int(self.pool_layer[layer])
+        if not self.in_window[layer]:
+            return self.k, self.v, index, block_table
+        if window_table is None:
+            raise ValueError(f"layer {layer} keeps its K/V in window slots: the chunk needs a window_table")
+        return self.k_window, self.v_window, index, window_table
+
+    def gather(self, layer: int, block_table: np.ndarray, length: int,
+               window_table: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """One sequence's first `length` keys and values of a layer, contiguous float32 (KVH, length, D).
+
+        Blocks without a window slot (negative entries: outside every query's window) read as zeros."""
+        k_pool, v_pool, index, table = self.pool_of(layer, block_table, window_table)
+        ids = np.asarray(table[:-(-length // self.block_size)])
+        missing = ids < 0
         out = []
-        for pool in (self.k, self.v):
-            part = pool[blocks, layer]  # (blocks, KVH, block_size, D), a copy
+        for pool in (k_pool, v_pool):
+            part = pool[np.where(missing, 0, ids), index]  # (blocks, KVH, block_size, D), a copy
             if self.dtype == "float16":
                 part = part.view(np.float16).astype(np.float32)
+            part[missing] = 0.0
             heads = part.shape[1]
             out.append(part.transpose(1, 0, 2, 3).reshape(heads, -1, self.shape.head_dim)[:, :length])
         return out[0], out[1]
 
+    # ---- one block as bytes (the prefix store's unit) ----------------------------------------------
 
-def pool_blocks(shape: KVShape, dtype: str, budget_bytes: int, n_ctx: int) -> int:
-    """Blocks that fit in budget_bytes; ConfigError when that cannot hold one full context."""
-    per_block = shape.block_bytes(dtype)
+    @property
+    def block_payload_bytes(self) -> int:
+        """K then V of a main-pool block, then K then V of its window slot (window models)."""
+        window = self.k_window[0].nbytes + self.v_window[0].nbytes if self.window else 0
+        return self.k[0].nbytes + self.v[0].nbytes + window
+
+    def read_block(self, block_id: int, slot: int = -1) -> bytes:
+        parts = [self.k[block_id].tobytes(), self.v[block_id].tobytes()]
+        if self.window is not None:
+            if slot < 0:
+                raise ValueError(f"block {block_id} has no window slot: its window layers are gone")
+            parts += [self.k_window[slot].tobytes(), self.v_window[slot].tobytes()]
+        return b"".join(parts)
+
+    def write_block(self, block_id: int, payload: bytes, slot: int = -1) -> None:
+        """The inverse of read_block. A window model's block without a slot (outside the window of
+        the sequence it is restored for) keeps only its main-pool part."""
+        raw = np.frombuffer(payload, self.k.dtype)
+        targets = [self.k[block_id], self.v[block_id]]
+        if self.window is not None and slot >= 0:
+            targets += [self.k_window[slot], self.v_window[slot]]
+        at = 0
+        for t in targets:
+            t.reshape(-1)[:] = raw[at:at + t.size]
+            at += t.size
+
+
+def window_blocks_per_sequence(window_tokens: int, prefill_chunk: int, block_size: int) -> int:
+    """Most blocks one sequence can hold inside its window at once: the window before its next
+    query plus one prefill chunk, each possibly straddling a block boundary."""
+    return -(-(window_tokens - 1 + prefill_chunk) // block_size) + 2
+
+
+def pool_blocks(shape: KVShape, dtype: str, budget_bytes: int, n_ctx: int, layers: int | None = None) -> int:
+    """Main-pool blocks (of `layers` layers) that fit in budget_bytes; ConfigError when that cannot
+    hold one full context."""
+    per_block = shape.block_bytes(dtype, layers)
     blocks = budget_bytes // per_block
     needed = -(-n_ctx // shape.block_size)
     if blocks < needed:

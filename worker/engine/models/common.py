@@ -122,8 +122,9 @@ def attend(kv: PagedKVCache, layer: int, batch: RaggedBatch, q: np.ndarray, k: n
     """
     out = np.empty_like(q)
     for seg in batch.segments:
-        store_kv(kv.k, kv.v, layer, seg.block_table, seg.start, k[seg.lo:seg.hi], v[seg.lo:seg.hi])
-        keys, values = kv.gather(layer, seg.block_table, seg.start + seg.hi - seg.lo)
+        k_pool, v_pool, index, table = kv.pool_of(layer, seg.block_table, seg.window_table)
+        store_kv(k_pool, v_pool, index, table, seg.start, k[seg.lo:seg.hi], v[seg.lo:seg.hi])
+        keys, values = kv.gather(layer, seg.block_table, seg.start + seg.hi - seg.lo, seg.window_table)
         queries = q[seg.lo:seg.hi].reshape(seg.hi - seg.lo, -1, kv.shape.head_dim)
         out[seg.lo:seg.hi] = causal_attention(queries, keys, values, seg.start, scale, window, chunk)
     return out

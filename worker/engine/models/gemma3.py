@@ -99,6 +99,10 @@ class Gemma3:
     def window(self, layer: int) -> int:
         return 0 if self.is_global[layer] else self.hp.sliding_window
 
+    def window_layers(self) -> tuple[tuple[int, ...], int]:
+        """The layers that attend only the last `tokens` keys, and that window (for the KV pools)."""
+        return tuple(i for i in range(self.hp.n_layers) if not self.is_global[i]), self.hp.sliding_window
+
     # ---------------------------------------------------------------- ragged batch (BLAS, reference set)
     def forward(self, batch: RaggedBatch, kv: PagedKVCache, dense, logits_of_rows, attention_chunk: int) -> np.ndarray:
         hp, w, vec = self.hp, self.w, self.w.vectors
@@ -124,8 +128,14 @@ class Gemma3:
 
     # ---------------------------------------------------------------- fused rows (numba)
     def forward_rows(self, tokens: np.ndarray, positions: np.ndarray, block_tables: np.ndarray,
-                     logit_rows: np.ndarray, kv: PagedKVCache, attention_chunk: int) -> np.ndarray:
+                     logit_rows: np.ndarray, kv: PagedKVCache, attention_chunk: int,
+                     window_tables: np.ndarray | None = None) -> np.ndarray:
+        """window_tables: each row's window slots, when kv keeps the local layers in a window pool."""
         hp, w, b, t, vec = self.hp, self.w, self.buffers, self.w.table, self.w.vectors
+        if window_tables is None:
+            if kv.window is not None:
+                raise ValueError("the local layers live in window slots: give window_tables")
+            window_tables = block_tables
         rows = tokens.shape[0]
         b.ensure(rows, logit_rows.shape[0])
         _gemma3_rows(tokens, positions, block_tables, logit_rows, (t.data, t.scales, t.scales16, t.meta), w.mats,
@@ -133,7 +143,8 @@ class Gemma3:
                        vec["post_attention_norm"], vec["ffn_norm"], vec["post_ffw_norm"], w.output_norm,
                        np.float32(hp.rms_eps), self.embed_scale, hp.n_heads, hp.n_kv_heads, hp.head_dim,
                        self.is_global, hp.sliding_window, self.rope_local[0], self.rope_local[1],
-                       self.rope_global[0], self.rope_global[1], np.float32(self.scale), kv.k, kv.v, attention_chunk,
+                       self.rope_global[0], self.rope_global[1], np.float32(self.scale), kv.k, kv.v,
+                       kv.k_window, kv.v_window, kv.in_window, kv.pool_layer, window_tables, attention_chunk,
                        b.x, b.h, b.qkv, b.q, b.k, b.v, b.att, b.proj, b.gu, b.act, b.scratch, b.logits)
         return b.logits[:logit_rows.shape[0], :hp.vocab_size]
 
@@ -142,7 +153,8 @@ class Gemma3:
 def _gemma3_rows(tokens, positions, block_tables, logit_rows, tab, mats, token_embd, output,
                    attn_norm, q_norm, k_norm, post_attn_norm, ffn_norm, post_ffw_norm, output_norm, eps,
                    embed_scale, n_heads, n_kv, head_dim, is_global, window, cos_local, sin_local,
-                   cos_global, sin_global, scale, k_pool, v_pool, chunk,
+                   cos_global, sin_global, scale, k_pool, v_pool, k_window, v_window, in_window, pool_layer,
+                   window_tables, chunk,
                    x, h, qkv, q, k, v, att, proj, gu, act, scratch, logits):
     rows = tokens.shape[0]
     d = x.shape[1]
@@ -166,9 +178,13 @@ def _gemma3_rows(tokens, positions, block_tables, logit_rows, tab, mats, token_e
                 cos, sin = cos_local[pos], sin_local[pos]
             rope_halves(q[b], n_heads, head_dim, cos, sin)
             rope_halves(k[b], n_kv, head_dim, cos, sin)
-        store_kv_rows(k_pool, v_pool, layer, block_tables, positions, k, v, rows)
         layer_window = 0 if is_global[layer] else window
-        paged_attention_decode(q[:rows], k_pool, v_pool, layer, block_tables, positions, layer_window, scale, chunk,
+        if in_window[layer]:  # a local layer whose K/V live in the window pool's slots
+            kp, vp, tables = k_window, v_window, window_tables
+        else:
+            kp, vp, tables = k_pool, v_pool, block_tables
+        store_kv_rows(kp, vp, pool_layer[layer], tables, positions, k, v, rows)
+        paged_attention_decode(q[:rows], kp, vp, pool_layer[layer], tables, positions, layer_window, scale, chunk,
                                att[:rows])
         matmul(tab, m[3:4], att[:rows], proj[:rows], scratch)
         for b in range(rows):
