@@ -27,6 +27,15 @@ def _advance(manager: BlockManager, seq: Sequence, tokens: int) -> None:
     manager.slide(seq)
 
 
+def _named_blocks(manager: BlockManager, count: int = 4) -> Sequence:
+    """A sequence that computed `count` blocks one at a time, each named as it filled."""
+    seq = _seq("a", 40)
+    for i in range(count):
+        _advance(manager, seq, BS)
+        manager.register(seq.block_table[i], bytes([i]) * 32, seq.block_token_ids(i, BS))
+    return seq
+
+
 def test_first_block_is_the_oldest_a_query_can_see():
     slots = WindowSlots(4, 8, WINDOW, BS)
     assert [slots.first_block(p) for p in (0, 7, 8, 11, 12, 15, 16)] == [0, 0, 0, 1, 1, 2, 2]
@@ -52,10 +61,7 @@ def test_a_sequence_holds_slots_only_for_its_window_and_frees_unnamed_ones_at_on
 def test_named_blocks_keep_their_slots_until_allocation_needs_them_oldest_first():
     manager = _manager(slots=4)
     slots = manager.window
-    seq = _seq("a", 40)
-    for i in range(4):
-        _advance(manager, seq, 4)
-        manager.register(seq.block_table[i], bytes([i]) * 32, seq.block_token_ids(i, BS))
+    seq = _named_blocks(manager)
     # Blocks 0 and 1 fell out of the window named: retained (still resident), not freed.
     assert slots.resident(0) and slots.resident(1) and slots.refs(0) == 0
     assert slots.num_referenced == 2 and slots.num_available == 2
@@ -71,11 +77,7 @@ def test_named_blocks_keep_their_slots_until_allocation_needs_them_oldest_first(
 
 def test_usable_prefix_stops_where_the_window_of_the_next_query_lost_its_slots():
     manager = _manager(slots=4)
-    seq = _seq("a", 40)
-    for i in range(4):
-        _advance(manager, seq, 4)
-        manager.register(seq.block_table[i], bytes([i]) * 32, seq.block_token_ids(i, BS))
-    manager.free(seq)
+    manager.free(_named_blocks(manager))
     found = [0, 1, 2, 3]
     assert manager.usable_prefix(found) == 4
     manager.window.drop(3)  # block 3's window layers are gone
@@ -89,11 +91,7 @@ def test_usable_prefix_stops_where_the_window_of_the_next_query_lost_its_slots()
 
 def test_sharing_a_prefix_references_only_the_blocks_the_next_query_sees():
     manager = _manager(slots=6)
-    seq = _seq("a", 40)
-    for i in range(4):
-        _advance(manager, seq, 4)
-        manager.register(seq.block_table[i], bytes([i]) * 32, seq.block_token_ids(i, BS))
-    manager.free(seq)
+    manager.free(_named_blocks(manager))
     again = _seq("b", 40)
     manager.share(again, [0, 1, 2, 3])  # resumes at 16: sees from block 2
     assert again.window_start == 2
