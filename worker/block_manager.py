@@ -121,10 +121,11 @@ class BlockManager:
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> list[int]:
         """Grow seq.block_table from the head of the free queue; return the new block ids."""
+        count = self.num_new_blocks(seq, num_new_tokens)
         if not self.can_allocate(seq, num_new_tokens):
-            raise RuntimeError(f"allocate({seq.seq_id!r}) needs {self.num_new_blocks(seq, num_new_tokens)} "
-                               f"blocks, {self.num_free_blocks} free: call can_allocate first")
-        new_ids = [self._take_free() for _ in range(self.num_new_blocks(seq, num_new_tokens))]
+            raise RuntimeError(f"allocate({seq.seq_id!r}) needs {count} blocks, "
+                               f"{self.num_free_blocks} free: call can_allocate first")
+        new_ids = [self._take_free() for _ in range(count)]
         seq.block_table.extend(new_ids)
         if self.window is not None:
             for block_id in new_ids:

@@ -133,7 +133,7 @@ class PrefixCache:
         run = min(run, manager.num_free_blocks - 1)
         if run <= 0:
             return 0
-        nbytes = run * self._block_bytes()
+        nbytes = run * self.kv.block_payload_bytes
         if not self._worth_restoring(seq, run, nbytes):
             self.counters.prefix_recomputes += 1
             return 0
@@ -159,11 +159,11 @@ class PrefixCache:
             manager.slide(seq)  # only the last window's worth of blocks keep their slots
             done += 1
         seconds = self.clock() - started
-        self.restore_rate.observe(done * self._block_bytes(), seconds)
+        moved = done * self.kv.block_payload_bytes
+        self.restore_rate.observe(moved, seconds)
         if done:
             log.info("request %s: restored %d blocks (%d tokens, %.1f MB) from the prefix store in %.3f s (%.0f MB/s)",
-                     seq.seq_id, done, done * bs, done * self._block_bytes() / 1e6, seconds,
-                     done * self._block_bytes() / 1e6 / max(seconds, 1e-9))
+                     seq.seq_id, done, done * bs, moved / 1e6, seconds, moved / 1e6 / max(seconds, 1e-9))
         return done
 
     def _worth_restoring(self, seq: Sequence, blocks: int, nbytes: int) -> bool:
@@ -239,10 +239,7 @@ class PrefixCache:
         if self.store is not None:
             self.store.close()
 
-    # ---- one block's bytes (worker.engine.paged_kv.PagedKVCache.read_block) ----------------------
-
-    def _block_bytes(self) -> int:
-        return self.kv.block_payload_bytes
+    # ---- which window slot holds a block's sliding-window layers (-1: none, or no window pool) -----
 
     def _slot(self, block_id: int) -> int:
         window = self.block_manager.window

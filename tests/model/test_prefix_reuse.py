@@ -59,8 +59,7 @@ def uncached(engine):
 
 
 def _store(engine, path, **kw) -> KVStore:
-    payload = engine.kv.k[0].nbytes + engine.kv.v[0].nbytes
-    return KVStore(path, fingerprint=engine_fingerprint(engine), payload_bytes=payload,
+    return KVStore(path, fingerprint=engine_fingerprint(engine), payload_bytes=engine.kv.block_payload_bytes,
                    budget_bytes=64 << 20, dtype=engine.kv.dtype, **kw)
 
 

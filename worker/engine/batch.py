@@ -2,8 +2,9 @@
 
 A chunk is consecutive tokens of one sequence at positions start.. whose K/V go into the blocks
 of its block table (which already covers them). A model with a window pool (paged_kv) also needs
-the window slot of each block (-1 where the sequence's queries can no longer see it). The fused step takes them as rows (row_arrays);
-the reference set's BLAS forward as a RaggedBatch of segments.
+the window slot of each block (-1 where the sequence's queries can no longer see it). The fused
+step takes chunks as rows (row_arrays); the reference set's BLAS forward as a RaggedBatch of
+segments.
 """
 from __future__ import annotations
 
