@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from numba import njit
 
-from worker.engine.kernels.attention import (_exp_neg, kv_load, kv_store_value, paged_attention,
+from worker.engine.kernels.attention import (kv_load, kv_store_value, paged_attention,
                                              paged_attention_decode, store_kv)
 from worker.engine.kernels.half import f16_to_f32, f32_to_f16
 
@@ -358,23 +358,3 @@ def test_kv_accessors_dispatch_on_pool_dtype():
     assert kv_store_value(x, f32) == x and kv_load(x) == x
     # f16_to_f32 is untouched by the new intrinsic living next to it.
     assert njit(lambda b: f16_to_f32(b))(np.uint16(0xC000)) == np.float32(-2.0)
-
-
-@njit
-def _exp_array(x, out):
-    for i in range(x.shape[0]):
-        out[i] = _exp_neg(x[i])
-
-
-def test_softmax_exp_polynomial_accuracy():
-    """The vectorizable exp used for softmax weights: <= 1e-6 relative on [-87, 0]."""
-    x = np.concatenate([np.linspace(-87.0, 0.0, 100_001), -np.random.default_rng(2).random(10_001) * 20,
-                        [0.0, -0.0, -1e-30]]).astype(np.float32)
-    got = np.zeros_like(x)
-    _exp_array(x, got)
-    want = np.exp(x.astype(np.float64))
-    assert np.max(np.abs(got - want) / want) < 1e-6
-    # Below the clamp the result stays a tiny positive number, never NaN or negative.
-    tiny = np.zeros(3, np.float32)
-    _exp_array(np.array([-88.0, -1e4, -3e38], np.float32), tiny)
-    assert np.all((tiny > 0) & (tiny < 1e-37))

@@ -16,10 +16,9 @@ accumulator), so no (T, context) score matrix exists: the scratch of one (query,
 min(chunk, its key count) + head_dim float32. Precision: q·k dot products and the value
 accumulator are float32 (they are the vectorized hot loops); the running sum of exponentials is
 float64 (one add per key in an already vectorized loop, so it costs nothing and keeps long
-contexts from losing small terms), and the per-chunk rescale factors are float32. exp is a
-vectorizable Cephes-style polynomial (~3e-7 relative error), not libm's expf, which LLVM can only
-call lane by lane. No -inf is ever used (fastmath assumes no infinities): the first chunk
-initializes the running max.
+contexts from losing small terms), and the per-chunk rescale factors are float32. exp is
+fast_exp.exp_neg, which vectorizes (libm's expf is called lane by lane). No -inf is ever used
+(fastmath assumes no infinities): the first chunk initializes the running max.
 
 Scheduling: numba splits a prange statically into one contiguous range per thread, so the item
 order is chosen for balance and cache reuse (see each kernel).
@@ -27,60 +26,13 @@ order is chosen for balance and cache reuse (see each kernel).
 from __future__ import annotations
 
 import numpy as np
-from llvmlite import ir
 from numba import njit, prange, types
-from numba.extending import intrinsic, overload
+from numba.extending import overload
 
+from worker.engine.kernels.fast_exp import exp_neg
 from worker.engine.kernels.half import f16_to_f32, f32_to_f16
 
 _JIT = dict(fastmath=True, cache=True, nogil=True)
-
-
-@intrinsic
-def _pow2(typingctx, n):
-    """2.0**n as float32 for a float32 n holding an integer in [-126, 127] (exponent-bit build)."""
-    if n != types.float32:
-        return None
-
-    def codegen(context, builder, signature, args):
-        i32 = ir.IntType(32)
-        e = builder.add(builder.fptosi(args[0], i32), ir.Constant(i32, 127))
-        return builder.bitcast(builder.shl(e, ir.Constant(i32, 23)), ir.FloatType())
-
-    return types.float32(types.float32), codegen
-
-
-_LOG2E = np.float32(1.4426950408889634)
-_LN2_HI = np.float32(0.693359375)
-_LN2_LO = np.float32(-2.12194440e-4)
-_EXP_MIN = np.float32(-87.0)
-_HALF = np.float32(0.5)
-_ONE = np.float32(1.0)
-_P0 = np.float32(1.9875691500e-4)
-_P1 = np.float32(1.3981999507e-3)
-_P2 = np.float32(8.3334519073e-3)
-_P3 = np.float32(4.1665795894e-2)
-_P4 = np.float32(1.6666665459e-1)
-_P5 = np.float32(5.0000001201e-1)
-
-
-@njit(**_JIT)
-def _exp_neg(x):
-    """exp(x) for float32 x <= 0 (Cephes expf polynomial, ~3e-7 relative), vectorizable unlike math.exp.
-
-    Inputs below -87 return exp(-87) ~ 1.6e-38 instead of a smaller number (or 0): harmless for
-    softmax weights, which are summed with the max term 1.
-    """
-    x = max(x, _EXP_MIN)
-    n = np.floor(x * _LOG2E + _HALF)
-    r = x - n * _LN2_HI - n * _LN2_LO
-    p = _P0 * r + _P1
-    p = p * r + _P2
-    p = p * r + _P3
-    p = p * r + _P4
-    p = p * r + _P5
-    p = p * r * r + r + _ONE
-    return p * _pow2(n)
 
 
 def kv_load(x):
@@ -267,13 +219,13 @@ def _attend_one(qv, qoff, k_pool, v_pool, layer, kvh, table, lo, hi, scale, chun
         if c0 == lo:
             m = cmax
         elif cmax > m:
-            alpha = _exp_neg(m - cmax)
+            alpha = exp_neg(m - cmax)
             total *= alpha
             for i in range(d):
                 acc[i] *= alpha
             m = cmax
         for j in range(nc):
-            e = _exp_neg(w[j] - m)
+            e = exp_neg(w[j] - m)
             w[j] = e
             total += e
         _chunk_values(v_pool, layer, kvh, table, kb, ks, nc, w, acc)
@@ -464,7 +416,7 @@ def _attend_group(qv, h0, heads, k_pool, v_pool, layer, kvh, table, lo, hi, scal
             if c0 == lo:
                 m[hh] = cmax
             elif cmax > m[hh]:
-                alpha = _exp_neg(m[hh] - cmax)
+                alpha = exp_neg(m[hh] - cmax)
                 total[hh] *= alpha
                 a = acc[hh]
                 for i in range(d):
@@ -473,7 +425,7 @@ def _attend_group(qv, h0, heads, k_pool, v_pool, layer, kvh, table, lo, hi, scal
             mh = m[hh]
             t = total[hh]
             for j in range(nc):
-                e = _exp_neg(w[j] - mh)
+                e = exp_neg(w[j] - mh)
                 w[j] = e
                 t += e
             total[hh] = t

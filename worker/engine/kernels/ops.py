@@ -9,6 +9,7 @@ import math
 import numpy as np
 from numba import njit
 
+from worker.engine.kernels.fast_exp import sigmoid
 from worker.engine.kernels.half import f16_to_f32
 from worker.engine.kernels.packing import FMT_F32, FMT_Q4, M_BIAS, M_DATA, M_FMT, M_GROUP, M_HALF, M_K, M_SCALE, TILE
 
@@ -54,17 +55,22 @@ def rope_halves(v, n_heads, head_dim, cos, sin):
 
 @njit(**_JIT)
 def silu_mul(gate, up, out):
+    """out = silu(gate) * up = gate * sigmoid(gate) * up (vectorized: fast_exp)."""
     for i in range(out.shape[0]):
         g = gate[i]
-        out[i] = g / (np.float32(1.0) + np.float32(math.exp(-g))) * up[i]
+        out[i] = g * sigmoid(g) * up[i]
+
+
+_GELU_C2 = np.float32(2.0 * math.sqrt(2.0 / math.pi))
+_GELU_A = np.float32(0.044715)
 
 
 @njit(**_JIT)
 def gelu_tanh_mul(gate, up, out):
-    c = np.float32(math.sqrt(2.0 / math.pi))
+    """out = gelu_tanh(gate) * up; 0.5 * (1 + tanh(z)) is sigmoid(2z), which vectorizes."""
     for i in range(out.shape[0]):
         g = gate[i]
-        out[i] = np.float32(0.5) * g * (np.float32(1.0) + np.float32(math.tanh(c * (g + np.float32(0.044715) * g * g * g)))) * up[i]
+        out[i] = g * sigmoid(_GELU_C2 * (g + _GELU_A * g * g * g)) * up[i]
 
 
 @njit(**_JIT)
