@@ -159,20 +159,23 @@ class WorkerPool:
 
     async def _receive_loop(self) -> None:
         while True:
+            # A worker's routing id, then one frame per message: a worker sends all the events
+            # of one engine step (a token for each running request...) as one multipart message.
             frames = await self._socket.recv_multipart()
-            if len(frames) != 2:
+            if len(frames) < 2:
                 log.warning("gateway: dropped a message of %d frames", len(frames))
                 continue
-            identity, frame = frames
-            try:
-                message = protocol.decode(frame)
-            except protocol.ProtocolError as exc:
-                log.warning("gateway: dropped a bad frame from %r: %s", identity, exc)
-                continue
-            try:
-                self._on_message(identity, message)
-            except Exception:  # one bad message must not stop the loop that serves every request
-                log.exception("gateway: failed to handle %s", type(message).__name__)
+            identity = frames[0]
+            for frame in frames[1:]:
+                try:
+                    message = protocol.decode(frame)
+                except protocol.ProtocolError as exc:
+                    log.warning("gateway: dropped a bad frame from %r: %s", identity, exc)
+                    continue
+                try:
+                    self._on_message(identity, message)
+                except Exception:  # one bad message must not stop the loop that serves every request
+                    log.exception("gateway: failed to handle %s", type(message).__name__)
 
     def _on_message(self, identity: bytes, message: protocol.Message) -> None:
         if isinstance(message, Register):

@@ -222,6 +222,7 @@ class FakeWorker:
         """Stop without a goodbye, as a killed process would."""
         self.pulse.stop()
         self.service._send = lambda message: None
+        self.service._send_many = lambda messages: None
         self.service.request_stop()
         self.thread.join(5)
 

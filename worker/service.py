@@ -87,8 +87,7 @@ class WorkerService:
                     self._fail_all()
                     break
             if self.generator.has_work:
-                for event in self.generator.step():
-                    self._emit(event)
+                self._emit(self.generator.step())
         if self.stop_requested:
             self._fail_all()
         self._send(Drain(self.info.worker_id, done=True))
@@ -131,7 +130,7 @@ class WorkerService:
         elif isinstance(message, Abort):
             finished = self.generator.abort(message.request_id)
             if finished is not None:
-                self._emit(finished)
+                self._emit([finished])
         elif isinstance(message, Heartbeat):
             if not message.registered:  # a gateway that restarted does not know us yet
                 self.register_requested = True
@@ -148,17 +147,22 @@ class WorkerService:
         log.debug("request %s: queued (%d prompt tokens, max %d%s)", request.request_id,
                   len(request.prompt_ids), request.params.max_tokens, ", warm only" if request.warm else "")
 
-    def _emit(self, event: Event) -> None:
+    def _emit(self, events: list[Event]) -> None:
+        """Send one step's events as one multipart message (a frame each, in order): the gateway
+        wakes once per step instead of once per running request."""
+        if events:
+            self._send_many([self._message_of(event) for event in events])
+
+    def _message_of(self, event: Event) -> protocol.Message:
         if isinstance(event, TokenEvent):
             top = [[int(t), float(lp)] for t, lp in (event.top_logprobs or ())]
             logprob = None if event.logprob is None else float(event.logprob)
-            self._send(TokenChunk(event.request_id, [int(event.token)], [logprob], [top]))
-        elif isinstance(event, FinishEvent):
+            return TokenChunk(event.request_id, [int(event.token)], [logprob], [top])
+        if isinstance(event, FinishEvent):
             log.debug("request %s: %s after %d tokens", event.request_id, event.reason, event.completion_tokens)
-            self._send(Finished(event.request_id, event.reason, event.prompt_tokens, event.completion_tokens,
-                                cached_tokens=event.cached_tokens, prefix_tokens=event.prefix_tokens))
-        else:
-            self._send_error(event.request_id, event.error)
+            return Finished(event.request_id, event.reason, event.prompt_tokens, event.completion_tokens,
+                            cached_tokens=event.cached_tokens, prefix_tokens=event.prefix_tokens)
+        return self._error(event.request_id, event.error)
 
     def _fail_all(self) -> None:
         """Give up on every request. The Drain(done) that follows tells the gateway they are lost,
@@ -166,7 +170,14 @@ class WorkerService:
         self.generator.abort_all()
 
     def _send_error(self, request_id: str, exc: ReameError) -> None:
-        self._send(Error(request_id, type(exc).__name__, exc.message, exc.param, exc.code))
+        self._send(self._error(request_id, exc))
+
+    @staticmethod
+    def _error(request_id: str, exc: ReameError) -> Error:
+        return Error(request_id, type(exc).__name__, exc.message, exc.param, exc.code)
 
     def _send(self, message: protocol.Message) -> None:
         self.socket.send(protocol.encode(message))
+
+    def _send_many(self, messages: list[protocol.Message]) -> None:
+        self.socket.send_multipart([protocol.encode(m) for m in messages])

@@ -23,6 +23,7 @@ class ScriptedSocket:
     def __init__(self):
         self.inbox: deque[bytes] = deque()
         self.sent: list = []
+        self.batches: list[list] = []  # what each send_multipart carried
         self.on_send = None
 
     def poll(self, timeout_ms):
@@ -38,6 +39,11 @@ class ScriptedSocket:
         self.sent.append(message)
         if self.on_send:
             self.on_send(message)
+
+    def send_multipart(self, frames):
+        self.batches.append([protocol.decode(frame) for frame in frames])
+        for frame in frames:
+            self.send(frame)
 
     def push(self, message):
         self.inbox.append(protocol.encode(message))
@@ -67,6 +73,22 @@ def test_generate_then_drain():
     assert [m.tokens[0] for m in of(sock, TokenChunk)] == [ord("H") + 3, ord("e") + 3, ord("l") + 3]
     assert of(sock, Finished) == [Finished("a", "length", 2, 3)]
     assert [m.done for m in of(sock, Drain)] == [False, True]
+
+
+def test_one_step_goes_out_as_one_message():
+    """The events of a step (a token per running request, then the finishes) share one multipart
+    message, in order, so the gateway wakes once per step."""
+    service, sock, engine = make()
+    sock.push(Generate("a", [1], greedy(2)))
+    sock.push(Generate("b", [1], greedy(3)))
+    service.request_drain()
+    service.run()
+    shapes = [[(type(m).__name__, m.request_id) for m in batch] for batch in sock.batches]
+    assert shapes == [
+        [("TokenChunk", "a"), ("TokenChunk", "b")],
+        [("TokenChunk", "a"), ("Finished", "a"), ("TokenChunk", "b")],
+        [("TokenChunk", "b"), ("Finished", "b")],
+    ]
 
 
 def test_queued_requests_run_in_order_and_abort_removes_from_queue():
