@@ -2,8 +2,10 @@
 models with sliding-window layers, a smaller window pool that holds those layers' K/V only for
 the blocks some sequence can still attend to.
 
-Layout (n_blocks, n_layers, n_kv_heads, block_size, head_dim) for K and for V:
-- attention reads, for one layer and KV head, a block's (block_size, head_dim) slab contiguously;
+Layout (n_blocks, n_layers, n_kv_heads, head_dim, block_size) for K (each block's keys transposed:
+kernels.key_scores scores a whole block with one vector multiply-add per dimension) and
+(n_blocks, n_layers, n_kv_heads, block_size, head_dim) for V:
+- attention reads, for one layer and KV head, a block's K slab and V slab contiguously;
 - everything one block holds (all layers) is one contiguous span of each array, so a block is
   copied, hashed or stored as a unit (the prefix store needs that).
 float16 pools hold IEEE half bits as uint16 (numba has no float16 scalar); the kernels convert.
@@ -67,15 +69,15 @@ class PagedKVCache:
         for i, w in enumerate(self.in_window.tolist()):
             self.pool_layer[i] = counts[w]
             counts[w] += 1
-        main_dims = (num_blocks, counts[0], shape.n_kv_heads, shape.block_size, shape.head_dim)
+        n_kv, bs, d = shape.n_kv_heads, shape.block_size, shape.head_dim
+        main = (num_blocks, counts[0])
         # A 1-slot placeholder when there is no window pool: the kernels take both pools always.
-        window_dims = (window.slots if window else 1, max(counts[1], 1), shape.n_kv_heads, shape.block_size,
-                       shape.head_dim)
+        windowed = (window.slots if window else 1, max(counts[1], 1))
         # np.zeros maps pages lazily: memory is committed only as blocks are first written.
-        self.k = np.zeros(main_dims, KV_DTYPES[dtype])
-        self.v = np.zeros(main_dims, KV_DTYPES[dtype])
-        self.k_window = np.zeros(window_dims, KV_DTYPES[dtype])
-        self.v_window = np.zeros(window_dims, KV_DTYPES[dtype])
+        self.k = np.zeros(main + (n_kv, d, bs), KV_DTYPES[dtype])
+        self.v = np.zeros(main + (n_kv, bs, d), KV_DTYPES[dtype])
+        self.k_window = np.zeros(windowed + (n_kv, d, bs), KV_DTYPES[dtype])
+        self.v_window = np.zeros(windowed + (n_kv, bs, d), KV_DTYPES[dtype])
 
     @property
     def block_size(self) -> int:
@@ -88,7 +90,7 @@ class PagedKVCache:
     @property
     def layout(self) -> str:
         """Names the byte layout of a stored block (part of the prefix store's fingerprint)."""
-        base = "v1:blocks,layers,kv_heads,block_size,head_dim"
+        base = "v2:blocks,layers,kv_heads,(K: head_dim,block_size | V: block_size,head_dim)"
         if self.window is None:
             return base
         return f"{base};window_layers={','.join(map(str, self.window.layers))}"
@@ -119,13 +121,14 @@ class PagedKVCache:
         ids = np.asarray(table[:-(-length // self.block_size)])
         missing = ids < 0
         out = []
-        for pool in (k_pool, v_pool):
-            part = pool[np.where(missing, 0, ids), index]  # (blocks, KVH, block_size, D), a copy
+        for pool, keys in ((k_pool, True), (v_pool, False)):
+            part = pool[np.where(missing, 0, ids), index]  # a copy: (blocks, KVH, block_size, D), K transposed
             if self.dtype == "float16":
                 part = part.view(np.float16).astype(np.float32)
             part[missing] = 0.0
             heads = part.shape[1]
-            out.append(part.transpose(1, 0, 2, 3).reshape(heads, -1, self.shape.head_dim)[:, :length])
+            rows = part.transpose(1, 0, 3, 2) if keys else part.transpose(1, 0, 2, 3)
+            out.append(rows.reshape(heads, -1, self.shape.head_dim)[:, :length])
         return out[0], out[1]
 
     # ---- one block as bytes (the prefix store's unit) ----------------------------------------------

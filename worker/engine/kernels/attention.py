@@ -1,24 +1,22 @@
-"""Paged KV cache kernels: store new keys/values, and attention over them (prefill and batched decode).
+"""Paged KV cache kernels: store new keys/values, and attention over them (batched decode, and the
+queries of one sequence).
 
-The pool is two arrays ``k_pool`` and ``v_pool`` of shape
-(n_blocks, n_layers, n_kv_heads, block_size, head_dim), dtype float32 or uint16 (IEEE float16
-bits: numba has no float16 scalar). A sequence owns a block table (int32 array): entry i names the
-pool block that holds its tokens [i*block_size, (i+1)*block_size). Keys are stored after RoPE.
-For one (block, layer, kv head) the (block_size, head_dim) slab is contiguous, so the inner loops
-run over head_dim on contiguous memory and vectorize (uint16 through vcvtph2ps).
-
-One kernel source serves both pool dtypes: element reads go through ``kv_load`` and writes
-through ``kv_store_value``, which numba resolves at typing time (identity for float32, a float16
-conversion for uint16).
+The pool is two arrays: ``k_pool`` of shape (n_blocks, n_layers, n_kv_heads, head_dim, block_size)
+and ``v_pool`` of shape (n_blocks, n_layers, n_kv_heads, block_size, head_dim), dtype float32 or
+uint16 (IEEE float16 bits: numba has no float16 scalar). Keys are stored transposed per block
+(key_scores explains why) and after RoPE; values as rows. A sequence owns a block table (int32
+array): entry i names the pool block that holds its tokens [i*block_size, (i+1)*block_size). For
+one (block, layer, kv head) both slabs are contiguous. Element reads go through ``kv_load`` and
+writes through ``kv_store_value`` (kv_element), so one source serves both dtypes.
 
 Softmax is computed online over chunks of at most ``chunk`` keys (running max, rescaled sum and
-accumulator), so no (T, context) score matrix exists: the scratch of one (query, head) item is
-min(chunk, its key count) + head_dim float32. Precision: q·k dot products and the value
-accumulator are float32 (they are the vectorized hot loops); the running sum of exponentials is
-float64 (one add per key in an already vectorized loop, so it costs nothing and keeps long
-contexts from losing small terms), and the per-chunk rescale factors are float32. exp is
-fast_exp.exp_neg, which vectorizes (libm's expf is called lane by lane). No -inf is ever used
-(fastmath assumes no infinities): the first chunk initializes the running max.
+accumulator), so no (T, context) score matrix exists: the scratch of one item is bounded by
+``group_scratch_size``. Precision: q·k dot products and the value accumulator are float32 (they
+are the vectorized hot loops); the running sum of exponentials is float64 (one add per key in an
+already vectorized loop, so it costs nothing and keeps long contexts from losing small terms), and
+the per-chunk rescale factors are float32. exp is fast_exp.exp_neg, which vectorizes (libm's expf
+is called lane by lane). No -inf is ever used (fastmath assumes no infinities): the first chunk
+initializes the running max.
 
 Scheduling: numba splits a prange statically into one contiguous range per thread, so the item
 order is chosen for balance and cache reuse (see each kernel).
@@ -26,110 +24,46 @@ order is chosen for balance and cache reuse (see each kernel).
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange, types
-from numba.extending import overload
+from numba import njit, prange
 
 from worker.engine.kernels.fast_exp import exp_neg
-from worker.engine.kernels.half import f16_to_f32, f32_to_f16
+from worker.engine.kernels.key_scores import block_scores
+from worker.engine.kernels.kv_element import kv_load, kv_store_value
+
+__all__ = ["kv_load", "kv_store_value", "store_kv", "paged_attention", "paged_attention_decode",
+           "group_scratch_size"]
 
 _JIT = dict(fastmath=True, cache=True, nogil=True)
 
 
-def kv_load(x):
-    """Pool element → float32 (Python fallback; inside numba the overload below is used)."""
-    if isinstance(x, np.uint16):
-        return np.float32(np.uint16(x).view(np.float16))
-    return np.float32(x)
-
-
-def kv_store_value(x, marker):
-    """float value → pool element of marker's dtype (marker: the pool array or one of its elements)."""
-    dtype = marker.dtype
-    if dtype == np.uint16:
-        return np.float32(x).astype(np.float16).view(np.uint16)
-    return np.float32(x)
-
-
-@overload(kv_load)
-def _kv_load_impl(x):
-    if x == types.float32:
-        return lambda x: x
-    if x == types.uint16:
-        return lambda x: f16_to_f32(x)
-    return None
-
-
-@overload(kv_store_value)
-def _kv_store_value_impl(x, marker):
-    dtype = marker.dtype if isinstance(marker, types.Array) else marker
-    if dtype == types.float32:
-        return lambda x, marker: np.float32(x)
-    if dtype == types.uint16:
-        return lambda x, marker: f32_to_f16(np.float32(x))
-    return None
-
-
 @njit(**_JIT)
 def store_kv(k_pool, v_pool, layer, block_table, start, k, v):
-    """Write k, v (T, n_kv_heads*head_dim) float32 of positions start..start+T-1 into the pool.
+    """Write k, v (T, n_kv_heads*head_dim) float32 of positions start..start+T-1 into the pools.
 
-    Positions are mapped through block_table (int32); uint16 pools get float16 rounding (RNE).
+    Positions are mapped through block_table (int32); keys go in as a column of their block's
+    transposed slab. uint16 pools get float16 rounding (RNE).
     """
-    n_kv = k_pool.shape[2]
-    bs = k_pool.shape[3]
-    d = k_pool.shape[4]
+    n_kv = v_pool.shape[2]
+    bs = v_pool.shape[3]
+    d = v_pool.shape[4]
     for t in range(k.shape[0]):
         p = start + t
         bi = p // bs
         blk = block_table[bi]
         slot = p - bi * bs
         for kvh in range(n_kv):
-            kd = k_pool[blk, layer, kvh, slot]
+            kd = k_pool[blk, layer, kvh]
             vd = v_pool[blk, layer, kvh, slot]
             base = kvh * d
             for i in range(d):
-                kd[i] = kv_store_value(k[t, base + i], k_pool)
+                kd[i, slot] = kv_store_value(k[t, base + i], k_pool)
                 vd[i] = kv_store_value(v[t, base + i], v_pool)
 
 
 @njit(**_JIT)
-def _scores_run(q, rows, ks, run, scale, out, j):
-    """out[j + r] = scale * q·rows[ks + r] for r < run; rows is a pool slab (block_size, d) or
-    float32 keys converted from one. Four keys at a time share each load of q."""
-    d = rows.shape[1]
-    r = 0
-    while r + 4 <= run:
-        k0 = rows[ks + r]
-        k1 = rows[ks + r + 1]
-        k2 = rows[ks + r + 2]
-        k3 = rows[ks + r + 3]
-        s0 = np.float32(0.0)
-        s1 = np.float32(0.0)
-        s2 = np.float32(0.0)
-        s3 = np.float32(0.0)
-        for i in range(d):
-            qi = q[i]
-            s0 += qi * kv_load(k0[i])
-            s1 += qi * kv_load(k1[i])
-            s2 += qi * kv_load(k2[i])
-            s3 += qi * kv_load(k3[i])
-        out[j + r] = s0 * scale
-        out[j + r + 1] = s1 * scale
-        out[j + r + 2] = s2 * scale
-        out[j + r + 3] = s3 * scale
-        r += 4
-    while r < run:
-        k0 = rows[ks + r]
-        s0 = np.float32(0.0)
-        for i in range(d):
-            s0 += q[i] * kv_load(k0[i])
-        out[j + r] = s0 * scale
-        r += 1
-
-
-@njit(**_JIT)
 def _values_run(rows, ks, run, weights, j, acc):
-    """acc += Σ_r weights[j + r] · rows[ks + r] for r < run (rows as in _scores_run)."""
+    """acc += Σ_r weights[j + r] · rows[ks + r] for r < run; rows is a V pool slab (block_size, d)
+    or float32 values converted from one. Four keys at a time share each update of acc."""
     d = rows.shape[1]
     r = 0
     while r + 4 <= run:
@@ -152,89 +86,6 @@ def _values_run(rows, ks, run, weights, j, acc):
         r += 1
 
 
-@njit(**_JIT)
-def _chunk_scores(q, k_pool, layer, kvh, table, kb, ks, nc, scale, buf):
-    """buf[:nc] = scale * q·k for nc consecutive keys starting at slot ks of table block kb.
-
-    Walks runs of keys inside one block (a contiguous (block_size, d) slab). Returns the max
-    score of the chunk.
-    """
-    bs = k_pool.shape[3]
-    j = 0
-    while j < nc:
-        if ks == bs:
-            ks = 0
-            kb += 1
-        run = min(bs - ks, nc - j)
-        _scores_run(q, k_pool[table[kb], layer, kvh], ks, run, scale, buf, j)
-        j += run
-        ks += run
-    cmax = buf[0]
-    for j in range(1, nc):
-        cmax = max(cmax, buf[j])
-    return cmax
-
-
-@njit(**_JIT)
-def _chunk_values(v_pool, layer, kvh, table, kb, ks, nc, weights, acc):
-    """acc += sum_j weights[j] * v_j over nc consecutive keys from slot ks of table block kb."""
-    bs = v_pool.shape[3]
-    j = 0
-    while j < nc:
-        if ks == bs:
-            ks = 0
-            kb += 1
-        run = min(bs - ks, nc - j)
-        _values_run(v_pool[table[kb], layer, kvh], ks, run, weights, j, acc)
-        j += run
-        ks += run
-
-
-@njit(**_JIT)
-def _attend_one(qv, qoff, k_pool, v_pool, layer, kvh, table, lo, hi, scale, chunk, ov, ooff):
-    """ov[ooff:ooff+d] = softmax(scale * q·K[lo:hi]) @ V[lo:hi] for one query head (hi > lo).
-
-    qv[qoff:qoff+d] is the query head; K/V rows are read from kv head `kvh` of `layer` through
-    `table`. Online softmax over chunks of at most `chunk` keys; scratch is
-    min(chunk, hi-lo) + d float32.
-    """
-    bs = k_pool.shape[3]
-    d = k_pool.shape[4]
-    ce = min(chunk, hi - lo)
-    buf = np.empty(ce + d, np.float32)
-    w = buf[:ce]
-    acc = buf[ce:]
-    for i in range(d):
-        acc[i] = 0.0
-    q = qv[qoff:qoff + d]
-    m = np.float32(0.0)
-    total = 0.0  # float64 running sum of exponentials
-    c0 = lo
-    while c0 < hi:
-        nc = min(chunk, hi - c0)
-        kb = c0 // bs
-        ks = c0 - kb * bs
-        cmax = _chunk_scores(q, k_pool, layer, kvh, table, kb, ks, nc, scale, w)
-        # Online softmax: rescale what was accumulated when the running max grows.
-        if c0 == lo:
-            m = cmax
-        elif cmax > m:
-            alpha = exp_neg(m - cmax)
-            total *= alpha
-            for i in range(d):
-                acc[i] *= alpha
-            m = cmax
-        for j in range(nc):
-            e = exp_neg(w[j] - m)
-            w[j] = e
-            total += e
-        _chunk_values(v_pool, layer, kvh, table, kb, ks, nc, w, acc)
-        c0 += nc
-    inv = np.float32(1.0 / total)
-    for i in range(d):
-        ov[ooff + i] = acc[i] * inv
-
-
 @njit(parallel=True, **_JIT)
 def paged_attention(q, k_pool, v_pool, layer, block_table, start, window, scale, chunk, out):
     """Attention of T consecutive queries of one sequence over its paged K/V.
@@ -243,12 +94,13 @@ def paged_attention(q, k_pool, v_pool, layer, block_table, start, window, scale,
     included) are already stored; block_table: int32 (>= ceil((start+T)/block_size) entries).
     Query at position p attends keys [lo, p], lo = 0 if window <= 0 else max(0, p-window+1).
     Query head h uses kv head h // (n_heads // n_kv_heads). out: (T, n_heads*head_dim) float32.
-    chunk (>= 1) bounds the keys scored at once. Parallel over (T x n_heads).
+    chunk (>= 1) bounds the keys scored at once. Parallel over (T x n_heads); each item is the
+    one-head case of paged_attention_decode's, so both give a query the same bits.
     """
     if chunk < 1:
         raise ValueError("paged_attention: chunk must be >= 1")
-    n_kv = k_pool.shape[2]
-    d = k_pool.shape[4]
+    n_kv = v_pool.shape[2]
+    d = v_pool.shape[4]
     n_t = q.shape[0]
     n_heads = q.shape[1] // d
     group = n_heads // n_kv
@@ -262,8 +114,7 @@ def paged_attention(q, k_pool, v_pool, layer, block_table, start, window, scale,
         t = half if (r & 1) == 0 else n_t - 1 - half
         p = start + t
         lo = max(0, p - window + 1) if window > 0 else 0
-        _attend_one(q[t], h * d, k_pool, v_pool, layer, h // group, block_table, lo, p + 1, sc, chunk,
-                    out[t], h * d)
+        _attend_group(q[t], h, 1, k_pool, v_pool, layer, h // group, block_table, lo, p + 1, sc, chunk, out[t])
 
 
 @njit(parallel=True, **_JIT)
@@ -280,8 +131,8 @@ def paged_attention_decode(q, k_pool, v_pool, layer, block_tables, positions, wi
     """
     if chunk < 1:
         raise ValueError("paged_attention_decode: chunk must be >= 1")
-    n_kv = k_pool.shape[2]
-    d = k_pool.shape[4]
+    n_kv = v_pool.shape[2]
+    d = v_pool.shape[4]
     n_b = q.shape[0]
     n_heads = q.shape[1] // d
     group = n_heads // n_kv
@@ -310,10 +161,17 @@ def paged_attention_decode(q, k_pool, v_pool, layer, block_tables, positions, wi
 # ---- several query heads over one kv head (GQA) -------------------------------------------------
 
 @njit(**_JIT)
+def _score_width(keys, block_size):
+    """Scores kept per head for a chunk of `keys` keys: whole blocks, from the one holding the
+    chunk's first key (at any slot) to the one holding its last."""
+    return (keys // block_size + 2) * block_size
+
+
+@njit(**_JIT)
 def group_scratch_size(heads, keys, block_size, d):
-    """float32 elements _attend_group needs: scores and accumulators per head, one block of K
-    and of V as float32, the running maxima."""
-    return heads * (keys + d + 1) + 2 * block_size * d
+    """float32 elements _attend_group needs: scores and accumulators per head, one block of V as
+    float32, the running maxima."""
+    return heads * (_score_width(keys, block_size) + d + 1) + block_size * d
 
 
 @njit(**_JIT)
@@ -328,35 +186,10 @@ def _slab_to_f32(slab, ks, run, dst):
 
 
 @njit(**_JIT)
-def _group_scores(qv, h0, heads, k_pool, layer, kvh, table, kb, ks, nc, scale, keys, scores):
-    """scores[hh, :nc] = scale * q_{h0+hh}·k for nc consecutive keys from slot ks of table block kb.
-
-    With several heads, each block's run of keys is converted to float32 once (into `keys`) and
-    read by every head; one head reads the pool directly. Both go through _scores_run, and the
-    conversion is exact, so a head's scores have the same bits either way."""
-    bs = k_pool.shape[3]
-    d = k_pool.shape[4]
-    j = 0
-    while j < nc:
-        if ks == bs:
-            ks = 0
-            kb += 1
-        run = min(bs - ks, nc - j)
-        slab = k_pool[table[kb], layer, kvh]
-        if heads == 1:
-            _scores_run(qv[h0 * d:(h0 + 1) * d], slab, ks, run, scale, scores[0], j)
-        else:
-            _slab_to_f32(slab, ks, run, keys)
-            for hh in range(heads):
-                _scores_run(qv[(h0 + hh) * d:(h0 + hh + 1) * d], keys, 0, run, scale, scores[hh], j)
-        j += run
-        ks += run
-
-
-@njit(**_JIT)
-def _group_values(v_pool, layer, kvh, table, kb, ks, nc, heads, weights, values, acc):
-    """acc[hh] += Σ_j weights[hh, j] v_j over nc consecutive keys from slot ks of table block kb,
-    each block's run of values converted to float32 once for the whole group (as _group_scores)."""
+def _group_values(v_pool, layer, kvh, table, kb, ks, nc, heads, weights, w0, values, acc):
+    """acc[hh] += Σ_j weights[hh, w0 + j] v_j over nc consecutive keys from slot ks of table block
+    kb, each block's run of values converted to float32 once for the whole group. One head reads the
+    pool directly; the conversion is exact, so its sums have the same bits either way."""
     bs = v_pool.shape[3]
     j = 0
     while j < nc:
@@ -366,11 +199,11 @@ def _group_values(v_pool, layer, kvh, table, kb, ks, nc, heads, weights, values,
         run = min(bs - ks, nc - j)
         slab = v_pool[table[kb], layer, kvh]
         if heads == 1:
-            _values_run(slab, ks, run, weights[0], j, acc[0])
+            _values_run(slab, ks, run, weights[0], w0 + j, acc[0])
         else:
             _slab_to_f32(slab, ks, run, values)
             for hh in range(heads):
-                _values_run(values, 0, run, weights[hh], j, acc[hh])
+                _values_run(values, 0, run, weights[hh], w0 + j, acc[hh])
         j += run
         ks += run
 
@@ -380,35 +213,38 @@ def _attend_group(qv, h0, heads, k_pool, v_pool, layer, kvh, table, lo, hi, scal
     """ov[h·d:(h+1)·d] = softmax(scale · q_h·K[lo:hi]) @ V[lo:hi] for the query heads
     h = h0 .. h0+heads-1, which all read kv head `kvh` (hi > lo).
 
-    The same online softmax as _attend_one, per head; the heads share every read and float16
-    conversion of K and V. Scratch: one allocation (each one costs ~0.4 µs, as much as the
-    attention of a short context) of group_scratch_size(heads, min(chunk, hi-lo), block_size, d)
-    float32 plus `heads` float64 (the running sums of exponentials)."""
-    bs = k_pool.shape[3]
-    d = k_pool.shape[4]
+    Online softmax per head over chunks of at most `chunk` keys; the heads share every read and
+    float16 conversion of K and V. A chunk's scores are computed for whole blocks (key_scores):
+    scores[hh, x] belongs to key kb0·block_size + x, kb0 the block of the chunk's first key.
+    Scratch: one allocation (each one costs ~0.4 µs, as much as the attention of a short context)
+    of group_scratch_size(heads, min(chunk, hi-lo), block_size, d) float32 plus `heads` float64
+    (the running sums of exponentials)."""
+    bs = v_pool.shape[3]
+    d = v_pool.shape[4]
     ce = min(chunk, hi - lo)
+    width = _score_width(ce, bs)
     raw = np.empty(heads + (group_scratch_size(heads, ce, bs, d) + 1) // 2, np.float64)
     total = raw[:heads]
     buf = raw[heads:].view(np.float32)
-    at = heads * ce
-    scores = buf[:at].reshape((heads, ce))
+    at = heads * width
+    scores = buf[:at].reshape((heads, width))
     acc = buf[at:at + heads * d].reshape((heads, d))
     at += heads * d
-    keys = buf[at:at + bs * d].reshape((bs, d))
-    at += bs * d
     values = buf[at:at + bs * d].reshape((bs, d))
     at += bs * d
     m = buf[at:at + heads]
     total[:] = 0.0
     acc[:] = 0.0
+    qoff = h0 * d
     c0 = lo
     while c0 < hi:
         nc = min(chunk, hi - c0)
         kb = c0 // bs
         ks = c0 - kb * bs
-        _group_scores(qv, h0, heads, k_pool, layer, kvh, table, kb, ks, nc, scale, keys, scores)
+        for b in range(kb, (c0 + nc - 1) // bs + 1):
+            block_scores(k_pool[table[b], layer, kvh], qv, qoff, scale, scores, (b - kb) * bs, heads)
         for hh in range(heads):
-            w = scores[hh]
+            w = scores[hh, ks:ks + nc]
             cmax = w[0]
             for j in range(1, nc):
                 cmax = max(cmax, w[j])
@@ -429,7 +265,7 @@ def _attend_group(qv, h0, heads, k_pool, v_pool, layer, kvh, table, lo, hi, scal
                 w[j] = e
                 t += e
             total[hh] = t
-        _group_values(v_pool, layer, kvh, table, kb, ks, nc, heads, scores, values, acc)
+        _group_values(v_pool, layer, kvh, table, kb, ks, nc, heads, scores, ks, values, acc)
         c0 += nc
     for hh in range(heads):
         inv = np.float32(1.0 / total[hh])
