@@ -87,8 +87,9 @@ def reference(q, k_pool, v_pool, layer, table, start, window, scale):
     return out
 
 
-# (n_heads, n_kv_heads, head_dim): GQA ratios 1 and 3, head_dim 64 and 256.
-SHAPES = [(4, 4, 64), (6, 2, 64), (2, 2, 256), (3, 1, 256)]
+# (n_heads, n_kv_heads, head_dim): GQA ratios 1 and 3, head_dim 64 and 256 (value_sums' vector
+# code), and 40 (its plain loop).
+SHAPES = [(4, 4, 64), (6, 2, 64), (2, 2, 256), (3, 1, 256), (2, 1, 40)]
 DTYPES = [np.float32, np.uint16]
 
 
@@ -201,7 +202,8 @@ def test_decode_equals_per_sequence_attention(dtype, shape, window, chunk):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
-@pytest.mark.parametrize("shape", [(9, 3, 64), (4, 1, 256), (12, 2, 64)], ids=lambda s: "h%d-kv%d-d%d" % s)
+@pytest.mark.parametrize("shape", [(9, 3, 64), (4, 1, 256), (12, 2, 64), (6, 2, 40)],
+                         ids=lambda s: "h%d-kv%d-d%d" % s)
 @pytest.mark.parametrize("bs", [4, 16, 7], ids=lambda b: f"block{b}")
 def test_a_decode_row_has_the_same_bits_alone_and_in_any_batch(dtype, shape, bs):
     # Small batches give each query head its own item and read the pool directly; larger ones

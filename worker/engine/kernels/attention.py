@@ -29,6 +29,7 @@ from numba import njit, prange
 from worker.engine.kernels.fast_exp import exp_neg
 from worker.engine.kernels.key_scores import block_scores
 from worker.engine.kernels.kv_element import kv_load, kv_store_value
+from worker.engine.kernels.value_sums import value_sums
 
 __all__ = ["kv_load", "kv_store_value", "store_kv", "paged_attention", "paged_attention_decode",
            "group_scratch_size"]
@@ -58,32 +59,6 @@ def store_kv(k_pool, v_pool, layer, block_table, start, k, v):
             for i in range(d):
                 kd[i, slot] = kv_store_value(k[t, base + i], k_pool)
                 vd[i] = kv_store_value(v[t, base + i], v_pool)
-
-
-@njit(**_JIT)
-def _values_run(rows, ks, run, weights, j, acc):
-    """acc += Σ_r weights[j + r] · rows[ks + r] for r < run; rows is a V pool slab (block_size, d)
-    or float32 values converted from one. Four keys at a time share each update of acc."""
-    d = rows.shape[1]
-    r = 0
-    while r + 4 <= run:
-        v0 = rows[ks + r]
-        v1 = rows[ks + r + 1]
-        v2 = rows[ks + r + 2]
-        v3 = rows[ks + r + 3]
-        e0 = weights[j + r]
-        e1 = weights[j + r + 1]
-        e2 = weights[j + r + 2]
-        e3 = weights[j + r + 3]
-        for i in range(d):
-            acc[i] += (e0 * kv_load(v0[i]) + e1 * kv_load(v1[i])) + (e2 * kv_load(v2[i]) + e3 * kv_load(v3[i]))
-        r += 4
-    while r < run:
-        v0 = rows[ks + r]
-        e0 = weights[j + r]
-        for i in range(d):
-            acc[i] += e0 * kv_load(v0[i])
-        r += 1
 
 
 @njit(parallel=True, **_JIT)
@@ -169,27 +144,14 @@ def _score_width(keys, block_size):
 
 @njit(**_JIT)
 def group_scratch_size(heads, keys, block_size, d):
-    """float32 elements _attend_group needs: scores and accumulators per head, one block of V as
-    float32, the running maxima."""
-    return heads * (_score_width(keys, block_size) + d + 1) + block_size * d
+    """float32 elements _attend_group needs: scores, accumulators and running maximum per head."""
+    return heads * (_score_width(keys, block_size) + d + 1)
 
 
 @njit(**_JIT)
-def _slab_to_f32(slab, ks, run, dst):
-    """dst[:run] = the pool rows slab[ks:ks + run] as float32 (one conversion per element)."""
-    d = slab.shape[1]
-    for r in range(run):
-        src = slab[ks + r]
-        row = dst[r]
-        for i in range(d):
-            row[i] = kv_load(src[i])
-
-
-@njit(**_JIT)
-def _group_values(v_pool, layer, kvh, table, kb, ks, nc, heads, weights, w0, values, acc):
-    """acc[hh] += Σ_j weights[hh, w0 + j] v_j over nc consecutive keys from slot ks of table block
-    kb, each block's run of values converted to float32 once for the whole group. One head reads the
-    pool directly; the conversion is exact, so its sums have the same bits either way."""
+def _group_values(v_pool, layer, kvh, table, kb, ks, nc, heads, weights, w0, acc):
+    """acc[hh] += Σ_j weights[hh, w0 + j] v_j over nc consecutive keys from slot ks of table block kb
+    (value_sums: each value row read and converted once for all the heads)."""
     bs = v_pool.shape[3]
     j = 0
     while j < nc:
@@ -197,13 +159,7 @@ def _group_values(v_pool, layer, kvh, table, kb, ks, nc, heads, weights, w0, val
             ks = 0
             kb += 1
         run = min(bs - ks, nc - j)
-        slab = v_pool[table[kb], layer, kvh]
-        if heads == 1:
-            _values_run(slab, ks, run, weights[0], w0 + j, acc[0])
-        else:
-            _slab_to_f32(slab, ks, run, values)
-            for hh in range(heads):
-                _values_run(values, 0, run, weights[hh], w0 + j, acc[hh])
+        value_sums(v_pool[table[kb], layer, kvh], ks, run, weights, w0 + j, acc, heads)
         j += run
         ks += run
 
@@ -214,7 +170,7 @@ def _attend_group(qv, h0, heads, k_pool, v_pool, layer, kvh, table, lo, hi, scal
     h = h0 .. h0+heads-1, which all read kv head `kvh` (hi > lo).
 
     Online softmax per head over chunks of at most `chunk` keys; the heads share every read and
-    float16 conversion of K and V. A chunk's scores are computed for whole blocks (key_scores):
+    float16 conversion of K and V (key_scores, value_sums). A chunk's scores are computed for whole blocks (key_scores):
     scores[hh, x] belongs to key kb0·block_size + x, kb0 the block of the chunk's first key.
     Scratch: one allocation (each one costs ~0.4 µs, as much as the attention of a short context)
     of group_scratch_size(heads, min(chunk, hi-lo), block_size, d) float32 plus `heads` float64
@@ -230,8 +186,6 @@ def _attend_group(qv, h0, heads, k_pool, v_pool, layer, kvh, table, lo, hi, scal
     scores = buf[:at].reshape((heads, width))
     acc = buf[at:at + heads * d].reshape((heads, d))
     at += heads * d
-    values = buf[at:at + bs * d].reshape((bs, d))
-    at += bs * d
     m = buf[at:at + heads]
     total[:] = 0.0
     acc[:] = 0.0
@@ -265,7 +219,7 @@ def _attend_group(qv, h0, heads, k_pool, v_pool, layer, kvh, table, lo, hi, scal
                 w[j] = e
                 t += e
             total[hh] = t
-        _group_values(v_pool, layer, kvh, table, kb, ks, nc, heads, scores, ks, values, acc)
+        _group_values(v_pool, layer, kvh, table, kb, ks, nc, heads, scores, ks, acc)
         c0 += nc
     for hh in range(heads):
         inv = np.float32(1.0 / total[hh])

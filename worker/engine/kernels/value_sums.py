@@ -1,0 +1,140 @@
+"""Softmax-weighted sums of one block's values, for a few query heads at once.
+
+acc[h] += Σ_r w[h, r] · v_r over a run of a block's value rows (block_size, head_dim): each row is
+loaded and converted from float16 once and multiplied into the accumulators of every head of the
+GQA group. The loop is built in LLVM IR (`_v_sums`) so that the accumulators of a 64-dimension
+slice of up to 4 heads stay in registers for the whole run (numba code would keep them in memory
+and convert every row once per head). head_dim a multiple of 16 takes it; others take a plain
+numba loop. Each head's sum is the same sequence of multiply-adds (key by key, in order) whichever
+heads share the call, so a row's attention never depends on how the kernel grouped the heads.
+"""
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from worker.engine.kernels.key_scores import HEADS_AT_ONCE
+from worker.engine.kernels.kv_element import kv_load
+
+_JIT = dict(fastmath=True, cache=True, nogil=True)
+
+_I32, _I64 = ir.IntType(32), ir.IntType(64)
+
+
+@intrinsic(prefer_literal=True)
+def _v_sums(typingctx, slab, ks, run, weights, w0, acc, col, heads, dims):
+    """acc[h, col:col + dims] += Σ_{r < run} weights[h, w0 + r] · slab[ks + r, col:col + dims], h < heads.
+
+    slab: C-contiguous (block_size, d) float32 or uint16 (float16 bits) value rows, run ≥ 1;
+    weights, acc: 2-D float32. heads and dims are literals."""
+    if not (isinstance(heads, types.IntegerLiteral) and isinstance(dims, types.IntegerLiteral)):
+        return None
+    n_heads, width = heads.literal_value, dims.literal_value
+    half = slab.dtype == types.uint16
+    sig = types.void(slab, ks, run, weights, w0, acc, col, heads, dims)
+
+    def codegen(context, builder, signature, args):
+        slab_t, _, _, w_t, _, acc_t = signature.args[:6]
+        slab_a = context.make_array(slab_t)(context, builder, args[0])
+        w_a = context.make_array(w_t)(context, builder, args[3])
+        acc_a = context.make_array(acc_t)(context, builder, args[5])
+        ks, run, w0, col = args[1], args[2], args[4], args[6]
+        vec = ir.VectorType(ir.FloatType(), width)
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vec, [vec] * 3),
+                                             f"llvm.fma.v{width}f32")
+
+        def acc_ptr(h):
+            at = cgutils.get_item_pointer(context, builder, acc_t, acc_a, [ir.Constant(_I64, h), col])
+            return builder.bitcast(at, vec.as_pointer())
+
+        def splat(value):
+            undef = ir.Constant(vec, ir.Undefined)
+            one = builder.insert_element(undef, value, ir.Constant(_I32, 0))
+            return builder.shuffle_vector(one, undef, ir.Constant(ir.VectorType(_I32, width), None))
+
+        start = [builder.load(acc_ptr(h), align=4) for h in range(n_heads)]
+        entry = builder.block
+        loop = builder.append_basic_block("vs.keys")
+        done = builder.append_basic_block("vs.done")
+        builder.branch(loop)
+        builder.position_at_end(loop)
+        r = builder.phi(_I64)
+        r.add_incoming(ir.Constant(_I64, 0), entry)
+        sums = []
+        for h in range(n_heads):
+            phi = builder.phi(vec)
+            phi.add_incoming(start[h], entry)
+            sums.append(phi)
+        row_at = cgutils.get_item_pointer(context, builder, slab_t, slab_a, [builder.add(ks, r), col])
+        if half:
+            bits = builder.load(builder.bitcast(row_at, ir.VectorType(ir.IntType(16), width).as_pointer()), align=2)
+            row = builder.fpext(builder.bitcast(bits, ir.VectorType(ir.HalfType(), width)), vec)
+        else:
+            row = builder.load(builder.bitcast(row_at, vec.as_pointer()), align=4)
+        updated = []
+        for h in range(n_heads):
+            w_at = cgutils.get_item_pointer(context, builder, w_t, w_a, [ir.Constant(_I64, h), builder.add(w0, r)])
+            updated.append(builder.call(fma, [splat(builder.load(w_at)), row, sums[h]]))
+        following = builder.add(r, ir.Constant(_I64, 1))
+        r.add_incoming(following, builder.block)
+        for phi, new in zip(sums, updated):
+            phi.add_incoming(new, builder.block)
+        builder.cbranch(builder.icmp_signed("<", following, run), loop, done)
+        builder.position_at_end(done)
+        for h in range(n_heads):
+            builder.store(updated[h], acc_ptr(h), align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@njit(**_JIT)
+def _heads(slab, ks, run, weights, w0, acc, col, heads, dims):
+    """_v_sums for 1..HEADS_AT_ONCE heads (a literal per case), `dims` a literal slice width."""
+    if heads == 1:
+        _v_sums(slab, ks, run, weights, w0, acc, col, 1, dims)
+    elif heads == 2:
+        _v_sums(slab, ks, run, weights, w0, acc, col, 2, dims)
+    elif heads == 3:
+        _v_sums(slab, ks, run, weights, w0, acc, col, 3, dims)
+    else:
+        _v_sums(slab, ks, run, weights, w0, acc, col, 4, dims)
+
+
+@njit(**_JIT)
+def _plain(slab, ks, run, weights, w0, acc, heads):
+    """The same sums for any head_dim, as a numba loop."""
+    d = slab.shape[1]
+    for h in range(heads):
+        a = acc[h]
+        w = weights[h]
+        for r in range(run):
+            row = slab[ks + r]
+            e = w[w0 + r]
+            for i in range(d):
+                a[i] += e * kv_load(row[i])
+
+
+@njit(**_JIT)
+def value_sums(slab, ks, run, weights, w0, acc, heads):
+    """acc[h] += Σ_{r < run} weights[h, w0 + r] · slab[ks + r] for h < heads (run ≥ 1).
+
+    slab: one (block_size, head_dim) block of value rows (float32 or uint16); weights: float32
+    (≥ heads, ≥ w0 + run); acc: float32 (≥ heads, head_dim)."""
+    d = slab.shape[1]
+    h = 0
+    while h < heads:
+        n = min(HEADS_AT_ONCE, heads - h)
+        w = weights[h:h + n]
+        a = acc[h:h + n]
+        if d % 64 == 0:
+            for col in range(0, d, 64):
+                _heads(slab, ks, run, w, w0, a, col, n, 64)
+        elif d % 16 == 0:
+            for col in range(0, d, 16):
+                _heads(slab, ks, run, w, w0, a, col, n, 16)
+        else:
+            _plain(slab, ks, run, w, w0, a, n)
+        h += n
