@@ -19,11 +19,11 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from worker.engine.kernels.ir_vectors import I64, counted_loop, float_vector, fma_function, load_row, splat
 from worker.engine.kernels.kv_element import kv_load
 
 _JIT = dict(fastmath=True, cache=True, nogil=True)
 
-_I32, _I64 = ir.IntType(32), ir.IntType(64)
 HEADS_AT_ONCE = 4  # accumulators per call: 4 heads × 4 vectors of a 64-key block fit the registers
 
 
@@ -46,47 +46,20 @@ def _kt_scores(typingctx, slab, q, qoff, scale, out, j, heads, lanes):
         out_a = context.make_array(out_t)(context, builder, args[4])
         qoff, scale, col = args[2], args[3], args[5]
         d = cgutils.unpack_tuple(builder, slab_a.shape)[0]
-        vec = ir.VectorType(ir.FloatType(), width)
-        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vec, [vec] * 3),
-                                             f"llvm.fma.v{width}f32")
-
-        def splat(value):
-            undef = ir.Constant(vec, ir.Undefined)
-            one = builder.insert_element(undef, value, ir.Constant(_I32, 0))
-            return builder.shuffle_vector(one, undef, ir.Constant(ir.VectorType(_I32, width), None))
-
-        entry = builder.block
-        loop = builder.append_basic_block("kt.dims")
-        done = builder.append_basic_block("kt.done")
-        builder.branch(loop)
-        builder.position_at_end(loop)
-        i = builder.phi(_I64)
-        i.add_incoming(ir.Constant(_I64, 0), entry)
-        accs = []
-        for _ in range(n_heads):
-            acc = builder.phi(vec)
-            acc.add_incoming(ir.Constant(vec, None), entry)
-            accs.append(acc)
-        row_at = cgutils.get_item_pointer(context, builder, slab_t, slab_a, [i, ir.Constant(_I64, 0)])
-        if half:
-            bits = builder.load(builder.bitcast(row_at, ir.VectorType(ir.IntType(16), width).as_pointer()), align=2)
-            row = builder.fpext(builder.bitcast(bits, ir.VectorType(ir.HalfType(), width)), vec)
-        else:
-            row = builder.load(builder.bitcast(row_at, vec.as_pointer()), align=4)
+        vec = float_vector(width)
+        fma = fma_function(builder, vec)
+        i, accs, close = counted_loop(builder, d, [ir.Constant(vec, None)] * n_heads, "kt")
+        row_at = cgutils.get_item_pointer(context, builder, slab_t, slab_a, [i, ir.Constant(I64, 0)])
+        row = load_row(builder, row_at, vec, half)
         updated = []
         for h in range(n_heads):
-            at = builder.add(builder.add(qoff, builder.mul(d, ir.Constant(_I64, h))), i)
+            at = builder.add(builder.add(qoff, builder.mul(d, ir.Constant(I64, h))), i)
             qi = builder.load(cgutils.get_item_pointer(context, builder, q_t, q_a, [at]))
-            updated.append(builder.call(fma, [splat(qi), row, accs[h]]))
-        following = builder.add(i, ir.Constant(_I64, 1))
-        i.add_incoming(following, builder.block)
-        for acc, new in zip(accs, updated):
-            acc.add_incoming(new, builder.block)
-        builder.cbranch(builder.icmp_signed("<", following, d), loop, done)
-        builder.position_at_end(done)
-        factor = splat(scale)
+            updated.append(builder.call(fma, [splat(builder, qi, vec), row, accs[h]]))
+        close(updated)
+        factor = splat(builder, scale, vec)
         for h in range(n_heads):
-            at = cgutils.get_item_pointer(context, builder, out_t, out_a, [ir.Constant(_I64, h), col])
+            at = cgutils.get_item_pointer(context, builder, out_t, out_a, [ir.Constant(I64, h), col])
             builder.store(builder.fmul(updated[h], factor), builder.bitcast(at, vec.as_pointer()), align=4)
         return context.get_dummy_value()
 

@@ -15,12 +15,12 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from worker.engine.kernels.ir_vectors import I64, counted_loop, float_vector, fma_function, load_row, splat
 from worker.engine.kernels.key_scores import HEADS_AT_ONCE
 from worker.engine.kernels.kv_element import kv_load
 
 _JIT = dict(fastmath=True, cache=True, nogil=True)
 
-_I32, _I64 = ir.IntType(32), ir.IntType(64)
 
 
 @intrinsic(prefer_literal=True)
@@ -41,48 +41,22 @@ def _v_sums(typingctx, slab, ks, run, weights, w0, acc, col, heads, dims):
         w_a = context.make_array(w_t)(context, builder, args[3])
         acc_a = context.make_array(acc_t)(context, builder, args[5])
         ks, run, w0, col = args[1], args[2], args[4], args[6]
-        vec = ir.VectorType(ir.FloatType(), width)
-        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vec, [vec] * 3),
-                                             f"llvm.fma.v{width}f32")
+        vec = float_vector(width)
+        fma = fma_function(builder, vec)
 
         def acc_ptr(h):
-            at = cgutils.get_item_pointer(context, builder, acc_t, acc_a, [ir.Constant(_I64, h), col])
+            at = cgutils.get_item_pointer(context, builder, acc_t, acc_a, [ir.Constant(I64, h), col])
             return builder.bitcast(at, vec.as_pointer())
 
-        def splat(value):
-            undef = ir.Constant(vec, ir.Undefined)
-            one = builder.insert_element(undef, value, ir.Constant(_I32, 0))
-            return builder.shuffle_vector(one, undef, ir.Constant(ir.VectorType(_I32, width), None))
-
         start = [builder.load(acc_ptr(h), align=4) for h in range(n_heads)]
-        entry = builder.block
-        loop = builder.append_basic_block("vs.keys")
-        done = builder.append_basic_block("vs.done")
-        builder.branch(loop)
-        builder.position_at_end(loop)
-        r = builder.phi(_I64)
-        r.add_incoming(ir.Constant(_I64, 0), entry)
-        sums = []
-        for h in range(n_heads):
-            phi = builder.phi(vec)
-            phi.add_incoming(start[h], entry)
-            sums.append(phi)
+        r, sums, close = counted_loop(builder, run, start, "vs")
         row_at = cgutils.get_item_pointer(context, builder, slab_t, slab_a, [builder.add(ks, r), col])
-        if half:
-            bits = builder.load(builder.bitcast(row_at, ir.VectorType(ir.IntType(16), width).as_pointer()), align=2)
-            row = builder.fpext(builder.bitcast(bits, ir.VectorType(ir.HalfType(), width)), vec)
-        else:
-            row = builder.load(builder.bitcast(row_at, vec.as_pointer()), align=4)
+        row = load_row(builder, row_at, vec, half)
         updated = []
         for h in range(n_heads):
-            w_at = cgutils.get_item_pointer(context, builder, w_t, w_a, [ir.Constant(_I64, h), builder.add(w0, r)])
-            updated.append(builder.call(fma, [splat(builder.load(w_at)), row, sums[h]]))
-        following = builder.add(r, ir.Constant(_I64, 1))
-        r.add_incoming(following, builder.block)
-        for phi, new in zip(sums, updated):
-            phi.add_incoming(new, builder.block)
-        builder.cbranch(builder.icmp_signed("<", following, run), loop, done)
-        builder.position_at_end(done)
+            w_at = cgutils.get_item_pointer(context, builder, w_t, w_a, [ir.Constant(I64, h), builder.add(w0, r)])
+            updated.append(builder.call(fma, [splat(builder, builder.load(w_at), vec), row, sums[h]]))
+        close(updated)
         for h in range(n_heads):
             builder.store(updated[h], acc_ptr(h), align=4)
         return context.get_dummy_value()
