@@ -16,6 +16,9 @@ Per request: TTFT (request sent -> first streamed text), the gaps between succes
 aggregate tok/s = all completion tokens / wall time of the level, TTFT and ITL p50/p95, and the
 median per-request decode rate.
 
+After the last level it reads the workers' KV pool from /metrics: with no request running, no block
+may be held (a leak fails the run when the benchmark started the server itself).
+
 With `--peer`, the same run also starts llama-server on the same GGUF for each level, with N slots
 (`-np N`, `-c N x --peer-ctx`) and the same threads, and sends it the identical load right after
 Reame's: levels are interleaved so that a change in the machine's load hits both alike.
@@ -33,6 +36,7 @@ import statistics
 import sys
 import tempfile
 import time
+import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -314,6 +318,29 @@ def notes(levels: list[Level], max_tokens: int) -> list[str]:
 
 # ---- the run ------------------------------------------------------------------------------------
 
+def kv_pool(url: str, headers: dict, wait: float = 5.0) -> dict[str, int] | None:
+    """The workers' KV pool blocks by state (used, cached, free; summed over workers) from /metrics,
+    once no block is in use or after `wait` seconds (workers report with their heartbeats, about
+    once a second). None when the server does not export them."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    deadline = time.monotonic() + wait
+    while True:
+        with urllib.request.urlopen(urllib.request.Request(url + "/metrics", headers=headers), timeout=10) as r:
+            text = r.read().decode()
+        states: dict[str, int] = {}
+        for family in text_string_to_metric_families(text):
+            if family.name == "reame_kv_cache_blocks":
+                for sample in family.samples:
+                    state = sample.labels["state"]
+                    states[state] = states.get(state, 0) + int(sample.value)
+        if not states:
+            return None
+        if states.get("used", 0) == 0 or time.monotonic() >= deadline:
+            return states
+        time.sleep(0.25)
+
+
 def parse_levels(text: str) -> list[int]:
     try:
         levels = [int(x) for x in text.split(",") if x.strip()]
@@ -404,6 +431,10 @@ def main() -> int:
                     say(f"  llama-server: {lv.tok_s:.1f} tok/s, TTFT p50 {lv.ttft_p50:.2f} s, errors {lv.errors}")
                     peer.stop()
                     peer = None
+            info["kv_blocks_after"] = kv_after = kv_pool(url, headers)
+            if kv_after is not None and kv_after.get("used", 0) and not args.url:
+                say(f"the KV pool still has {kv_after['used']} blocks in use with no request running")
+                status = 1
         except KeyboardInterrupt:
             say("interrupted: stopping the servers; the table shows the levels that finished")
             status = 130
@@ -439,6 +470,10 @@ def main() -> int:
             print(scaling("llama-server", peers))
     if not peer_binary:
         print("llama-server: not run (give --peer PATH to compare in the same run)")
+    if info.get("kv_blocks_after"):
+        kv = info["kv_blocks_after"]
+        print(f"KV pool after the run (/metrics): {kv.get('used', 0)} blocks held by requests, "
+              f"{kv.get('cached', 0)} free holding reusable prefixes, {kv.get('free', 0)} empty")
     if args.json:
         Path(args.json).write_text(json.dumps({"machine": info, "reame": [asdict(lv) for lv in ours],
                                                "peer": [asdict(lv) for lv in peers]}, indent=1))

@@ -53,6 +53,9 @@ class Metrics:
         self.prefix_store_writes = Counter("reame_prefix_store_writes", "Writes to the host prefix store", registry=r)
         self.prefix_store_bytes = Gauge("reame_prefix_store_bytes", "Size of the host prefix store, as last reported",
                                         registry=r)
+        self.kv_blocks = Gauge("reame_kv_cache_blocks", "A worker's KV pool blocks, as last reported: held by requests "
+                               "(used), free but holding a reusable prefix (cached), empty (free)",
+                               ["worker", "state"], registry=r)
         # Heartbeat field → the counter its growth goes to (labelled children made now, so they show as 0).
         self._grows: dict[str, Counter] = {
             "prefix_query_tokens": self.prefix_query_tokens,
@@ -86,6 +89,10 @@ class Metrics:
             self._reported.popitem(last=False)
         # One store per host, shared by its workers: summing their reports would count it again each time.
         self.prefix_store_bytes.set(beat.store_bytes)
+        if beat.kv_blocks:
+            free = beat.kv_blocks - beat.kv_blocks_used - beat.kv_blocks_cached
+            for state, value in (("used", beat.kv_blocks_used), ("cached", beat.kv_blocks_cached), ("free", free)):
+                self.kv_blocks.labels(beat.worker_id, state).set(value)
 
     def set_worker(self, worker_id: str, numa_node: int, state: str | None, active: int = 0) -> None:
         """Record a worker's state; None removes the worker's series (it left)."""
@@ -97,6 +104,8 @@ class Metrics:
                 self.worker_state.labels(*labels).set(1 if known == state else 0)
         if state is None:
             self._remove(self.worker_active, (worker_id,))
+            for kv_state in ("used", "cached", "free"):
+                self._remove(self.kv_blocks, (worker_id, kv_state))
         else:
             self.worker_active.labels(worker_id).set(active)
 

@@ -62,7 +62,7 @@ class Heartbeat:
     """Both ways. From a worker: its load and counters. From the gateway: whether it knows the worker.
 
     The prefix-cache counters are cumulative since the worker process started (the gateway turns
-    them into Prometheus increments); `store_bytes` is a level. The gateway's own Heartbeats leave
+    them into Prometheus increments); `store_bytes` and the `kv_blocks*` fields are levels. The gateway's own Heartbeats leave
     them at 0.
     """
     worker_id: str
@@ -77,11 +77,15 @@ class Heartbeat:
     store_bytes: int = 0  # the host store's size now (one store per host, shared by its workers)
     store_evictions: int = 0
     store_writes: int = 0
+    kv_blocks: int = 0  # the worker's KV pool now: all blocks,
+    kv_blocks_used: int = 0  # those some request holds,
+    kv_blocks_cached: int = 0  # and those free that still hold a reusable prefix
 
 
 # The Heartbeat fields a worker's counters fill (worker.pulse); the rest are load and control.
 HEARTBEAT_COUNTERS = ("prefix_query_tokens", "prefix_hit_tokens_ram", "prefix_hit_tokens_store", "prefix_restores",
-                      "prefix_recomputes", "store_bytes", "store_evictions", "store_writes")
+                      "prefix_recomputes", "store_bytes", "store_evictions", "store_writes",
+                      "kv_blocks", "kv_blocks_used", "kv_blocks_cached")
 
 
 @dataclass(frozen=True)

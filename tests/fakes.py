@@ -100,7 +100,7 @@ class FakeGenerator:
         if warm:
             self._warm.add(request_id)
 
-    def prefix_counters(self) -> dict[str, int]:
+    def heartbeat_counters(self) -> dict[str, int]:
         return dict(self.counters)
 
     def script(self, params: SamplingParams) -> list[int]:
@@ -205,7 +205,7 @@ class FakeWorker:
                         self.generator.vocab_size, 1, "elsewhere", 0)
         self.service = WorkerService(self.generator, sock, info, drain_timeout=5.0)
         self.pulse = Pulse(self.context, config.endpoint, self.service, config.server.heartbeat_interval,
-                           counters=self.generator.prefix_counters)
+                           counters=self.generator.heartbeat_counters)
         self.pulse.start()
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()

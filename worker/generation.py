@@ -187,9 +187,14 @@ class BatchGenerator:
         else:
             log.warning("request %s: the prefix store did not take the warmed blocks within 30 s", seq.seq_id)
 
-    def prefix_counters(self) -> dict[str, int]:
-        """The prefix cache's counters and the store's size, for heartbeats (read from another thread)."""
-        return self.prefix.snapshot() if self.prefix is not None else {}
+    def heartbeat_counters(self) -> dict[str, int]:
+        """For heartbeats (read from another thread, so only sizes are read): the prefix cache's
+        counters and the store's size, and how the KV pool's blocks are used now."""
+        counters = self.prefix.snapshot() if self.prefix is not None else {}
+        blocks = self.engine.block_manager
+        counters.update(kv_blocks=blocks.num_blocks, kv_blocks_used=blocks.num_used_blocks,
+                        kv_blocks_cached=blocks.num_cached_blocks)
+        return counters
 
     def _fail(self, batch: ScheduledBatch, exc: Exception) -> list[Event]:
         error = exc if isinstance(exc, ReameError) else ReameError(

@@ -150,7 +150,7 @@ def serve(config: Config, node: int, cpus: list[int], engine, path: Path) -> Non
     log.info("batching: %s", ", ".join(f"{k}={v}" for k, v in knobs.as_dict().items()))
     service = WorkerService(generator, sock, info, drain_timeout=config.worker.drain_timeout)
     pulse = Pulse(context, config.endpoint, service, config.server.heartbeat_interval,
-                  counters=generator.prefix_counters)
+                  counters=generator.heartbeat_counters)
 
     def on_signal(signum, _frame) -> None:
         if service.drain_requested:

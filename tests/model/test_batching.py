@@ -144,8 +144,11 @@ def test_no_block_leaks_over_a_thousand_requests_with_aborts(tiny):
         used = tiny.block_manager.num_used_blocks
         held = sum(len(s.block_table) for s in generator.scheduler.running)
         assert used == held  # every used block belongs to a running sequence
+        assert generator.heartbeat_counters()["kv_blocks_used"] == used  # what /metrics will show
     assert finished + aborted == 1000 and not live
     assert _all_blocks_free(tiny)
+    counters = generator.heartbeat_counters()
+    assert (counters["kv_blocks"], counters["kv_blocks_used"]) == (tiny.block_manager.num_blocks, 0)
 
 
 class _FailingEngine:

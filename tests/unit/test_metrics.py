@@ -1,4 +1,5 @@
-"""Workers' cumulative prefix-cache counters become gateway counters that only ever grow."""
+"""Workers' cumulative prefix-cache counters become gateway counters that only ever grow; their
+KV pool levels become per-worker gauges."""
 from __future__ import annotations
 
 from gateway.metrics import Metrics
@@ -38,3 +39,16 @@ def test_store_size_is_the_latest_report_not_a_sum():
     metrics.observe_heartbeat(Heartbeat("a", store_bytes=1000))
     metrics.observe_heartbeat(Heartbeat("b", store_bytes=1200))
     assert value(metrics, "reame_prefix_store_bytes") == 1200
+
+
+def test_kv_pool_gauges_are_each_workers_latest_levels_and_leave_with_it():
+    metrics = Metrics()
+    metrics.observe_heartbeat(Heartbeat("a", kv_blocks=100, kv_blocks_used=30, kv_blocks_cached=20))
+    metrics.observe_heartbeat(Heartbeat("b", kv_blocks=50, kv_blocks_used=5))
+    metrics.observe_heartbeat(Heartbeat("a", kv_blocks=100, kv_blocks_used=0, kv_blocks_cached=45))
+    assert [value(metrics, "reame_kv_cache_blocks", worker="a", state=s) for s in ("used", "cached", "free")] == \
+        [0, 45, 55]
+    assert value(metrics, "reame_kv_cache_blocks", worker="b", state="free") == 45
+    metrics.set_worker("a", 0, None)
+    assert value(metrics, "reame_kv_cache_blocks", worker="a", state="used") is None
+    assert value(metrics, "reame_kv_cache_blocks", worker="b", state="used") == 5

@@ -17,6 +17,7 @@ MESSAGES = [
     Heartbeat("w", registered=False),
     Heartbeat("w", prefix_query_tokens=96, prefix_hit_tokens_ram=32, prefix_hit_tokens_store=16, prefix_restores=1,
               prefix_recomputes=2, store_bytes=1 << 40, store_evictions=3, store_writes=4),
+    Heartbeat("w", kv_blocks=4096, kv_blocks_used=100, kv_blocks_cached=7),
     Generate("r1", [1, 2, 3], SamplingParams(max_tokens=5, temperature=0.0, logit_bias={7: -100.0, 9: 2.5},
                                               seed=42, stop_token_ids=(2, 0), logprobs=3)),
     Generate("r2", [5], SamplingParams()),
@@ -44,7 +45,8 @@ def test_kind_byte_leads_the_frame():
 
 
 def test_sampling_params_keep_their_types():
-    params = decode(encode(MESSAGES[4])).params
+    r1 = next(m for m in MESSAGES if isinstance(m, Generate) and m.request_id == "r1")
+    params = decode(encode(r1)).params
     assert params.logit_bias == {7: -100.0, 9: 2.5}
     assert isinstance(params.stop_token_ids, tuple)
 
