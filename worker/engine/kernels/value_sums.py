@@ -22,7 +22,6 @@ from worker.engine.kernels.kv_element import kv_load
 _JIT = dict(fastmath=True, cache=True, nogil=True)
 
 
-
 @intrinsic(prefer_literal=True)
 def _v_sums(typingctx, slab, ks, run, weights, w0, acc, col, heads, dims):
     """acc[h, col:col + dims] += Σ_{r < run} weights[h, w0 + r] · slab[ks + r, col:col + dims], h < heads.
