@@ -48,7 +48,9 @@ def bench_reame(path: Path, threads: int, runs: int) -> tuple[float, float]:
     from threadpoolctl import threadpool_limits
 
     from worker.engine.engine import load_engine
-    from worker.sampling_params import SamplingParams
+    from shared.sampling import SamplingParams
+    from worker.sched.one_request import Timing, generate_ids, generate_one, solo_generator
+    from worker.sched.tuning_state import SchedulerKnobs
 
     engine = load_engine(path, threads=threads, context_length=1024, progress=say)
     numba.set_num_threads(threads)
@@ -56,13 +58,16 @@ def bench_reame(path: Path, threads: int, runs: int) -> tuple[float, float]:
     params = SamplingParams(max_tokens=DECODE_TOKENS + 1, temperature=0.0)
     prefill, decode = [], []
     with threadpool_limits(limits=threads, user_api="blas"):
-        engine.warm_up()
+        # The serving loop with one request; prompt chunks as large as the whole prompt, as
+        # llama-bench's 512-token batch is.
+        generator = solo_generator(engine, SchedulerKnobs(prefill_chunk=PROMPT_TOKENS, token_budget=PROMPT_TOKENS))
+        generate_ids(generator, [0], 2)  # compile or load every kernel first
         for run in range(runs):
-            for _ in engine.generate(ids, params):
+            t = Timing()
+            for _ in generate_one(generator, ids, params, timing=t):
                 pass
-            t = engine.times
             prefill.append(t.prefill_tokens / t.prefill_s)
-            decode.append((t.decode_tokens - 1) / t.decode_s)  # the first token comes from prefill
+            decode.append(t.decode_tokens / t.decode_s)  # the first token comes from prefill
             say(f"  reame {threads}t run {run + 1}/{runs}: prefill {prefill[-1]:.0f} tok/s, decode {decode[-1]:.1f} tok/s")
     return statistics.median(prefill), statistics.median(decode)
 

@@ -32,7 +32,7 @@ sys.path.insert(0, str(REPO))
 from shared import blas_env  # noqa: E402
 
 blas_env.prefer_native_blas()  # before numpy loads OpenBLAS
-from worker.generation import FinishEvent, TokenEvent  # noqa: E402
+from worker.sched.generation import FinishEvent, TokenEvent  # noqa: E402
 
 MODELS_DIR = Path(os.environ.get("REAME_TEST_MODELS", "~/.cache/reame/models")).expanduser()
 PROMPT = [1, 504, 3575, 282, 4649, 314, 253, 1345]
@@ -197,7 +197,8 @@ def bench_real(server: Server, model: Path, threads: int, n: int, warmup: int) -
     from gateway.tokenizer import Tokenizer
     from shared.config import Config, override
     from worker.engine.engine import load_engine_from_config
-    from worker.sampling_params import SamplingParams
+    from shared.sampling import SamplingParams
+    from worker.sched.one_request import generate_one, solo_generator
 
     tokenizer = Tokenizer.from_gguf(model)
     chat_ids = tokenizer.encode(ChatTemplate.for_tokenizer(tokenizer).render(CHAT), add_special=True,
@@ -211,6 +212,7 @@ def bench_real(server: Server, model: Path, threads: int, n: int, warmup: int) -
     threadpool_limits(threads)
     engine = load_engine_from_config(override(Config(), "engine", threads=threads), model=str(model),
                                      progress=lambda _m: None)
+    generator = solo_generator(engine)
     server.start_worker("-m", "worker.main", "--config", str(server.conf), "--model", str(model),
                         "--cpus", ",".join(map(str, cpus)))
     client = Client(server.port)
@@ -222,7 +224,7 @@ def bench_real(server: Server, model: Path, threads: int, n: int, warmup: int) -
         direct, through = [], []
         for i in range(warmup + n):  # interleaved: both see the same machine load
             start = time.perf_counter()
-            for _ in engine.generate(ids, params):
+            for _ in generate_one(generator, ids, params):
                 pass
             d = time.perf_counter() - start
             h = client.post(path, data)

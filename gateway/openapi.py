@@ -1,7 +1,7 @@
 """The gateway's OpenAPI 3.1 document, served at /openapi.json: every route, what it accepts and answers.
 
-Written as data, next to the code it describes: the limits come from gateway.requests (the same
-constants the validation uses) and from the config (`max_n`, whether a key is required), so the
+Written as data, next to the code it describes: the limits come from shared.sampling.LIMITS and
+gateway.requests (the same ones the validation uses) and from the config (`max_n`, whether a key is required), so the
 document describes this server as configured. tests/unit/test_openapi.py checks that every route
 is here; tests/e2e/test_openapi_fuzz.py fuzzes the live server against it.
 
@@ -13,6 +13,7 @@ from typing import Any
 
 from gateway.requests import MAX_LOGPROBS_COMPLETION, MAX_STOPS, MAX_TOP_LOGPROBS_CHAT, ROLES
 from shared.config import Config
+from shared.sampling import LIMITS
 
 Schema = dict[str, Any]
 
@@ -123,28 +124,34 @@ def _opt(kind: str | list[str], **constraints: Any) -> Schema:
     return {"type": [*kinds, "null"], **constraints}
 
 
+def _limited(kind: str, name: str, **extra: Any) -> Schema:
+    """An optional number whose bounds are its row of shared.sampling.LIMITS (the validation's own)."""
+    return _opt(kind, **LIMITS[name].schema(), **extra)
+
+
 def _sampling(max_n: int) -> Schema:
     """Fields both completion requests share (gateway.requests._common)."""
     return {
         "model": _opt("string", description="Optional: this server serves one model"),
-        "temperature": _opt("number", minimum=0, maximum=2),
-        "top_p": _opt("number", exclusiveMinimum=0, maximum=1),
-        "top_k": _opt("integer", minimum=-1, description="0 or -1: off"),
-        "min_p": _opt("number", minimum=0, maximum=1),
-        "presence_penalty": _opt("number", minimum=-2, maximum=2),
-        "frequency_penalty": _opt("number", minimum=-2, maximum=2),
-        "repetition_penalty": _opt("number", exclusiveMinimum=0, maximum=10),
+        "temperature": _limited("number", "temperature"),
+        "top_p": _limited("number", "top_p"),
+        "top_k": _limited("integer", "top_k", description="0 or -1: off"),
+        "min_p": _limited("number", "min_p"),
+        "presence_penalty": _limited("number", "presence_penalty"),
+        "frequency_penalty": _limited("number", "frequency_penalty"),
+        "repetition_penalty": _limited("number", "repetition_penalty"),
         "logit_bias": _opt("object", propertyNames={"pattern": "^[0-9]+$"},
-                           additionalProperties={"type": "number", "minimum": -100, "maximum": 100},
+                           additionalProperties={"type": "number", **LIMITS["logit_bias"].schema()},
                            description="token id → bias; ids must be in the vocabulary (else 400)"),
-        "seed": _opt("integer", minimum=-(2 ** 63), maximum=2 ** 63 - 1),
+        "seed": _limited("integer", "seed"),
         "n": _opt("integer", minimum=1, maximum=max_n),
         "stop": {"anyOf": [{"type": "string"}, {"type": "array", "maxItems": MAX_STOPS, "items": {"type": "string"}},
                            {"type": "null"}]},
         "stream": _opt("boolean"),
         "stream_options": _opt("object", properties={"include_usage": _opt("boolean")}),
         "user": _opt("string"),
-        "max_tokens": _opt("integer", minimum=1, description="prompt + max_tokens must fit the context (else 400)"),
+        "max_tokens": _limited("integer", "max_tokens",
+                               description="prompt + max_tokens must fit the context (else 400)"),
     }
 
 
@@ -169,7 +176,7 @@ def _schemas(max_n: int, vocab_size: int | None) -> Schema:
         "ChatCompletionRequest": {"type": "object", "required": ["messages"], "properties": {
             "messages": {"type": "array", "minItems": 1, "items": _ref("ChatMessage")},
             **_sampling(max_n),
-            "max_completion_tokens": _opt("integer", minimum=1, description="takes precedence over max_tokens"),
+            "max_completion_tokens": _limited("integer", "max_tokens", description="takes precedence over max_tokens"),
             "logprobs": _opt("boolean"),
             "top_logprobs": _opt("integer", minimum=0, maximum=MAX_TOP_LOGPROBS_CHAT,
                                  description="requires logprobs: true (else 400)"),

@@ -12,10 +12,10 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from shared.errors import InvalidRequestError
-from worker.sampling_params import SamplingParams
+from shared.sampling import LIMITS, MAX_LOGPROBS, SamplingParams, check
 
 MAX_STOPS = 16
-MAX_TOP_LOGPROBS_CHAT = 20
+MAX_TOP_LOGPROBS_CHAT = MAX_LOGPROBS
 MAX_LOGPROBS_COMPLETION = 5
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 
@@ -59,9 +59,9 @@ def parse_chat(body: Any, *, max_n: int) -> CompletionRequest:
     top = _int(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS_CHAT)
     if top and not logprobs:
         raise InvalidRequestError("'top_logprobs' requires 'logprobs' to be true", param="top_logprobs")
-    max_tokens = _int(body, "max_completion_tokens", None, 1, None)
+    max_tokens = _int(body, "max_completion_tokens", None, LIMITS["max_tokens"].low, None)
     if max_tokens is None:
-        max_tokens = _int(body, "max_tokens", None, 1, None)
+        max_tokens = _limited_int(body, "max_tokens", None)
     return _common(body, max_n, chat=True, messages=messages,
                    prompts=(), max_tokens=max_tokens, logprobs=logprobs, top_logprobs=top)
 
@@ -70,7 +70,7 @@ def parse_completion(body: Any, *, max_n: int) -> CompletionRequest:
     body = _object(body)
     logprobs = _int(body, "logprobs", None, 0, MAX_LOGPROBS_COMPLETION)
     return _common(body, max_n, chat=False, messages=(), prompts=_prompts(body.get("prompt")),
-                   max_tokens=_int(body, "max_tokens", None, 1, None),
+                   max_tokens=_limited_int(body, "max_tokens", None),
                    logprobs=logprobs is not None, top_logprobs=logprobs or 0)
 
 
@@ -96,17 +96,16 @@ def _common(body: dict, max_n: int, **fields: Any) -> CompletionRequest:
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise InvalidRequestError("'user' must be a string", param="user")
-    top_k = _int(body, "top_k", 0, -1, None)
     sampling = SamplingParams(
-        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=_number(body, "top_p", 1.0, 0.0, 1.0, open_low=True),
-        top_k=max(top_k, 0),  # -1 is llama.cpp's "off"
-        min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
-        presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
-        frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
-        repetition_penalty=_number(body, "repetition_penalty", 1.0, 0.0, 10.0, open_low=True),
+        temperature=_number(body, "temperature", 1.0),
+        top_p=_number(body, "top_p", 1.0),
+        top_k=max(_limited_int(body, "top_k", 0), 0),  # -1 is llama.cpp's "off"
+        min_p=_number(body, "min_p", 0.0),
+        presence_penalty=_number(body, "presence_penalty", 0.0),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0),
+        repetition_penalty=_number(body, "repetition_penalty", 1.0),
         logit_bias=_logit_bias(body.get("logit_bias")),
-        seed=_int(body, "seed", None, -(2 ** 63), 2 ** 63 - 1),
+        seed=_limited_int(body, "seed", None),
     )
     return CompletionRequest(model=model, sampling=sampling, stop=_stops(body.get("stop")),
                              n=_int(body, "n", 1, 1, max_n), stream=stream, include_usage=include_usage,
@@ -151,16 +150,21 @@ def _int(body: dict, name: str, default: int | None, low: int | None, high: int 
     return value
 
 
-def _number(body: dict, name: str, default: float, low: float, high: float, *, open_low: bool = False) -> float:
+def _number(body: dict, name: str, default: float) -> float:
+    """A sampling number within its row of shared.sampling.LIMITS."""
     value = body.get(name)
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise InvalidRequestError(f"'{name}' must be a number", param=name)
-    if value > high or value < low or (open_low and value == low):
-        bound = f"greater than {low}" if open_low else f"at least {low}"
-        raise InvalidRequestError(f"'{name}' is {value}; it must be {bound} and at most {high}", param=name)
+    check(name, value)
     return float(value)
+
+
+def _limited_int(body: dict, name: str, default: int | None) -> int | None:
+    """An integer within its row of shared.sampling.LIMITS."""
+    limit = LIMITS[name]
+    return _int(body, name, default, limit.low, limit.high)
 
 
 def _range(low: int | None, high: int | None) -> str:
@@ -192,9 +196,9 @@ def _logit_bias(value: Any) -> dict[int, float]:
         if not (key.isascii() and key.isdigit()):
             raise InvalidRequestError(f"'logit_bias' key {key!r} is not a token id", param="logit_bias")
         token = int(key)
-        if isinstance(amount, bool) or not isinstance(amount, (int, float)) or not -100 <= amount <= 100:
-            raise InvalidRequestError(f"'logit_bias' value for {key} must be a number from -100 to 100",
-                                      param="logit_bias")
+        if isinstance(amount, bool) or not isinstance(amount, (int, float)) or not LIMITS["logit_bias"].contains(amount):
+            raise InvalidRequestError(f"'logit_bias' value for {key} must be a number, "
+                                      f"{LIMITS['logit_bias'].describe()}", param="logit_bias")
         bias[token] = float(amount)
     return bias
 

@@ -16,7 +16,7 @@ from gateway.errors import error_from_worker
 from gateway.router import prefix_key
 from gateway.workers import Job
 from shared.protocol import Error, Finished
-from worker.sampling_params import SamplingParams
+from shared.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from gateway.state import GatewayState

@@ -29,7 +29,7 @@ from gateway.metrics import Metrics
 from gateway.router import Candidate, Router
 from shared import protocol
 from shared.protocol import Abort, Drain, Error, Finished, Generate, Heartbeat, Register, TokenChunk
-from worker.sampling_params import SamplingParams
+from shared.sampling import SamplingParams
 
 log = logging.getLogger("reame.gateway")
 

@@ -24,7 +24,7 @@ from typing import Union
 
 import orjson
 
-from worker.sampling_params import SamplingParams
+from shared.sampling import SamplingParams
 
 PROTOCOL_VERSION = 2  # 2: Generate.warm, Finished.prefix_tokens, Heartbeat counters
 

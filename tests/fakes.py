@@ -23,8 +23,8 @@ from aiohttp import web
 from shared.config import Config, parse_config
 from shared.errors import ContextLengthError, InvalidRequestError
 from shared.protocol import Register
-from worker.generation import FinishEvent, TokenEvent
-from worker.sampling_params import SamplingParams
+from worker.sched.generation import FinishEvent, TokenEvent
+from shared.sampling import SamplingParams
 
 BOS, EOS, EOT = 0, 1, 2
 OFFSET = 3  # token id = byte value + OFFSET
@@ -68,7 +68,7 @@ class FakeTemplate:
 
 
 class FakeGenerator:
-    """The generator interface of worker.generation, scripted: every step advances each running
+    """The generator interface of worker.sched.generation, scripted: every step advances each running
     request (up to `capacity`, oldest first) by one token of its script."""
     model_name = "fake-model"
     arch = "fake"

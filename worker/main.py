@@ -100,41 +100,31 @@ def _progress(line: str) -> None:
 def _warm(engine) -> None:
     """Two short requests batched together, so every kernel of the hot path (prompt chunks, the
     one- and many-row decode steps) is compiled or loaded from the numba cache before serving."""
-    from worker.generation import BatchGenerator
-    from worker.sampling_params import SamplingParams
-    from worker.tuning_state import SchedulerKnobs, TuningState
+    from shared.sampling import SamplingParams
+    from worker.sched.one_request import generate_ids, solo_generator
 
     started = time.perf_counter()
-    generator = BatchGenerator(engine, TuningState(SchedulerKnobs(batching_window_ms=0.0)))
+    generator = solo_generator(engine)
     generator.add("warm-up-1", [1, 2, 3, 4], SamplingParams(max_tokens=3, temperature=0.0))
     generator.add("warm-up-2", [5, 6], SamplingParams(max_tokens=3, temperature=0.0))
     while generator.has_work:
         generator.step()
-    for _ in engine.generate([1, 2, 3, 4], SamplingParams(max_tokens=2, temperature=0.0)):
-        pass
+    generate_ids(generator, [1, 2, 3, 4], 2)  # and one alone
     log.info("warmed up in %.1fs", time.perf_counter() - started)
-
-
-def scheduler_knobs(config: Config):
-    from worker.tuning_state import SchedulerKnobs
-
-    s = config.scheduler
-    return SchedulerKnobs(max_batch_size=s.max_batch_size, token_budget=s.token_budget,
-                          prefill_chunk=config.engine.prefill_chunk, batching_window_ms=s.batching_window_ms,
-                          attention_chunk=s.attention_chunk)
 
 
 def serve(config: Config, node: int, cpus: list[int], engine, path: Path) -> None:
     import zmq
 
     from shared.protocol import Error, Register, encode
-    from worker.generation import BatchGenerator
-    from worker.prefix_setup import build_prefix_cache
+    from worker.sched.generation import BatchGenerator
+    from worker.kv.block_manager import BlockManager
+    from worker.kv.prefix_setup import build_prefix_cache
     from worker.pulse import Pulse
     from worker.service import WorkerService
-    from worker.tuning_state import TuningState
+    from worker.sched.tuning_state import SchedulerKnobs, TuningState
 
-    knobs = scheduler_knobs(config)
+    knobs = SchedulerKnobs.from_config(config)
     host = socket.gethostname()
     worker_id = f"{host}/node{node}/{os.getpid()}"
     info = Register(worker_id=worker_id, numa_node=node, cpus=cpus, model_name=engine.model_name,
@@ -145,8 +135,9 @@ def serve(config: Config, node: int, cpus: list[int], engine, path: Path) -> Non
     sock.setsockopt(zmq.IDENTITY, worker_id.encode())
     sock.setsockopt(zmq.LINGER, 2000)  # long enough for the goodbye to reach the gateway
     sock.connect(config.endpoint)
-    prefix = build_prefix_cache(config, engine)
-    generator = BatchGenerator(engine, TuningState(knobs), prefix=prefix)
+    blocks = BlockManager.for_pool(engine.kv)
+    prefix = build_prefix_cache(config, engine, blocks)
+    generator = BatchGenerator(engine, TuningState(knobs), prefix=prefix, blocks=blocks)
     log.info("batching: %s", ", ".join(f"{k}={v}" for k, v in knobs.as_dict().items()))
     service = WorkerService(generator, sock, info, drain_timeout=config.worker.drain_timeout)
     pulse = Pulse(context, config.endpoint, service, config.server.heartbeat_interval,

@@ -1,7 +1,7 @@
 """The worker's serve loop: ZeroMQ messages in, one batched engine step at a time, tokens out.
 
 Generation is synchronous CPU work, so the loop interleaves: read every waiting message
-(Generate, Abort, Heartbeat), then run one step of the generator (worker.generation), which
+(Generate, Abort, Heartbeat), then run one step of the generator (worker.sched.generation), which
 advances every running request by one chunk. A request that arrives joins the next step; an
 Abort takes effect before it. Heartbeats come from worker.pulse, a thread that keeps beating
 through long steps.
@@ -17,14 +17,14 @@ import zmq
 from shared import protocol
 from shared.errors import ReameError
 from shared.protocol import Abort, Drain, Error, Finished, Generate, Heartbeat, Register, TokenChunk
-from worker.generation import Event, FinishEvent, TokenEvent
-from worker.sampling_params import SamplingParams
+from worker.sched.generation import Event, FinishEvent, TokenEvent
+from shared.sampling import SamplingParams
 
 log = logging.getLogger("reame.worker")
 
 
 class GeneratorLike(Protocol):
-    """What the loop needs of worker.generation's BatchGenerator (a fake one in the unit tests)."""
+    """What the loop needs of worker.sched.generation's BatchGenerator (a fake one in the unit tests)."""
     hold_until: float | None
 
     @property

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from contextlib import closing
 
 
 def add_parser(sub) -> None:
@@ -22,7 +23,9 @@ def run(args: argparse.Namespace) -> int:
     from shared.model_store import model_file
     from shared.errors import InvalidRequestError
     from worker.engine.engine import load_engine_from_config
-    from worker.sampling_params import SamplingParams
+    from shared.sampling import SamplingParams
+    from worker.sched.one_request import solo_generator
+    from worker.sched.tuning_state import SchedulerKnobs
 
     config = load_config(args.config)
     say = lambda m: print(m, file=sys.stderr)  # noqa: E731
@@ -30,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
     tok = Tokenizer.from_gguf(path)
     template = template_for(tok, config)
     engine = load_engine_from_config(config, model=str(path), progress=say)
-    engine.warm_up()
+    generator = solo_generator(engine, SchedulerKnobs.from_config(config))
     stops = tuple(sorted(set(template.stop_ids) | ({tok.eos_id} if tok.eos_id is not None else set())))
     messages = [{"role": "system", "content": args.system}] if args.system else []
     print(f"Chatting with {engine.model_name}. Empty line or Ctrl-D to quit.", file=sys.stderr)
@@ -49,30 +52,38 @@ def run(args: argparse.Namespace) -> int:
             raise InvalidRequestError(f"the conversation is {len(ids)} tokens, over the {engine.n_ctx}-token context")
         params = SamplingParams(max_tokens=min(args.max_tokens, room), temperature=args.temperature,
                                 seed=args.seed, stop_token_ids=stops)
-        reply = _stream_reply(engine, ids, params, StreamDecoder(tok), template.stop_strings)
+        reply = _stream_reply(generator, ids, params, StreamDecoder(tok), template.stop_strings)
         messages.append({"role": "assistant", "content": reply})
 
 
-def _stream_reply(engine, ids, params, decoder, stop_strings) -> str:
+def _stream_reply(generator, ids, params, decoder, stop_strings) -> str:
     """Print the answer as it is generated; returns its text (without the end-of-turn marker)."""
+    from worker.sched.one_request import generate_one
+
+    with closing(generate_one(generator, ids, params)) as outputs:
+        text, shown, finished = _print_tokens(outputs, decoder, stop_strings)
+    if not finished:
+        text += decoder.flush()
+    sys.stdout.write(text[shown:] + "\n")
+    sys.stdout.flush()
+    return text
+
+
+def _print_tokens(outputs, decoder, stop_strings) -> tuple[str, int, bool]:
+    """(text, how much of it is printed, whether a stop ended it) as the tokens arrive."""
     text = ""
     shown = 0
-    for out in engine.generate(ids, params):
+    for out in outputs:
         if out.finish_reason == "stop":
-            break
+            return text, shown, True
         text += decoder.push(out.token)
         cut = min((text.find(s) for s in stop_strings if s in text), default=-1)
         if cut >= 0:
-            text = text[:cut]
-            break
+            return text[:cut], shown, True
         # Hold back a tail that could be the start of a stop string.
         safe = len(text) - max((len(s) - 1 for s in stop_strings), default=0)
         if safe > shown:
             sys.stdout.write(text[shown:safe])
             sys.stdout.flush()
             shown = safe
-    else:
-        text += decoder.flush()
-    sys.stdout.write(text[shown:] + "\n")
-    sys.stdout.flush()
-    return text
+    return text, shown, False

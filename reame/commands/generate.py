@@ -40,7 +40,9 @@ def parse_ids(text: str) -> list[int]:
 def run(args: argparse.Namespace) -> int:
     from shared.config import load_config, model_flag
     from worker.engine.engine import load_engine_from_config
-    from worker.sampling_params import SamplingParams
+    from shared.sampling import SamplingParams
+    from worker.sched.one_request import Timing, generate_ids, generate_one, solo_generator
+    from worker.sched.tuning_state import SchedulerKnobs
 
     config = load_config(args.config)
     ids = parse_ids(args.prompt_ids) if args.prompt_ids is not None else None
@@ -48,19 +50,20 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidRequestError(f"--max-tokens must be at least 1, got {args.max_tokens}")
     say = (lambda m: print(m, file=sys.stderr)) if not args.json else (lambda m: None)
     engine = load_engine_from_config(config, model=model_flag(args.model), kernels=args.kernels, progress=say)
+    generator = solo_generator(engine, SchedulerKnobs.from_config(config))
     say("warming up kernels")
-    engine.warm_up()
+    generate_ids(generator, [0], 2)
     tokenizer = _tokenizer(engine, needed=ids is None)
     if ids is None:
         ids = tokenizer.encode(args.prompt)
     stop = (tokenizer.eos_id,) if tokenizer is not None and tokenizer.eos_id is not None else ()
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, min_p=args.min_p, seed=args.seed, stop_token_ids=stop)
-    outs = list(engine.generate(ids, params, top_logits=args.top_logits))
+    t = Timing()
+    outs = list(generate_one(generator, ids, params, top_logits=args.top_logits, timing=t))
     tokens = [o.token for o in outs]
-    t = engine.times
     prefill_rate = t.prefill_tokens / t.prefill_s if t.prefill_s else 0.0
-    decode_rate = (t.decode_tokens - 1) / t.decode_s if t.decode_tokens > 1 and t.decode_s else 0.0
+    decode_rate = t.decode_tokens / t.decode_s if t.decode_tokens and t.decode_s else 0.0
     if args.json:
         result = {"tokens": tokens, "prefill_tok_s": round(prefill_rate, 1), "decode_tok_s": round(decode_rate, 1)}
         if args.top_logits:

@@ -1,8 +1,11 @@
 """The comparison rules of ../shared/reference/README.md, as code."""
 from __future__ import annotations
 
+from contextlib import closing
+
+from shared.sampling import SamplingParams
 from worker.engine.engine import Engine
-from worker.sampling_params import SamplingParams
+from worker.sched.one_request import generate_one, solo_generator
 
 EXACT_RULE = (0.05, 0.1)  # (logit tolerance, near-tie gap) for the .f32-exact files
 SHIPPED_RULE = (1.0, 1.0)  # for the as-shipped files
@@ -10,7 +13,8 @@ LOOKUP = 64  # how many of our best logits to fetch so every reference top-8 id 
 
 
 def check_greedy_case(engine: Engine, case: dict, eos_id: int, rule: tuple[float, float]) -> int:
-    """Greedy-generate the case and compare step by step; returns the steps compared.
+    """Greedy-generate the case through the serving loop and compare step by step; returns the
+    steps compared.
 
     Raises AssertionError naming the step and token on a mismatch. Comparison of a case
     stops after the first step whose reference top-2 gap is a near-tie.
@@ -18,8 +22,13 @@ def check_greedy_case(engine: Engine, case: dict, eos_id: int, rule: tuple[float
     tolerance, near_tie = rule
     steps = case["steps"]
     params = SamplingParams(max_tokens=len(steps), temperature=0.0, stop_token_ids=(eos_id,))
+    with closing(generate_one(solo_generator(engine), case["prompt_ids"], params, top_logits=LOOKUP)) as outputs:
+        return _compare(outputs, steps, tolerance, near_tie)
+
+
+def _compare(outputs, steps: list[dict], tolerance: float, near_tie: float) -> int:
     compared = 0
-    for out, step in zip(engine.generate(case["prompt_ids"], params, top_logits=LOOKUP), steps):
+    for out, step in zip(outputs, steps):
         ours = dict(out.top_logits)
         for token, logit in step["top"]:
             assert token in ours, f"step {compared}: reference top token {token} not among our best {LOOKUP}"

@@ -12,9 +12,9 @@ from tests.model.golden import SHIPPED_RULE
 from tests.model.run_requests import run_requests
 from tests.model.tiny_gguf import TinyModel, write_tiny
 from worker.engine.engine import load_engine
-from worker.generation import BatchGenerator, ErrorEvent, FinishEvent
-from worker.sampling_params import SamplingParams
-from worker.tuning_state import SchedulerKnobs, TuningState
+from worker.sched.generation import BatchGenerator, ErrorEvent, FinishEvent
+from shared.sampling import SamplingParams
+from worker.sched.tuning_state import SchedulerKnobs, TuningState
 
 
 def _generator(engine, **knobs) -> BatchGenerator:
@@ -28,8 +28,8 @@ def _run(generator: BatchGenerator, requests: dict[str, tuple[list[int], Samplin
     return out.tokens, out.finished, out.widest
 
 
-def _all_blocks_free(engine) -> bool:
-    return engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+def _all_blocks_free(generator: BatchGenerator) -> bool:
+    return generator.blocks.num_free_blocks == generator.blocks.num_blocks
 
 
 # ---- the real model, against its golden file --------------------------------------------------
@@ -72,14 +72,15 @@ def test_greedy_tokens_alone_equal_tokens_batched_with_seven_others(smollm2):
     for rid, request in requests.items():
         tokens, _, _ = _run(_generator(smollm2, max_batch_size=8), {rid: request})
         alone[rid] = tokens[rid]
-    batched, finished, widest = _run(_generator(smollm2, max_batch_size=8), requests)
+    generator = _generator(smollm2, max_batch_size=8)
+    batched, finished, widest = _run(generator, requests)
     assert widest == 8  # they really ran together
     for rid in requests:
         n = _comparable_prefix(references[rid], min(len(alone[rid]), len(batched[rid])))
         assert batched[rid][:n] == alone[rid][:n], rid
         if references[rid] is not None:  # and both follow llama.cpp up to the near-tie
             assert alone[rid][:n] == [s["token"] for s in references[rid][:n]], rid
-    assert _all_blocks_free(smollm2)
+    assert _all_blocks_free(generator)
 
 
 def test_seeded_sampling_does_not_depend_on_the_batch(smollm2):
@@ -88,10 +89,11 @@ def test_seeded_sampling_does_not_depend_on_the_batch(smollm2):
     alone, _, _ = _run(_generator(smollm2), {"x": (prompt, params)})
     others = {f"o{i}": (prompt[i:] + [i + 5], SamplingParams(max_tokens=8 + i, temperature=1.0, seed=i))
               for i in range(5)}
-    together, _, widest = _run(_generator(smollm2), {"x": (prompt, params), **others})
+    generator = _generator(smollm2)
+    together, _, widest = _run(generator, {"x": (prompt, params), **others})
     assert widest == 6
     assert together["x"] == alone["x"]
-    assert _all_blocks_free(smollm2)
+    assert _all_blocks_free(generator)
 
 
 # ---- a tiny random model: many requests, fast ---------------------------------------------------
@@ -115,7 +117,7 @@ def test_preemption_recomputes_and_gives_the_same_tokens(tiny):
     tokens, finished, _ = _run(generator, requests)
     assert generator.preemptions > 0  # the pool really ran out
     assert tokens == expected
-    assert _all_blocks_free(tiny)
+    assert _all_blocks_free(generator)
 
 
 def test_no_block_leaks_over_a_thousand_requests_with_aborts(tiny):
@@ -141,14 +143,14 @@ def test_no_block_leaks_over_a_thousand_requests_with_aborts(tiny):
             if isinstance(event, FinishEvent):
                 live.discard(event.request_id)
                 finished += 1
-        used = tiny.block_manager.num_used_blocks
+        used = generator.blocks.num_used_blocks
         held = sum(len(s.block_table) for s in generator.scheduler.running)
         assert used == held  # every used block belongs to a running sequence
         assert generator.heartbeat_counters()["kv_blocks_used"] == used  # what /metrics will show
     assert finished + aborted == 1000 and not live
-    assert _all_blocks_free(tiny)
+    assert _all_blocks_free(generator)
     counters = generator.heartbeat_counters()
-    assert (counters["kv_blocks"], counters["kv_blocks_used"]) == (tiny.block_manager.num_blocks, 0)
+    assert (counters["kv_blocks"], counters["kv_blocks_used"]) == (generator.blocks.num_blocks, 0)
 
 
 class _FailingEngine:
@@ -156,7 +158,7 @@ class _FailingEngine:
 
     def __init__(self, engine, fail_on: int):
         self._engine, self._fail_on, self.calls = engine, fail_on, 0
-        self.vocab_size, self.block_manager = engine.vocab_size, engine.block_manager
+        self.vocab_size, self.kv = engine.vocab_size, engine.kv
 
     def validate(self, prompt_ids, max_tokens):
         self._engine.validate(prompt_ids, max_tokens)
@@ -177,7 +179,7 @@ def test_an_engine_failure_fails_that_steps_requests_and_the_generator_goes_on(t
         errors += [e for e in generator.step() if isinstance(e, ErrorEvent)]
     assert sorted(e.request_id for e in errors) == ["a", "b"]
     assert "FloatingPointError: injected" in errors[0].error.message
-    assert not generator.has_work and _all_blocks_free(tiny)
+    assert not generator.has_work and _all_blocks_free(generator)
     tokens, finished, _ = _run(generator, {"c": ([5, 6, 7], SamplingParams(max_tokens=4, temperature=0.0))})
     assert len(tokens["c"]) == 4 and finished["c"].reason == "length"
 
@@ -193,4 +195,4 @@ def test_bad_requests_are_refused_before_they_queue(tiny):
         generator.add("ok", [5], SamplingParams(max_tokens=1))
     assert generator.load() == (0, 1)
     generator.abort_all()
-    assert not generator.has_work and _all_blocks_free(tiny)
+    assert not generator.has_work and _all_blocks_free(generator)

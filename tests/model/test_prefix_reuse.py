@@ -8,16 +8,16 @@ import lmdb
 import pytest
 
 from shared.hashing import extend_chain
-from worker.block_manager import BlockManager
+from worker.kv.block_manager import BlockManager
 from tests.model.run_requests import run_requests
 from worker.engine.engine import load_engine
-from worker.generation import BatchGenerator
-from worker.kv_store import KVStore
-from worker.kv_store_writer import StoreWriter
-from worker.prefix_cache import PrefixCache
-from worker.prefix_setup import engine_fingerprint
-from worker.sampling_params import SamplingParams
-from worker.tuning_state import SchedulerKnobs, TuningState
+from worker.sched.generation import BatchGenerator
+from worker.kv.store import KVStore
+from worker.kv.store_writer import StoreWriter
+from worker.kv.prefix_cache import PrefixCache
+from worker.kv.prefix_setup import engine_fingerprint
+from shared.sampling import SamplingParams
+from worker.sched.tuning_state import SchedulerKnobs, TuningState
 
 BS = 16
 # A system prompt of 100 tokens (6 full blocks) and two questions; token ids from SmolLM2's vocabulary.
@@ -33,8 +33,8 @@ def engine(smollm2_gguf):
 
 
 def _fresh_pool(engine) -> None:
-    """What a restart leaves: an empty block pool with no K/V in it."""
-    engine.block_manager = BlockManager(engine.kv.num_blocks, engine.kv.block_size)
+    """What a restart leaves: no K/V in the pool (and each generator or prefix cache made after
+    it starts with a block manager of its own, with every block empty)."""
     engine.kv.k.fill(0)
     engine.kv.v.fill(0)
 
@@ -65,7 +65,7 @@ def _store(engine, path, **kw) -> KVStore:
 
 def _prefix(engine, store=None, restore="auto") -> PrefixCache:
     writer = StoreWriter(store) if store is not None else None
-    return PrefixCache(engine.block_manager, engine_fingerprint(engine), kv=engine.kv, store=store,
+    return PrefixCache(BlockManager.for_pool(engine.kv), engine_fingerprint(engine), kv=engine.kv, store=store,
                        writer=writer, restore=restore)
 
 
@@ -87,7 +87,7 @@ def test_the_same_system_prompt_twice_reuses_its_blocks_from_ram(engine, uncache
     seeded = SamplingParams(max_tokens=12, temperature=0.9, seed=42)
     sampled, _ = _run(generator, {"b2": SYSTEM + QUESTION_B}, seeded)
     assert sampled["b2"] == uncached[1]
-    assert engine.block_manager.num_used_blocks == 0
+    assert generator.blocks.num_used_blocks == 0
 
 
 def test_a_restarted_worker_restores_the_prefix_from_the_store(engine, uncached, tmp_path):

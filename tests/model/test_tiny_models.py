@@ -8,6 +8,7 @@ from gguf import GGMLQuantizationType as QT
 from tests.model.tiny_gguf import TinyModel, forward_f64, write_tiny
 from worker.engine.batch import StepChunk
 from worker.engine.engine import load_engine
+from worker.sched.one_request import generate_ids, solo_generator
 
 PROMPT = [3, 17, 42, 99, 5, 8, 150, 77, 23, 61, 4]
 
@@ -120,7 +121,7 @@ def test_float16_kv_cache_stays_close_to_float64_forward(tiny):
 
 def test_both_kernel_sets_generate_the_same_greedy_tokens(tiny):
     path, _ = tiny
-    ref = _load(path, "reference").generate_ids(PROMPT, 12)
-    fast = _load(path, "float32")
-    assert fast.generate_ids(PROMPT, 12) == ref
-    assert fast.block_manager.num_free_blocks == fast.kv.num_blocks  # generate() gave its blocks back
+    ref = generate_ids(solo_generator(_load(path, "reference")), PROMPT, 12)
+    generator = solo_generator(_load(path, "float32"))
+    assert generate_ids(generator, PROMPT, 12) == ref
+    assert generator.blocks.num_free_blocks == generator.blocks.num_blocks  # the request gave its blocks back

@@ -16,14 +16,16 @@ from tests.model.tiny_gguf import TinyModel, forward_f64, write_tiny
 from worker.engine.batch import StepChunk
 from worker.engine.engine import load_engine
 from worker.engine.paged_kv import window_blocks_per_sequence
-from worker.generation import BatchGenerator
-from worker.kv_store import KVStore
-from worker.kv_store_writer import StoreWriter
-from worker.prefix_cache import PrefixCache
-from worker.prefix_setup import engine_fingerprint
-from worker.sampling_params import SamplingParams
-from worker.sequence import Sequence
-from worker.tuning_state import SchedulerKnobs, TuningState
+from worker.sched.generation import BatchGenerator
+from worker.kv.store import KVStore
+from worker.kv.store_writer import StoreWriter
+from worker.kv.prefix_cache import PrefixCache
+from worker.kv.block_manager import BlockManager
+from worker.kv.prefix_setup import engine_fingerprint
+from shared.sampling import SamplingParams
+from worker.kv.sequence import Sequence
+from worker.sched.one_request import generate_one, solo_generator
+from worker.sched.tuning_state import SchedulerKnobs, TuningState
 
 SPEC = TinyModel(arch="gemma3", n_layers=6, n_kv_heads=1, head_dim=32, rope_base=1e6, matrix_type=QT.Q8_0,
                  sliding_window=8)
@@ -59,7 +61,8 @@ def test_bounded_mode_moves_the_local_layers_to_a_window_pool(tiny_path):
 @pytest.mark.parametrize("kernels", ["auto", "reference"])
 def test_decode_past_the_window_matches_float64_forward(tiny_path, kernels):
     engine = _load(tiny_path, kernels=kernels)
-    manager, slots = engine.block_manager, engine.block_manager.window
+    manager = BlockManager.for_pool(engine.kv)
+    slots = manager.window
     seq = Sequence("s", PROMPT, GREEDY, 0.0)
     got, held = [], []
     for pos, token in enumerate(PROMPT):
@@ -79,7 +82,7 @@ def test_decode_past_the_window_matches_float64_forward(tiny_path, kernels):
 
 def test_chunked_prefill_past_the_window_matches_float64_forward(tiny_path):
     engine = _load(tiny_path)
-    manager = engine.block_manager
+    manager = BlockManager.for_pool(engine.kv)
     seq = Sequence("s", PROMPT, GREEDY, 0.0)
     for lo in range(0, len(PROMPT), CHUNK):
         part = PROMPT[lo:lo + CHUNK]
@@ -113,19 +116,19 @@ def test_batched_requests_give_the_tokens_of_the_full_layout(tiny_path):
     """Three requests at once in a window pool that holds two sequences' windows: some wait for
     slots; every one gets the tokens it gets with every layer kept whole, and all slots return."""
     expected = run_requests(_generator(_load(tiny_path, "full")), REQUESTS).tokens
-    engine = _load(tiny_path)
-    slots = engine.block_manager.window
+    generator = _generator(_load(tiny_path))
+    slots = generator.blocks.window
     peak = []
-    got = run_requests(_generator(engine), REQUESTS, each_step=lambda g: peak.append(slots.num_referenced))
+    got = run_requests(generator, REQUESTS, each_step=lambda g: peak.append(slots.num_referenced))
     assert got.tokens == expected
     assert max(peak) <= slots.num_slots
     assert slots.num_referenced == 0 and slots.num_available == slots.num_slots
-    assert engine.block_manager.num_used_blocks == 0
+    assert generator.blocks.num_used_blocks == 0
 
 
 def _prefix(engine, store=None, restore="auto"):
     writer = StoreWriter(store) if store is not None else None
-    return PrefixCache(engine.block_manager, engine_fingerprint(engine), kv=engine.kv, store=store, writer=writer,
+    return PrefixCache(BlockManager.for_pool(engine.kv), engine_fingerprint(engine), kv=engine.kv, store=store, writer=writer,
                        restore=restore)
 
 
@@ -183,7 +186,8 @@ def test_gemma3_past_its_512_token_window_gives_the_logits_of_the_full_layout(ge
     for mode in ("full", "bounded"):
         engine = load_engine(gemma3_gguf, context_length=2048, kv_cache_memory="256MiB", window_kv=mode,
                              window_sequences=1, progress=lambda m: None)
-        outputs = list(engine.generate(prompt, SamplingParams(max_tokens=6, temperature=0.0), top_logits=5))
+        greedy = SamplingParams(max_tokens=6, temperature=0.0)
+        outputs = list(generate_one(solo_generator(engine), prompt, greedy, top_logits=5))
         runs[mode] = ([o.token for o in outputs], [o.top_logits for o in outputs], engine.kv)
     assert runs["bounded"][0] == runs["full"][0]
     assert runs["bounded"][1] == runs["full"][1]

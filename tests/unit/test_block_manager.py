@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 
 from shared.errors import ConfigError
-from worker.block_manager import BlockManager
-from worker.sampling_params import SamplingParams
-from worker.sequence import Sequence
+from worker.kv.block_manager import BlockManager
+from shared.sampling import SamplingParams
+from worker.kv.sequence import Sequence
 
 
 def _seq(name: str, num_tokens: int) -> Sequence:

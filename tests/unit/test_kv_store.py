@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 import zstandard
 
-from worker.kv_store import FORMAT_VERSION, KVStore, KVStoreUnavailable
-from worker.kv_store_writer import StoreWriter
+from worker.kv.store import FORMAT_VERSION, KVStore, KVStoreUnavailable
+from worker.kv.store_writer import StoreWriter
 
 FP = hashlib.sha256(b"model A").digest()
 OTHER_FP = hashlib.sha256(b"model B").digest()

@@ -9,12 +9,12 @@ import sys
 import pytest
 
 from shared.hashing import ZERO_HASH, block_hash, extend_chain, kv_fingerprint
-from worker.block_manager import BlockManager
-from worker.prefix_cache import PrefixCache
-from worker.sampling_params import SamplingParams
-from worker.scheduler import ScheduledBatch, Scheduler
-from worker.sequence import Sequence
-from worker.tuning_state import SchedulerKnobs, TuningState
+from worker.kv.block_manager import BlockManager
+from worker.kv.prefix_cache import PrefixCache
+from shared.sampling import SamplingParams
+from worker.sched.scheduler import ScheduledBatch, Scheduler
+from worker.kv.sequence import Sequence
+from worker.sched.tuning_state import SchedulerKnobs, TuningState
 
 FP = kv_fingerprint(model="test", kv_dtype="float32")
 BS = 4

@@ -9,7 +9,7 @@ import pytest
 from shared import protocol
 from shared.protocol import (Abort, Drain, Error, Finished, Generate, Heartbeat, Kind, ProtocolError, Register,
                              TokenChunk, decode, encode)
-from worker.sampling_params import SamplingParams
+from shared.sampling import SamplingParams
 
 MESSAGES = [
     Register("host/node0/12", 0, [0, 1, 2], "SmolLM2", "/m/a.gguf", "llama", 8192, 49152, 1, "host", 12),

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from shared.errors import InvalidRequestError
-from worker.sampler import Sampler, validate_params
-from worker.sampling_params import SamplingParams
+from shared.sampling import SamplingParams, validate_params
+from worker.sched.sampler import Sampler
 
 VOCAB = 1000
 
@@ -234,7 +234,9 @@ def test_logprobs_ties_are_ordered_by_id():
     ("max_tokens", 1.5),
     ("temperature", -0.1),
     ("temperature", float("nan")),
-    ("top_k", -1),
+    ("top_k", -2),
+    ("temperature", 2.5),
+    ("repetition_penalty", 10.5),
     ("top_p", 0.0),
     ("top_p", 1.01),
     ("min_p", -0.1),
@@ -255,7 +257,7 @@ def test_validation_names_the_field(field, value):
     with pytest.raises(InvalidRequestError) as info:
         validate_params(SamplingParams(**{field: value}), VOCAB)
     assert info.value.param == field
-    assert info.value.message.startswith(field)
+    assert info.value.message.startswith(f"'{field}'")
     assert info.value.status == 400
 
 

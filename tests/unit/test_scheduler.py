@@ -8,12 +8,13 @@ from collections import Counter
 
 import pytest
 
+from shared.config import Config
 from shared.errors import ConfigError, ContextLengthError, InvalidRequestError
-from worker.block_manager import BlockManager
-from worker.sampling_params import SamplingParams
-from worker.scheduler import ScheduledBatch, Scheduler
-from worker.sequence import Sequence, SequenceStatus
-from worker.tuning_state import SchedulerKnobs, TuningState
+from worker.kv.block_manager import BlockManager
+from shared.sampling import SamplingParams
+from worker.sched.scheduler import ScheduledBatch, Scheduler
+from worker.kv.sequence import Sequence, SequenceStatus
+from worker.sched.tuning_state import SchedulerKnobs, TuningState
 
 STOP = 0  # the stop token in these tests; sampled tokens are otherwise >= 1
 
@@ -327,8 +328,8 @@ def test_no_hold_when_a_full_batch_waits_or_the_window_is_zero():
 def test_tuning_state_keeps_versions_and_ignores_stale_decisions():
     tuning = TuningState()
     assert tuning.current() == SchedulerKnobs() and tuning.version == 0
-    assert SchedulerKnobs().as_dict() == {"max_batch_size": 8, "token_budget": 512, "prefill_chunk": 256,
-                                          "batching_window_ms": 2.0, "attention_chunk": 512}
+    # One source of defaults: the knobs start where reame.conf's dataclasses (and file) start.
+    assert SchedulerKnobs() == SchedulerKnobs.from_config(Config())
     faster = SchedulerKnobs(max_batch_size=16)
     assert tuning.apply(faster, 3, "more streams") is True
     assert tuning.current() is faster and (tuning.version, tuning.reason) == (3, "more streams")

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from shared.errors import ConfigError
-from worker.block_manager import BlockManager
-from worker.sampling_params import SamplingParams
-from worker.sequence import Sequence
-from worker.window_slots import WindowSlots
+from worker.kv.block_manager import BlockManager
+from shared.sampling import SamplingParams
+from worker.kv.sequence import Sequence
+from worker.kv.window_slots import WindowSlots
 
 BS, WINDOW = 4, 8  # a query sees itself and the 7 keys before it: at most 3 blocks
 

@@ -11,7 +11,7 @@ from shared import protocol
 from shared.protocol import Abort, Drain, Error, Finished, Generate, Heartbeat, Register, TokenChunk
 from tests.fakes import EOS, FakeGenerator
 from worker.pulse import Pulse
-from worker.sampling_params import SamplingParams
+from shared.sampling import SamplingParams
 from worker.service import WorkerService
 
 INFO = Register("w", 0, [0], "fake", "/f.gguf", "fake", 256, 259, 1, "h", 1)

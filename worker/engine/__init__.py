@@ -3,12 +3,12 @@
 Public surface (what the worker, the CLI and the benchmarks use):
 
     engine = load_engine(path, kernels="auto", threads=0, context_length=0, progress=None)
-    engine.model_name, engine.arch, engine.n_ctx, engine.vocab_size
+    engine.model_name, engine.arch, engine.n_ctx, engine.vocab_size, engine.kv (the paged pool)
     engine.validate(prompt_ids, max_tokens)            # raises InvalidRequestError / ContextLengthError
-    for out in engine.generate(prompt_ids, params):    # yields TokenOutput, one per generated token
-        out.token, out.logprob, out.top_logprobs, out.finish_reason  # finish_reason: None | "stop" | "length"
+    engine.execute(chunks)                             # one step: K/V into blocks, logits of the chunks
 
-Stopping iteration early (generator close) abandons the sequence and frees its KV.
+Generation (scheduling, sampling, one request or many) is worker.sched's: the engine imports
+nothing from worker/ outside worker/engine/.
 """
 from __future__ import annotations
 

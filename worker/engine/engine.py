@@ -1,4 +1,4 @@
-"""Engine: a loaded model, its KV cache and the generation loop.
+"""Engine: a loaded model and its KV cache; `execute` computes one step of many sequences.
 
 Kernel sets:
   auto       every token of a step through the fused numba step over packed quantized
@@ -6,54 +6,31 @@ Kernel sets:
   reference  every step through the ragged float32 forward on weights dequantized with the
              numpy reference decoder (slow; the yardstick for the golden checks).
 
-K/V live in a paged pool (paged_kv.py) whose blocks worker.block_manager hands out; every call
+K/V live in a paged pool (paged_kv.py) whose blocks worker.kv.block_manager hands out; every call
 names the blocks of each sequence it computes, so many sequences share one engine.
 """
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable
 
 import numpy as np
 
-from shared.config import memory_bytes
+from shared.config import EngineSection, SchedulerSection, memory_bytes
 from shared.errors import ConfigError, ContextLengthError, InvalidRequestError, ModelLoadError
-from worker.block_manager import BlockManager
 from worker.engine.batch import RaggedBatch, StepChunk, row_arrays, window_row_tables
 from worker.engine.dense import ReferenceDense
 from worker.engine.gguf_file import GGUFFile
 from worker.engine.models import build_model
 from worker.engine.paged_kv import (WINDOW_KV_MODES, KVShape, PagedKVCache, WindowLayout, pool_blocks,
                                     window_blocks_per_sequence)
-from worker.sampler import Sampler, validate_params
-from worker.sampling_params import SamplingParams
-from worker.sequence import Sequence
-from worker.window_slots import WindowSlots
 
 log = logging.getLogger("reame.engine")
+_ENGINE, _SCHEDULER = EngineSection(), SchedulerSection()  # reame.conf's defaults, the one source
 
 KERNEL_SETS = ("auto", "reference")
 Progress = Callable[[str], None]
-
-
-@dataclass
-class TokenOutput:
-    token: int
-    logprob: float | None = None
-    top_logprobs: list[tuple[int, float]] = field(default_factory=list)
-    top_logits: list[tuple[int, float]] = field(default_factory=list)  # raw model logits, best first
-    finish_reason: str | None = None  # None while generating, then "stop" or "length"
-
-
-@dataclass
-class StepTimes:
-    """Wall time of the last generate call's phases (for benchmarks and logs)."""
-    prefill_tokens: int = 0
-    prefill_s: float = 0.0
-    decode_tokens: int = 0
-    decode_s: float = 0.0
 
 
 class Engine:
@@ -69,15 +46,7 @@ class Engine:
         self._dense = dense
         self._logits_of_rows = logits_of_rows
         self.kv = kv
-        # Who owns which block: the single-sequence generate() below and the worker's scheduler
-        # both allocate here, so the two never hand out the same block.
-        window = None
-        if kv.window is not None:
-            window = WindowSlots(kv.window.slots, kv.num_blocks, kv.window.tokens, kv.block_size)
-        self.block_manager = BlockManager(kv.num_blocks, kv.block_size, window)
-        self.prefill_chunk = 512
-        self.attention_chunk = 512
-        self.times = StepTimes()
+        self.attention_chunk = _SCHEDULER.attention_chunk  # when a step does not name one
 
     # ---------------------------------------------------------------- checks
     def validate(self, prompt_ids, max_tokens: int) -> None:
@@ -121,93 +90,19 @@ class Engine:
             results[i] = np.array(logits[row], np.float32)
         return results
 
-    # ---------------------------------------------------------------- one sequence
-    def generate(self, prompt_ids, params: SamplingParams, top_logits: int = 0) -> Iterator[TokenOutput]:
-        """Yield one TokenOutput per generated token; the last one carries finish_reason.
-
-        One sequence on its own (the CLI and benchmarks); the worker batches through execute().
-        top_logits > 0 also reports the raw logits of the best candidates at each step.
-        """
-        validate_params(params, self.vocab_size)
-        self.validate(prompt_ids, params.max_tokens)
-        ids = np.asarray(prompt_ids, dtype=np.int64)
-        sampler = Sampler(params, self.vocab_size)
-        sampler.observe_prompt(ids)
-        stop_ids = set(params.stop_token_ids)
-        times = self.times = StepTimes()
-        seq = Sequence("generate", ids.tolist(), params, 0.0)
-        manager = self.block_manager
-        if manager.blocks_needed(seq.max_num_tokens) > manager.num_free_blocks:
-            raise ContextLengthError(f"the KV cache has {manager.num_free_blocks * manager.block_size} free token "
-                                     f"slots; this request needs {seq.max_num_tokens}", param="max_tokens")
-        try:
-            t0 = time.perf_counter()
-            for lo in range(0, len(ids), self.prefill_chunk):
-                part = ids[lo:lo + self.prefill_chunk]
-                logits = self._step_alone(seq, part, lo + len(part) == len(ids))
-            times.prefill_tokens, times.prefill_s = len(ids), time.perf_counter() - t0
-            t0 = time.perf_counter()
-            for n in range(params.max_tokens):
-                out = self._emit(sampler, logits, params)
-                if top_logits > 0:
-                    out.top_logits = _top_logits(logits, top_logits)
-                if out.token in stop_ids:
-                    out.finish_reason = "stop"
-                elif n + 1 == params.max_tokens:
-                    out.finish_reason = "length"
-                times.decode_tokens, times.decode_s = n + 1, time.perf_counter() - t0
-                yield out
-                if out.finish_reason:
-                    return
-                logits = self._step_alone(seq, [out.token], True)
-        finally:
-            manager.free(seq)
-
-    def _step_alone(self, seq: Sequence, token_ids, wants_logits: bool) -> np.ndarray | None:
-        """Compute seq's next tokens on their own, with blocks (and window slots) as they are needed."""
-        manager = self.block_manager
-        manager.allocate(seq, len(token_ids))
-        chunk = StepChunk.of(token_ids, seq.num_computed_tokens, seq.block_table, wants_logits,
-                             manager.window_table(seq.block_table))
-        logits = self.execute([chunk])[0]
-        seq.num_computed_tokens += len(token_ids)
-        manager.slide(seq)
-        return logits
-
-    def _emit(self, sampler: Sampler, logits: np.ndarray, params: SamplingParams) -> TokenOutput:
-        token = sampler.sample(logits)
-        if params.logprobs <= 0:
-            return TokenOutput(token)
-        lp, top = sampler.logprobs(logits, token, params.logprobs)
-        return TokenOutput(token, lp, top)
-
-    def warm_up(self) -> None:
-        """Compile (or load from the numba cache) every kernel the hot path uses."""
-        self.generate_ids([0], 2)
-
-    def generate_ids(self, prompt_ids, max_tokens: int) -> list[int]:
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-        return [o.token for o in self.generate(prompt_ids, params)]
-
-
-def _top_logits(logits: np.ndarray, k: int) -> list[tuple[int, float]]:
-    k = min(k, logits.size)
-    best = np.argpartition(logits, logits.size - k)[logits.size - k:]
-    best = best[np.lexsort((best, -logits[best]))]
-    return [(int(i), float(logits[i])) for i in best]
-
-
 def _configure_numba(threads: int) -> None:
     import numba
     if threads > 0:
         numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
 
 
-def load_engine(path, kernels: str = "auto", threads: int = 0, context_length: int = 0,
-                max_context: int = 8192, prefill_chunk: int = 512,
-                kv_block_size: int = 16, kv_dtype: str = "float16", kv_cache_memory: str = "1GiB",
-                attention_chunk: int = 512, matmul_activations: str = "auto",
-                window_kv: str = "bounded", window_sequences: int = 16,
+def load_engine(path, kernels: str = _ENGINE.kernels, threads: int = _ENGINE.threads,
+                context_length: int = _ENGINE.context_length, max_context: int = _ENGINE.max_context,
+                prefill_chunk: int = _ENGINE.prefill_chunk, kv_block_size: int = _ENGINE.kv_block_size,
+                kv_dtype: str = _ENGINE.kv_dtype, kv_cache_memory: str = _ENGINE.kv_cache_memory,
+                attention_chunk: int = _SCHEDULER.attention_chunk,
+                matmul_activations: str = _ENGINE.matmul_activations, window_kv: str = _ENGINE.window_kv,
+                window_sequences: int = 2 * _SCHEDULER.max_batch_size,
                 progress: Progress | None = None) -> Engine:
     """Open a GGUF model and make it ready to generate.
 
@@ -259,7 +154,6 @@ def load_engine(path, kernels: str = "auto", threads: int = 0, context_length: i
     if kernels == "auto":
         say(f"matmuls: {_matmul_description(model.buffers.int8)}")
     engine = Engine(g, model, kernels, n_ctx, dense, logits_of_rows, kv)
-    engine.prefill_chunk = prefill_chunk
     engine.attention_chunk = attention_chunk
     say(f"model ready in {time.perf_counter() - t0:.1f} s")
     return engine

@@ -12,12 +12,12 @@ float16 pools hold IEEE half bits as uint16 (numba has no float16 scalar); the k
 
 Window layers (Gemma 3's local layers: a query sees only the last `window` keys). In "bounded"
 mode their K/V leave the main pool for the window pool (n_slots, n_window_layers, ...), indexed
-by slot, not block: worker.block_manager gives a block a slot while it is inside some sequence's
+by slot, not block: worker.kv.block_manager gives a block a slot while it is inside some sequence's
 window and takes it back after, so a long context costs the main pool only its global layers
 (for Gemma 3 270M: 3 of 18 layers) and the window pool a fixed amount per running sequence.
 "full" mode keeps every layer in the main pool (llama.cpp's --swa-full), as for every other model.
 
-Which block (or slot) belongs to whom is worker.block_manager's job; this class only owns the arrays.
+Which block (or slot) belongs to whom is worker.kv.block_manager's job; this class only owns the arrays.
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ at once; LMDB's lock file serializes their write transactions and readers never 
 
 Sub-databases, all changed only inside one write transaction, so every invariant below holds at
 every commit and a failed or partial write is never visible:
-  blocks  key -> value (header + token ids + stored payload: worker.kv_block_format)
+  blocks  key -> value (header + token ids + stored payload: worker.kv.block_format)
   lru     stamp (8-byte big-endian time_ns) + key -> b""   the access order, oldest first
   atime   key -> stamp                                     finds a key's `lru` row
   meta    b"bytes_used", b"entries" -> u64 big-endian      totals over `blocks`, host-wide
@@ -35,7 +35,7 @@ from pathlib import Path
 import lmdb
 import numpy as np
 
-from worker.kv_block_format import FORMAT_VERSION, MAGIC, BlockCodec
+from worker.kv.block_format import FORMAT_VERSION, MAGIC, BlockCodec
 
 __all__ = ["FORMAT_VERSION", "MAGIC", "KVStore", "KVStoreUnavailable", "StoreStats", "check_key"]
 

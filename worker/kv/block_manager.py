@@ -17,7 +17,7 @@ Ref counts: a block may sit in several sequences' block tables (a shared prefix)
 free list only when the last of them frees it. `share()` revives a free block, keeping its
 contents.
 
-Window slots (models with sliding-window layers, worker.window_slots): every allocated block also
+Window slots (models with sliding-window layers, worker.kv.window_slots): every allocated block also
 gets a slot for those layers' K/V, and a sequence holds a reference on the slots of the blocks
 its next query can attend to (`seq.window_start` on); `slide()` lets go of the rest as it moves.
 """
@@ -28,8 +28,9 @@ from collections import OrderedDict
 import numpy as np
 
 from shared.errors import ConfigError
-from worker.sequence import Sequence
-from worker.window_slots import WindowSlots
+from worker.engine.paged_kv import PagedKVCache
+from worker.kv.sequence import Sequence
+from worker.kv.window_slots import WindowSlots
 
 
 class BlockManager:
@@ -48,6 +49,14 @@ class BlockManager:
         self._block_of: dict[bytes, int] = {}  # chain hash -> the block holding it (used or free)
         self.num_evictions = 0  # named blocks reused for other contents
         self.window = window
+
+    @classmethod
+    def for_pool(cls, kv: PagedKVCache) -> "BlockManager":
+        """The manager of every block (and sliding-window slot) of an engine's KV pool."""
+        window = None
+        if kv.window is not None:
+            window = WindowSlots(kv.window.slots, kv.num_blocks, kv.window.tokens, kv.block_size)
+        return cls(kv.num_blocks, kv.block_size, window)
 
     # ---- sizes ---------------------------------------------------------------------------------
 

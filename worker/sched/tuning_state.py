@@ -1,6 +1,6 @@
 """The scheduler's knobs, and the holder through which a coordinator changes them between steps.
 
-Without a coordinator the defaults below serve correctly. A decision arrives as a whole new
+Without a coordinator the defaults (reame.conf's) serve correctly. A decision arrives as a whole new
 `SchedulerKnobs` with a version; the scheduler reads `current()` once at the start of each step,
 so a change never lands in the middle of a batch.
 """
@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 
+from shared.config import Config, EngineSection, SchedulerSection
 from shared.errors import ConfigError
 
 # A window longer than this is almost surely seconds passed as milliseconds; it would stall
@@ -16,13 +17,24 @@ from shared.errors import ConfigError
 MAX_BATCHING_WINDOW_MS = 1000.0
 
 
+_SCHEDULER, _ENGINE = SchedulerSection(), EngineSection()
+
+
 @dataclass(frozen=True)
 class SchedulerKnobs:
-    max_batch_size: int = 8  # sequences in one step
-    token_budget: int = 512  # tokens (prefill chunks + decode tokens) in one step
-    prefill_chunk: int = 256  # most prompt tokens one sequence feeds in one step
-    batching_window_ms: float = 2.0  # how long a lone arrival may wait for company (see Scheduler)
-    attention_chunk: int = 512  # keys per online-softmax chunk in the engine's attention
+    """Defaults are reame.conf's (shared.config), the one source of every default."""
+    max_batch_size: int = _SCHEDULER.max_batch_size  # sequences in one step
+    token_budget: int = _SCHEDULER.token_budget  # tokens (prefill chunks + decode tokens) in one step
+    prefill_chunk: int = _ENGINE.prefill_chunk  # most prompt tokens one sequence feeds in one step
+    batching_window_ms: float = _SCHEDULER.batching_window_ms  # how long a lone arrival may wait (Scheduler)
+    attention_chunk: int = _SCHEDULER.attention_chunk  # keys per online-softmax chunk in the engine's attention
+
+    @classmethod
+    def from_config(cls, config: Config) -> "SchedulerKnobs":
+        s = config.scheduler
+        return cls(max_batch_size=s.max_batch_size, token_budget=s.token_budget,
+                   prefill_chunk=config.engine.prefill_chunk, batching_window_ms=s.batching_window_ms,
+                   attention_chunk=s.attention_chunk)
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "token_budget", "prefill_chunk", "attention_chunk"):

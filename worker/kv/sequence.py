@@ -14,7 +14,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable
 
-from worker.sampling_params import SamplingParams
+from shared.sampling import SamplingParams
 
 
 class SequenceStatus(enum.Enum):

@@ -16,7 +16,7 @@ import threading
 import time
 from collections import deque
 
-from worker.kv_store import KVStore, check_key
+from worker.kv.store import KVStore, check_key
 
 log = logging.getLogger("reame.kvstore")
 

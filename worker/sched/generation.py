@@ -15,14 +15,16 @@ from typing import Callable, Protocol
 import numpy as np
 
 from shared.errors import ReameError
-from worker.block_manager import BlockManager
+from worker.kv.block_manager import BlockManager
 from worker.engine.batch import StepChunk
-from worker.prefix_cache import PrefixCache
-from worker.sampler import Sampler, validate_params
-from worker.sampling_params import SamplingParams
-from worker.scheduler import ScheduledBatch, Scheduler
-from worker.sequence import Sequence
-from worker.tuning_state import TuningState
+from worker.engine.paged_kv import PagedKVCache
+from worker.kv.prefix_cache import PrefixCache
+from shared.sampling import validate_params
+from worker.sched.sampler import Sampler
+from shared.sampling import SamplingParams
+from worker.sched.scheduler import ScheduledBatch, Scheduler
+from worker.kv.sequence import Sequence
+from worker.sched.tuning_state import TuningState
 
 log = logging.getLogger("reame.generation")
 
@@ -30,7 +32,7 @@ log = logging.getLogger("reame.generation")
 class BatchEngine(Protocol):
     """What the generator needs of worker.engine.Engine."""
     vocab_size: int
-    block_manager: BlockManager
+    kv: PagedKVCache
 
     def validate(self, prompt_ids, max_tokens: int) -> None: ...
 
@@ -43,6 +45,7 @@ class TokenEvent:
     token: int
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] = field(default_factory=list)
+    top_logits: list[tuple[int, float]] = field(default_factory=list)  # raw logits, best first (add(top_logits=k))
 
 
 @dataclass(frozen=True)
@@ -74,13 +77,26 @@ class StepStats:
 
 
 class BatchGenerator:
+    """The one generation loop: the worker's service, the CLI, benchmarks and tests all step it.
+
+    blocks: who owns which block of the engine's KV pool (a fresh BlockManager when None; the
+    prefix cache's own when one is given, so the two agree on every block).
+    """
+
     def __init__(self, engine: BatchEngine, tuning: TuningState | None = None,
-                 clock: Callable[[], float] = time.monotonic, prefix: PrefixCache | None = None):
+                 clock: Callable[[], float] = time.monotonic, prefix: PrefixCache | None = None,
+                 blocks: BlockManager | None = None):
         self.engine = engine
         self.prefix = prefix
-        self.scheduler = Scheduler(engine.block_manager, tuning, prefix)
+        if blocks is None:
+            blocks = prefix.block_manager if prefix is not None else BlockManager.for_pool(engine.kv)
+        if prefix is not None and prefix.block_manager is not blocks:
+            raise ValueError("the prefix cache must name blocks of the generator's own block manager")
+        self.blocks = blocks
+        self.scheduler = Scheduler(blocks, tuning, prefix)
         self.clock = clock
         self._samplers: dict[str, Sampler] = {}
+        self._top_logits: dict[str, int] = {}  # requests that want raw logits reported (golden tests, CLI)
         self._warm: set[str] = set()  # requests that only fill the prefix caches
         self.hold_until: float | None = None  # set while a lone request waits for company
         self.preemptions = 0  # sequences sent back to recompute because KV blocks ran out
@@ -88,11 +104,13 @@ class BatchGenerator:
 
     # ---- requests ------------------------------------------------------------------------------
 
-    def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams, warm: bool = False) -> None:
+    def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams, warm: bool = False,
+            top_logits: int = 0) -> None:
         """Queue a request; ReameError (nothing queued) when it cannot be served.
 
         warm: the request is there to fill the prefix caches; its finish waits until the store
-        has committed its blocks, so the caller may rely on them being there."""
+        has committed its blocks, so the caller may rely on them being there.
+        top_logits > 0: each TokenEvent also carries the raw logits of the best candidates."""
         validate_params(params, self.engine.vocab_size)
         self.engine.validate(prompt_ids, params.max_tokens)
         seq = Sequence(request_id, [int(t) for t in prompt_ids], params, self.clock())
@@ -102,14 +120,15 @@ class BatchGenerator:
         self._samplers[request_id] = sampler
         if warm:
             self._warm.add(request_id)
+        if top_logits > 0:
+            self._top_logits[request_id] = top_logits
 
     def abort(self, request_id: str) -> FinishEvent | None:
         """Stop a request now and free its blocks; None when it is unknown or already finished."""
         seq = self.scheduler.abort(request_id)
         if seq is None:
             return None
-        self._samplers.pop(request_id, None)
-        self._warm.discard(request_id)
+        self._forget(request_id)
         return self._finish_event(seq)
 
     def abort_all(self) -> list[FinishEvent]:
@@ -137,7 +156,7 @@ class BatchGenerator:
         self.hold_until = batch.hold_until
         if batch.is_empty:
             return []
-        window_table = self.engine.block_manager.window_table
+        window_table = self.blocks.window_table
         chunks = [StepChunk.of(c.token_ids, c.start, c.seq.block_table, c.samples, window_table(c.seq.block_table))
                   for c in batch.chunks]
         started = time.perf_counter()
@@ -159,20 +178,26 @@ class BatchGenerator:
                 continue
             seq = chunk.seq
             sampler = self._samplers[seq.seq_id]
+            top_logits = _top_logits(row, self._top_logits.get(seq.seq_id, 0))
             token = sampler.sample(row)
             sampled[seq.seq_id] = token
             if seq.params.logprobs > 0:
                 logprob, top = sampler.logprobs(row, token, seq.params.logprobs)
-                events.append(TokenEvent(seq.seq_id, token, logprob, top))
+                events.append(TokenEvent(seq.seq_id, token, logprob, top, top_logits))
             else:
-                events.append(TokenEvent(seq.seq_id, token))
+                events.append(TokenEvent(seq.seq_id, token, top_logits=top_logits))
         for seq in self.scheduler.update(batch, sampled):
-            self._samplers.pop(seq.seq_id, None)
-            if seq.seq_id in self._warm:
-                self._warm.discard(seq.seq_id)
+            warm = seq.seq_id in self._warm
+            self._forget(seq.seq_id)
+            if warm:
                 self._flush_store(seq)
             events.append(self._finish_event(seq))
         return events
+
+    def _forget(self, request_id: str) -> None:
+        self._samplers.pop(request_id, None)
+        self._warm.discard(request_id)
+        self._top_logits.pop(request_id, None)
 
     def _finish_event(self, seq: Sequence) -> FinishEvent:
         prefix_tokens = self.prefix.cached_prompt_tokens(seq) if self.prefix is not None else 0
@@ -191,7 +216,7 @@ class BatchGenerator:
         """For heartbeats (read from another thread, so only sizes are read): the prefix cache's
         counters and the store's size, and how the KV pool's blocks are used now."""
         counters = self.prefix.snapshot() if self.prefix is not None else {}
-        blocks = self.engine.block_manager
+        blocks = self.blocks
         counters.update(kv_blocks=blocks.num_blocks, kv_blocks_used=blocks.num_used_blocks,
                         kv_blocks_cached=blocks.num_cached_blocks)
         return counters
@@ -202,7 +227,17 @@ class BatchGenerator:
         events: list[Event] = []
         for chunk in batch.chunks:
             if self.scheduler.abort(chunk.seq.seq_id) is not None:
-                self._samplers.pop(chunk.seq.seq_id, None)
+                self._forget(chunk.seq.seq_id)
                 events.append(ErrorEvent(chunk.seq.seq_id, error))
         self.scheduler.update(batch, {})
         return events
+
+
+def _top_logits(logits: np.ndarray, k: int) -> list[tuple[int, float]]:
+    """The k largest raw logits as (token, logit), best first, ties by lower id."""
+    if k <= 0:
+        return []
+    k = min(k, logits.size)
+    best = np.argpartition(logits, logits.size - k)[logits.size - k:]
+    best = best[np.lexsort((best, -logits[best]))]
+    return [(int(i), float(logits[i])) for i in best]

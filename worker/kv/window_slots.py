@@ -4,7 +4,7 @@ A model whose local layers attend only the last `window_tokens` keys (Gemma 3) n
 layers' K/V of a block only while some sequence can still attend to it. The block manager gives
 each block a slot when it is allocated, and every sequence holds a window reference on its blocks
 from the first one its next query can see (`first_block`) to its end; the reference is dropped
-as the sequence moves on (worker.block_manager.BlockManager.slide).
+as the sequence moves on (worker.kv.block_manager.BlockManager.slide).
 
 A slot nobody references:
 - of a named block (a prefix the RAM cache can give again) is *retained*, least recently used

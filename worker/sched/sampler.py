@@ -15,12 +15,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from shared.errors import InvalidRequestError
-from worker.sampling_params import SamplingParams
-
-MAX_LOGPROBS = 20  # OpenAI's limit for top_logprobs
-MAX_LOGIT_BIAS = 100.0  # OpenAI's range is [-100, 100]
-MAX_PENALTY = 2.0  # OpenAI's range for presence/frequency penalties is [-2, 2]
+from shared.sampling import SamplingParams
 
 # top_p first looks at this many best tokens; usually the nucleus is far smaller. When it is
 # not (a flat distribution), the prefix grows 8x at a time, up to the whole vocabulary.
@@ -28,7 +23,7 @@ _TOP_P_FIRST = 256
 
 
 class Sampler:
-    """Owns one sequence's random stream and token counts. Expects params that passed `validate_params`."""
+    """Owns one sequence's random stream and token counts. Expects params that passed `shared.sampling.validate_params`."""
 
     def __init__(self, params: SamplingParams, vocab_size: int):
         self.params = params
@@ -170,59 +165,3 @@ def _nucleus(vals: np.ndarray, top_p: float) -> np.ndarray:
 def _logsumexp(x: np.ndarray) -> float:
     top = float(x.max())
     return top + math.log(float(np.exp(x - top).sum(dtype=np.float64)))
-
-
-# ---- validation ------------------------------------------------------------------------------
-
-def validate_params(params: SamplingParams, vocab_size: int) -> None:
-    """Raise InvalidRequestError naming the first field that is out of range."""
-    _integer(params.max_tokens, "max_tokens", low=1)
-    _number(params.temperature, "temperature", low=0.0)
-    _integer(params.top_k, "top_k", low=0)
-    _number(params.top_p, "top_p", low=0.0, high=1.0, low_open=True)
-    _number(params.min_p, "min_p", low=0.0, high=1.0)
-    _number(params.repetition_penalty, "repetition_penalty", low=0.0, low_open=True)
-    _number(params.presence_penalty, "presence_penalty", low=-MAX_PENALTY, high=MAX_PENALTY)
-    _number(params.frequency_penalty, "frequency_penalty", low=-MAX_PENALTY, high=MAX_PENALTY)
-    if not isinstance(params.logit_bias, dict):
-        raise InvalidRequestError("logit_bias must map token ids to numbers", param="logit_bias")
-    for token, bias in params.logit_bias.items():
-        _token_id(token, "logit_bias", vocab_size)
-        _number(bias, "logit_bias", low=-MAX_LOGIT_BIAS, high=MAX_LOGIT_BIAS)
-    if params.seed is not None:
-        _integer(params.seed, "seed")
-    for token in params.stop_token_ids:
-        _token_id(token, "stop_token_ids", vocab_size)
-    _integer(params.logprobs, "logprobs", low=0, high=MAX_LOGPROBS)
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
-
-
-def _integer(value: object, name: str, low: int | None = None, high: int | None = None) -> None:
-    if not _is_int(value):
-        raise InvalidRequestError(f"{name} must be an integer, got {value!r}", param=name)
-    if (low is not None and value < low) or (high is not None and value > high):
-        raise InvalidRequestError(f"{name} must be in {_range(low, high, False)}, got {value}", param=name)
-
-
-def _number(value: object, name: str, low: float | None = None, high: float | None = None,
-            low_open: bool = False) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
-            or not math.isfinite(value):
-        raise InvalidRequestError(f"{name} must be a finite number, got {value!r}", param=name)
-    too_low = low is not None and (value <= low if low_open else value < low)
-    if too_low or (high is not None and value > high):
-        raise InvalidRequestError(f"{name} must be in {_range(low, high, low_open)}, got {value}", param=name)
-
-
-def _token_id(value: object, name: str, vocab_size: int) -> None:
-    if not _is_int(value) or not 0 <= value < vocab_size:
-        raise InvalidRequestError(f"{name}: {value!r} is not a token id (vocabulary is 0..{vocab_size - 1})",
-                                  param=name)
-
-
-def _range(low: float | None, high: float | None, low_open: bool) -> str:
-    left = "(" if low_open or low is None else "["
-    return f"{left}{'-inf' if low is None else low}, {'inf)' if high is None else f'{high}]'}"

@@ -5,7 +5,8 @@ import logging
 
 from shared.config import Config, memory_bytes
 from shared.hashing import kv_fingerprint
-from worker.prefix_cache import PrefixCache
+from worker.kv.block_manager import BlockManager
+from worker.kv.prefix_cache import PrefixCache
 
 log = logging.getLogger("reame.prefix")
 
@@ -15,10 +16,11 @@ def engine_fingerprint(engine) -> bytes:
     from worker.engine import SOURCE_DIGEST
     return kv_fingerprint(model_sha256=engine.gguf.fingerprint(), arch=engine.arch, kv_dtype=engine.kv.dtype,
                           block_size=engine.kv.block_size, kv_layout=engine.kv.layout, kernels=engine.kernels,
-                          int8_activations=bool(engine.model.buffers.int8), engine_code=SOURCE_DIGEST)
+                          int8_activations=engine.ops["matmul"] == "int8", engine_code=SOURCE_DIGEST)
 
 
-def build_prefix_cache(config: Config, engine) -> PrefixCache | None:
+def build_prefix_cache(config: Config, engine, blocks: BlockManager) -> PrefixCache | None:
+    """The prefix cache reame.conf asks for, naming blocks of `blocks` (the generator's manager)."""
     settings = config.prefix_cache
     if not settings.enabled:
         log.info("prefix cache: off ([prefix_cache] enabled = false)")
@@ -26,8 +28,8 @@ def build_prefix_cache(config: Config, engine) -> PrefixCache | None:
     fingerprint = engine_fingerprint(engine)
     store = writer = None
     if settings.store_path:
-        from worker.kv_store import KVStore, KVStoreUnavailable
-        from worker.kv_store_writer import StoreWriter
+        from worker.kv.store import KVStore, KVStoreUnavailable
+        from worker.kv.store_writer import StoreWriter
 
         path = config.resolve_path(settings.store_path)
         budget = memory_bytes(settings.store_budget, 1, "[prefix_cache] store_budget")
@@ -45,5 +47,5 @@ def build_prefix_cache(config: Config, engine) -> PrefixCache | None:
                      payload >> 10)
     log.info("prefix cache: on (RAM%s; restore %s; fingerprint %s)", " + store" if store else " only",
              settings.store_restore, fingerprint.hex()[:16])
-    return PrefixCache(engine.block_manager, fingerprint, kv=engine.kv, store=store, writer=writer,
+    return PrefixCache(blocks, fingerprint, kv=engine.kv, store=store, writer=writer,
                        restore=settings.store_restore)

@@ -30,7 +30,7 @@ batch then carries `hold_until`, the time to call `schedule()` again. Arrivals i
 are admitted together in one step, so one weight read serves all of them. While anything runs
 there is no hold: arrivals join the next step, which pays for the weight read anyway.
 
-Prefix cache (optional, worker.prefix_cache): a sequence being admitted first takes the blocks of
+Prefix cache (optional, worker.kv.prefix_cache): a sequence being admitted first takes the blocks of
 its longest cached prefix (counted as computed), so only the rest is fed; if the remainder does not
 fit, the blocks are given back and admission stops as above. After each step, every newly full
 block is registered under its chain hash. The scheduler itself stays free of I/O: the prefix
@@ -46,10 +46,10 @@ from collections import deque
 from dataclasses import dataclass
 
 from shared.errors import ContextLengthError, InvalidRequestError
-from worker.block_manager import BlockManager
-from worker.prefix_cache import PrefixCache
-from worker.sequence import Sequence, SequenceStatus
-from worker.tuning_state import SchedulerKnobs, TuningState
+from worker.kv.block_manager import BlockManager
+from worker.kv.prefix_cache import PrefixCache
+from worker.kv.sequence import Sequence, SequenceStatus
+from worker.sched.tuning_state import SchedulerKnobs, TuningState
 
 
 @dataclass(frozen=True, eq=False)

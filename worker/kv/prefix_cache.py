@@ -2,8 +2,8 @@
 
 Two tiers, searched in order, block by block along the request's hash chain (shared.hashing):
 1. RAM: blocks of this worker's pool that are registered under their chain hash
-   (worker.block_manager keeps them, free or in use, until their memory is needed);
-2. the host's LMDB store (worker.kv_store), shared by every worker and kept across restarts:
+   (worker.kv.block_manager keeps them, free or in use, until their memory is needed);
+2. the host's LMDB store (worker.kv.store), shared by every worker and kept across restarts:
    a run of stored blocks is restored into fresh pool blocks, or left to be recomputed when
    that is cheaper, as measured on this host (restore bytes/s against prefill tokens/s).
 The last prompt token is always recomputed, because sampling needs its logits.
@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from shared.hashing import extend_chain
-from worker.block_manager import BlockManager
-from worker.sequence import Sequence
+from worker.kv.block_manager import BlockManager
+from worker.kv.sequence import Sequence
 
 log = logging.getLogger("reame.prefix")
 
