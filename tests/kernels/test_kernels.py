@@ -1,4 +1,5 @@
-"""Every registered kernel variant against float64 math on the reference dequantization."""
+"""Every registered kernel variant against float64 math on the reference dequantization, and the
+op table the fused steps dispatch through."""
 from __future__ import annotations
 
 import numpy as np
@@ -9,7 +10,7 @@ from worker.engine.gguf_file import GGUFFile
 from worker.engine.kernels.matmul_batch import batch_scratch
 from worker.engine.kernels.matmul_i8 import batch_scratch_i8, quantize_reference
 from worker.engine.kernels.packing import FMT_F32, M_FMT, TILE, pack
-from worker.engine.kernels.registry import ALL_QUANT_TYPES, KERNELS
+from worker.engine.kernels.registry import ALL_QUANT_TYPES, DISPATCHED_OPS, KERNELS, OpTable, variants_of
 from worker.engine.quants import dequantize
 
 # Rows deliberately not a multiple of TILE, so padding is exercised.
@@ -24,13 +25,13 @@ def _run(variant, table, index, w, x):
         scratch = np.zeros((t.padded_rows(index) // TILE, TILE), np.float32)
         fn(t.data, t.scales, t.scales16, t.meta, np.array([index]), x, out, scratch)
         return out[:w.shape[0]], w.astype(np.float64) @ x.astype(np.float64)
-    if variant.op == "matvec_batch":
+    if (variant.op, variant.variant) == ("matmul", "float32"):
         xs = np.stack([x, -0.5 * x, np.roll(x, 7)])
         out = np.zeros((3, t.padded_rows(index)), np.float32)
         scratch = batch_scratch(t.padded_rows(index) // TILE, 3, x.shape[0])
         fn(t.data, t.scales, t.scales16, t.meta, np.array([index]), xs, out, scratch)
         return out[:, :w.shape[0]], xs.astype(np.float64) @ w.T.astype(np.float64)
-    if variant.op == "matvec_batch_int8":
+    if (variant.op, variant.variant) == ("matmul", "int8"):
         # The reference multiplies by the activations the kernel sees: quantized per 32 values
         # (F32 matrices are multiplied in float32, unquantized).
         xs = np.stack([x, -0.5 * x, np.roll(x, 7)])
@@ -46,7 +47,7 @@ def _run(variant, table, index, w, x):
         out = np.zeros(w.shape[1], np.float32)
         fn(t.data, t.scales, t.scales16, t.meta[index], 37, out)
         return out, w[37]
-    raise AssertionError(f"no test for op {variant.op}")
+    raise AssertionError(f"no test for {variant.op}/{variant.variant}")
 
 
 @pytest.mark.parametrize("key", list(KERNELS), ids=lambda k: "-".join(k))
@@ -102,3 +103,39 @@ def test_scales_are_stored_as_float16_only_when_exact():
     # Q6_K scales are fp16 × int8 products: not representable in fp16 in general.
     products = pack(random_tensor(QT.Q6_K, 64, 256, 2), QT.Q6_K)
     assert not products.half and products.scale.dtype == np.float32
+
+
+def test_each_dispatched_op_has_variants_with_distinct_codes():
+    for op in DISPATCHED_OPS:
+        codes = [v.code for v in variants_of(op).values()]
+        assert codes and sorted(codes) == list(range(len(codes))), op
+
+
+def test_op_table_names_its_variants_and_rejects_unknown_ones():
+    table = OpTable.of(matmul="int8")
+    assert table["matmul"] == "int8" and table["row"] == "gather"
+    assert table.codes.tolist() == [v.code for v in table.variants]
+    assert OpTable.of()["matmul"] == "float32"
+    with pytest.raises(ValueError, match="no variant"):
+        OpTable.of(matmul="fp8")
+    with pytest.raises(ValueError, match="no dispatched op"):
+        OpTable.of(softmax="fast")
+
+
+@pytest.mark.parametrize("variant", list(variants_of("matmul")))
+def test_the_step_matmul_runs_the_function_its_table_entry_names(variant):
+    """decode_parts.matmul with a table's codes gives the bits of that entry's own function."""
+    from gguf import GGMLQuantizationType as QT
+    from worker.engine.models.decode_parts import matmul
+    table = packed_table([(random_tensor(QT.Q4_K, ROWS, COLS, 4), QT.Q4_K)])
+    width = table.padded_rows(0)
+    xs = np.random.default_rng(5).standard_normal((3, COLS)).astype(np.float32)
+    scratch = (batch_scratch(width // TILE, 3, COLS), batch_scratch_i8(width // TILE, 3, COLS))
+    mats = np.array([0])
+    got = np.zeros((3, width), np.float32)
+    tab = (table.data, table.scales, table.scales16, table.meta)
+    matmul((tab, OpTable.of(matmul=variant).codes, scratch), mats, xs, got)
+    expected = np.zeros_like(got)
+    entry = KERNELS[("matmul", variant)]
+    entry.fn(*tab, mats, xs, expected, scratch[1] if variant == "int8" else scratch[0])
+    np.testing.assert_array_equal(got, expected)

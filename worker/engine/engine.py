@@ -81,10 +81,11 @@ class Engine:
         else:
             tokens, positions, tables, logit_rows = row_arrays(chunks)
             if self.kv.window is None:
-                logits = self.model.forward_rows(tokens, positions, tables, logit_rows, self.kv, chunk_keys)
+                logits = self.model.forward_rows(tokens, positions, tables, logit_rows, self.kv, chunk_keys,
+                                                 self.ops.codes)
             else:
                 logits = self.model.forward_rows(tokens, positions, tables, logit_rows, self.kv, chunk_keys,
-                                                 window_tables=window_row_tables(chunks))
+                                                 self.ops.codes, window_tables=window_row_tables(chunks))
         results: list[np.ndarray | None] = [None] * len(chunks)
         for row, i in enumerate(wanting):
             results[i] = np.array(logits[row], np.float32)
@@ -150,10 +151,12 @@ def load_engine(path, kernels: str = _ENGINE.kernels, threads: int = _ENGINE.thr
             f"for {window_sequences} sequences' windows: {window.slots} slots, {window_bytes / 2**20:.0f} MiB")
     say(f"KV cache: {kv.num_blocks} blocks of {kv_block_size} tokens, {kv_dtype}, "
         f"{kv.nbytes / 2**20:.0f} MiB ({kv.num_blocks * kv_block_size} tokens)")
-    model.buffers.int8 = _want_int8(matmul_activations)
+    from worker.engine.kernels.registry import OpTable
+    ops = OpTable.of(matmul="int8" if _want_int8(matmul_activations) else "float32")
     if kernels == "auto":
-        say(f"matmuls: {_matmul_description(model.buffers.int8)}")
+        say(f"matmuls: {_matmul_description(ops['matmul'] == 'int8')}")
     engine = Engine(g, model, kernels, n_ctx, dense, logits_of_rows, kv)
+    engine.ops = ops  # the kernel variant of each op the fused steps run; execute passes its codes
     engine.attention_chunk = attention_chunk
     say(f"model ready in {time.perf_counter() - t0:.1f} s")
     return engine

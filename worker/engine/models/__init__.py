@@ -1,4 +1,4 @@
-"""One module per architecture; `build_model` picks by `general.architecture`."""
+"""One module per architecture family; `build_model` picks by `general.architecture`."""
 from __future__ import annotations
 
 from shared.errors import ModelLoadError
@@ -8,13 +8,10 @@ SUPPORTED = ("llama", "gemma3", "qwen2", "qwen3")
 
 
 def build_model(g: GGUFFile, n_ctx: int, progress=None):
-    if g.arch == "llama":
+    if g.arch in ("llama", "qwen2", "qwen3"):  # llama.ARCHITECTURES
         from worker.engine.models.llama import Llama
         return Llama(g, n_ctx, progress)
     if g.arch == "gemma3":
         from worker.engine.models.gemma3 import Gemma3
         return Gemma3(g, n_ctx, progress)
-    if g.arch in ("qwen2", "qwen3"):
-        from worker.engine.models.qwen import Qwen
-        return Qwen(g, n_ctx, progress)
     raise ModelLoadError(f"{g.path}: unsupported architecture '{g.arch}' (supported: {', '.join(SUPPORTED)})")

@@ -3,21 +3,30 @@
 A step's rows are tokens: one per decoding sequence, or the consecutive tokens of a prompt
 chunk; each row carries its own position and block table, so one code path serves both.
 
-`tab` is a MatrixTable's arrays as one tuple, (data, scales, scales16, meta), so the steps
-pass the weights around as a single argument.
+Every matmul takes `mm` = (tab, ops, scratch): the MatrixTable's arrays (data, scales, scales16,
+meta), the op table's codes (registry.OpTable.codes) and the kernels' scratch pair
+(RowBuffers.scratch). Buffers come as one RowBuffers record `buf`.
 """
 from __future__ import annotations
 
 import numpy as np
 from numba import njit
 
-from worker.engine.kernels.attention import store_kv
-from worker.engine.kernels.matmul_batch import linear_batch
-from worker.engine.kernels.matmul_i8 import linear_batch_i8
-from worker.engine.kernels.ops import dequant_row, rmsnorm, silu_mul
+from worker.engine.kernels.attention import paged_attention_decode, store_kv
+from worker.engine.kernels.ops import rmsnorm, rope_halves, rope_pairs, silu_mul
 from worker.engine.kernels.packing import TILE
+from worker.engine.kernels.registry import KERNELS, MATMUL
+from worker.engine.models.common import FFN_DOWN, GATE_UP, QKV
 
 _JIT = dict(cache=True, nogil=True)
+
+# The registry's functions, called by the codes of the op table's slots.
+_MATMUL_FLOAT32 = KERNELS[("matmul", "float32")]
+_MATMUL_INT8 = KERNELS[("matmul", "int8")]
+_matmul_float32 = _MATMUL_FLOAT32.fn
+_matmul_int8 = _MATMUL_INT8.fn
+MATMUL_INT8_CODE = _MATMUL_INT8.code
+_dequant_row = KERNELS[("row", "gather")].fn  # the only row variant: nothing to branch on yet
 
 
 @njit(**_JIT)
@@ -48,21 +57,28 @@ def add_into(x, y):
         x[i] += y[i]
 
 
-# ---- row b of every 2-D buffer belongs to the step's b-th sequence --------------------------------
+# ---- row b of every 2-D buffer belongs to the step's b-th token ---------------------------------
 
 @njit(**_JIT)
-def matmul(tab, mats, x, out, scratch):
-    """out[b] = W @ x[b] for every row of x, each weight read once for all rows.
+def matmul(mm, mats, x, out):
+    """out[b] = W @ x[b] for every row of x, each weight read once for all rows, with the
+    variant the op table names.
 
-    scratch is a tuple (int8 flag, float32 scratch of linear_batch, that of linear_batch_i8).
     Both kernels compute every row exactly as if it were alone, so batching never changes a
     sequence's logits; int8 quantizes activations per 32 (as llama.cpp does) to use VNNI
     or AVX2 integer dot products, float32 keeps them exact (the bits of matvec.linear).
     """
-    if scratch[0]:
-        linear_batch_i8(tab[0], tab[1], tab[2], tab[3], mats, x, out, scratch[2])
+    tab, ops, scratch = mm
+    if ops[MATMUL] == MATMUL_INT8_CODE:
+        _matmul_int8(tab[0], tab[1], tab[2], tab[3], mats, x, out, scratch[1])
     else:
-        linear_batch(tab[0], tab[1], tab[2], tab[3], mats, x, out, scratch[1])
+        _matmul_float32(tab[0], tab[1], tab[2], tab[3], mats, x, out, scratch[0])
+
+
+@njit(**_JIT)
+def embed_rows(tab, token_embd, tokens, x):
+    for b in range(tokens.shape[0]):
+        _dequant_row(tab[0], tab[1], tab[2], tab[3][token_embd], tokens[b], x[b])
 
 
 @njit(**_JIT)
@@ -78,46 +94,64 @@ def add_rows(x, y, rows):
 
 
 @njit(**_JIT)
-def split_qkv_rows(qkv, q_out, k_out, v_out, rows):
-    """Copy each row's Q, K and V out of one fused Q/K/V launch into contiguous buffers."""
-    q_rows, kv_rows = q_out.shape[1], k_out.shape[1]
+def qkv_rows(mm, m, buf, rows):
+    """Q, K and V of every row's normed state buf.h in one launch, copied into buf.q, buf.k, buf.v."""
+    matmul(mm, m[QKV], buf.h[:rows], buf.qkv[:rows])
+    q_rows, kv_rows = buf.q.shape[1], buf.k.shape[1]
     for b in range(rows):
-        q, k, v = split_qkv(qkv[b], q_rows, kv_rows)
-        q_out[b, :] = q
-        k_out[b, :] = k
-        v_out[b, :] = v
+        q, k, v = split_qkv(buf.qkv[b], q_rows, kv_rows)
+        buf.q[b, :] = q
+        buf.k[b, :] = k
+        buf.v[b, :] = v
 
 
 @njit(**_JIT)
-def store_kv_rows(k_pool, v_pool, layer, block_tables, positions, k, v, rows):
+def head_norm_rows(buf, n_heads, n_kv_heads, head_dim, q_norm, k_norm, eps, rows):
     for b in range(rows):
-        store_kv(k_pool, v_pool, layer, block_tables[b], positions[b], k[b:b + 1], v[b:b + 1])
+        head_norm(buf.q[b], n_heads, head_dim, q_norm, eps)
+        head_norm(buf.k[b], n_kv_heads, head_dim, k_norm, eps)
 
 
 @njit(**_JIT)
-def swiglu_ffn_rows(tab, m, x, norm_weight, eps, h, gu, act, proj, scratch, rows):
+def rope_rows(buf, positions, cos, sin, n_heads, n_kv_heads, head_dim, neox, rows):
+    """Rotate every row's queries and keys by its position: halves (NEOX) or adjacent pairs."""
+    for b in range(rows):
+        c, s = cos[positions[b]], sin[positions[b]]
+        if neox:
+            rope_halves(buf.q[b], n_heads, head_dim, c, s)
+            rope_halves(buf.k[b], n_kv_heads, head_dim, c, s)
+        else:
+            rope_pairs(buf.q[b], n_heads, head_dim, c, s)
+            rope_pairs(buf.k[b], n_kv_heads, head_dim, c, s)
+
+
+@njit(**_JIT)
+def attention_rows(buf, k_pool, v_pool, pool_layer, block_tables, positions, window, scale, chunk, rows):
+    """Store every row's K/V in its blocks, then attend each query over its sequence: buf.att."""
+    for b in range(rows):
+        store_kv(k_pool, v_pool, pool_layer, block_tables[b], positions[b], buf.k[b:b + 1], buf.v[b:b + 1])
+    paged_attention_decode(buf.q[:rows], k_pool, v_pool, pool_layer, block_tables, positions, window, scale, chunk,
+                           buf.att[:rows])
+
+
+@njit(**_JIT)
+def swiglu_ffn_rows(mm, m, norm_weight, eps, buf, rows):
     """x[b] += down(silu(gate(h)) * up(h)) with h = RMSNorm(x[b]), every row."""
-    ff = act.shape[1]
-    rmsnorm_rows(x, norm_weight, eps, h, rows)
-    matmul(tab, m[4:6], h[:rows], gu[:rows], scratch)
+    ff = buf.act.shape[1]
+    rmsnorm_rows(buf.x, norm_weight, eps, buf.h, rows)
+    matmul(mm, m[GATE_UP], buf.h[:rows], buf.gu[:rows])
     for b in range(rows):
-        silu_mul(gu[b, :ff], gu[b, padded(ff):padded(ff) + ff], act[b])
-    matmul(tab, m[6:7], act[:rows], proj[:rows], scratch)
-    add_rows(x, proj, rows)
+        silu_mul(buf.gu[b, :ff], buf.gu[b, padded(ff):padded(ff) + ff], buf.act[b])
+    matmul(mm, m[FFN_DOWN], buf.act[:rows], buf.proj[:rows])
+    add_rows(buf.x, buf.proj, rows)
 
 
 @njit(**_JIT)
-def output_logits_rows(tab, output, x, norm_weight, eps, h, logits, scratch, logit_rows):
+def output_logits_rows(mm, output, norm_weight, eps, buf, logit_rows):
     """logits[i] = output @ RMSNorm(x[logit_rows[i]]): only the rows whose logits are wanted."""
     wanted = logit_rows.shape[0]
     for i in range(wanted):
-        rmsnorm(x[logit_rows[i]], norm_weight, eps, h[i])
+        rmsnorm(buf.x[logit_rows[i]], norm_weight, eps, buf.h[i])
     out_mat = np.empty(1, np.int64)
     out_mat[0] = output
-    matmul(tab, out_mat, h[:wanted], logits[:wanted], scratch)
-
-
-@njit(**_JIT)
-def embed_rows(tab, token_embd, tokens, x):
-    for b in range(tokens.shape[0]):
-        dequant_row(tab[0], tab[1], tab[2], tab[3][token_embd], tokens[b], x[b])
+    matmul(mm, out_mat, buf.h[:wanted], buf.logits[:wanted])

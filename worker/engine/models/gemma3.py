@@ -8,93 +8,113 @@ every 6th layer is global (the others local), and local layers use RoPE base 10,
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 from numba import njit
 
-from shared.errors import ModelLoadError
 from worker.engine.batch import RaggedBatch
 from worker.engine.gguf_file import GGUFFile
-from worker.engine.kernels.attention import paged_attention_decode
-from worker.engine.kernels.ops import gelu_tanh_mul, rmsnorm, rope_halves
+from worker.engine.kernels.ops import gelu_tanh_mul, rmsnorm
 from worker.engine.layers import gelu_tanh, rms_norm
-from worker.engine.models.common import BatchBuffers, attend, load_packed
-from worker.engine.models.decode_parts import (add_rows, embed_rows, head_norm, matmul, output_logits_rows, padded,
-                                               rmsnorm_rows, split_qkv_rows, store_kv_rows)
+from worker.engine.models.common import (ATTN_OUT, DOWN, FFN_DOWN, GATE, GATE_UP, K, O, Q, UP, V, BatchBuffers,
+                                         BlockHParams, StepRows, attend, load_packed)
+from worker.engine.models.decode_parts import (add_rows, attention_rows, embed_rows, head_norm_rows, matmul,
+                                               output_logits_rows, padded, qkv_rows, rmsnorm_rows, rope_rows)
 from worker.engine.paged_kv import PagedKVCache
 from worker.engine.rope import apply_rope_halves, rope_tables
 
-Q, K, V, O, GATE, UP, DOWN = range(7)
 DEFAULT_SWA_PATTERN = 6  # llama.cpp's fixed value for gemma3: layers 5, 11, 17… are global
 DEFAULT_LOCAL_ROPE_BASE = 10000.0
 LAYER_VECTORS = ("attn_norm", "attn_q_norm", "attn_k_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm")
 
 
 @dataclass(frozen=True)
-class Gemma3HParams:
-    n_layers: int
-    d_model: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    d_ff: int
-    vocab_size: int
-    n_ctx_train: int
+class Gemma3HParams(BlockHParams):
     rope_base_global: float
     rope_base_local: float
     rope_scale_global: float  # positions are divided by this on global layers (linear scaling)
     sliding_window: int
     swa_pattern: int
-    rms_eps: float
 
     @classmethod
     def from_gguf(cls, g: GGUFFile) -> "Gemma3HParams":
         a = g.arch
-        n_heads = int(g.require(f"{a}.attention.head_count"))
+        g.require(f"{a}.attention.key_length")  # head_dim != d_model / n_heads in every Gemma 3
         scale = 1.0
         if g.get(f"{a}.rope.scaling.type") == "linear":
             scale = float(g.get(f"{a}.rope.scaling.factor", 1.0))
-        hp = cls(
-            n_layers=int(g.require(f"{a}.block_count")),
-            d_model=int(g.require(f"{a}.embedding_length")),
-            n_heads=n_heads,
-            n_kv_heads=int(g.get(f"{a}.attention.head_count_kv", n_heads)),
-            head_dim=int(g.require(f"{a}.attention.key_length")),
-            d_ff=int(g.require(f"{a}.feed_forward_length")),
-            vocab_size=int(g.get(f"{a}.vocab_size") or g.tensor("token_embd.weight").shape[0]),
-            n_ctx_train=int(g.require(f"{a}.context_length")),
-            rope_base_global=float(g.get(f"{a}.rope.freq_base", 1000000.0)),
-            rope_base_local=float(g.get(f"{a}.rope.freq_base_swa", DEFAULT_LOCAL_ROPE_BASE)),
-            rope_scale_global=scale,
-            sliding_window=int(g.require(f"{a}.attention.sliding_window")),
-            swa_pattern=int(g.get(f"{a}.attention.sliding_window_pattern", DEFAULT_SWA_PATTERN)),
-            rms_eps=float(g.require(f"{a}.attention.layer_norm_rms_epsilon")),
-        )
-        if hp.n_heads % hp.n_kv_heads:
-            raise ModelLoadError(f"{g.path}: {hp.n_heads} heads not divisible by {hp.n_kv_heads} KV heads")
-        return hp
+        return cls(**BlockHParams.fields_from_gguf(g),
+                   rope_base_global=float(g.get(f"{a}.rope.freq_base", 1000000.0)),
+                   rope_base_local=float(g.get(f"{a}.rope.freq_base_swa", DEFAULT_LOCAL_ROPE_BASE)),
+                   rope_scale_global=scale,
+                   sliding_window=int(g.require(f"{a}.attention.sliding_window")),
+                   swa_pattern=int(g.get(f"{a}.attention.sliding_window_pattern", DEFAULT_SWA_PATTERN)))
 
     def is_global(self, layer: int) -> bool:
         return (layer + 1) % self.swa_pattern == 0
 
-    def layer_matrices(self) -> dict[str, tuple[int, int]]:
-        d, q, kv = self.d_model, self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-        return {"attn_q": (q, d), "attn_k": (kv, d), "attn_v": (kv, d), "attn_output": (d, q),
-                "ffn_gate": (self.d_ff, d), "ffn_up": (self.d_ff, d), "ffn_down": (d, self.d_ff)}
+
+class Gemma3Weights(NamedTuple):
+    """The weights as the numba step takes them; per-layer vectors are (n_layers, n) float32."""
+    tab: tuple  # PackedWeights.tab: the packed matrices
+    mats: np.ndarray  # int64 (n_layers, 7): table index of each LAYER_MATRICES entry
+    token_embd: int
+    output: int
+    attn_norm: np.ndarray  # (n_layers, d_model)
+    q_norm: np.ndarray  # (n_layers, head_dim)
+    k_norm: np.ndarray  # (n_layers, head_dim)
+    post_attn_norm: np.ndarray  # (n_layers, d_model)
+    ffn_norm: np.ndarray  # (n_layers, d_model)
+    post_ffw_norm: np.ndarray  # (n_layers, d_model)
+    output_norm: np.ndarray  # (d_model,)
+    cos_local: np.ndarray  # (n_ctx, head_dim / 2) RoPE tables of the local layers
+    sin_local: np.ndarray
+    cos_global: np.ndarray  # the global layers' (their own base and scaling)
+    sin_global: np.ndarray
+
+
+class Gemma3StepConfig(NamedTuple):
+    """The hyper-parameters the numba step reads."""
+    eps: np.float32
+    embed_scale: np.float32  # sqrt(d_model)
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    scale: np.float32  # 1 / sqrt(head_dim)
+    is_global: np.ndarray  # bool (n_layers,)
+    sliding_window: int  # keys a local layer's query sees
+
+
+class KVPools(NamedTuple):
+    """The paged KV cache's arrays, and where each layer's K/V live (paged_kv)."""
+    k: np.ndarray  # the main pool
+    v: np.ndarray
+    k_window: np.ndarray  # the window pool of the local layers, when kv bounds them
+    v_window: np.ndarray
+    in_window: np.ndarray  # bool (n_layers,): the layer's K/V live in the window pool
+    pool_layer: np.ndarray  # int (n_layers,): the layer's index inside its pool
+    window_tables: np.ndarray  # int32 (R, blocks): each row's window slots (block_tables without a window pool)
 
 
 class Gemma3:
     def __init__(self, g: GGUFFile, n_ctx: int, progress=None):
         self.hp = hp = Gemma3HParams.from_gguf(g)
-        self.w = load_packed(g, hp.n_layers, hp.vocab_size, hp.d_model, hp.layer_matrices(), LAYER_VECTORS, progress)
+        self.w = w = load_packed(g, hp, LAYER_VECTORS, progress)
         positions_global = np.arange(n_ctx) / hp.rope_scale_global
         self.rope_local = rope_tables(n_ctx, hp.head_dim, hp.rope_base_local)
         self.rope_global = rope_tables(n_ctx, hp.head_dim, hp.rope_base_global, positions=positions_global)
         self.is_global = np.array([hp.is_global(i) for i in range(hp.n_layers)])
         self.scale = 1.0 / np.sqrt(hp.head_dim)
         self.embed_scale = np.float32(np.sqrt(hp.d_model))
-        self.buffers = BatchBuffers(hp.d_model, hp.n_heads * hp.head_dim, hp.n_kv_heads * hp.head_dim,
-                                    hp.d_ff, hp.vocab_size)
+        self.buffers = BatchBuffers(hp.d_model, hp.q_rows, hp.kv_rows, hp.d_ff, hp.vocab_size)
+        vec = w.vectors
+        self.step_weights = Gemma3Weights(
+            w.tab, w.mats, w.token_embd, w.output, vec["attn_norm"], vec["attn_q_norm"], vec["attn_k_norm"],
+            vec["post_attention_norm"], vec["ffn_norm"], vec["post_ffw_norm"], w.output_norm,
+            self.rope_local[0], self.rope_local[1], self.rope_global[0], self.rope_global[1])
+        self.step_config = Gemma3StepConfig(np.float32(hp.rms_eps), self.embed_scale, hp.n_heads, hp.n_kv_heads,
+                                            hp.head_dim, np.float32(self.scale), self.is_global, hp.sliding_window)
 
     def window(self, layer: int) -> int:
         return 0 if self.is_global[layer] else self.hp.sliding_window
@@ -128,74 +148,61 @@ class Gemma3:
 
     # ---------------------------------------------------------------- fused rows (numba)
     def forward_rows(self, tokens: np.ndarray, positions: np.ndarray, block_tables: np.ndarray,
-                     logit_rows: np.ndarray, kv: PagedKVCache, attention_chunk: int,
+                     logit_rows: np.ndarray, kv: PagedKVCache, attention_chunk: int, ops: np.ndarray,
                      window_tables: np.ndarray | None = None) -> np.ndarray:
-        """window_tables: each row's window slots, when kv keeps the local layers in a window pool."""
-        hp, w, b, t, vec = self.hp, self.w, self.buffers, self.w.table, self.w.vectors
+        """ops: the op table's codes (registry.OpTable.codes); window_tables: each row's window
+        slots, when kv keeps the local layers in a window pool."""
         if window_tables is None:
             if kv.window is not None:
                 raise ValueError("the local layers live in window slots: give window_tables")
             window_tables = block_tables
-        rows = tokens.shape[0]
-        b.ensure(rows, logit_rows.shape[0])
-        _gemma3_rows(tokens, positions, block_tables, logit_rows, (t.data, t.scales, t.scales16, t.meta), w.mats,
-                       w.token_embd, w.output, vec["attn_norm"], vec["attn_q_norm"], vec["attn_k_norm"],
-                       vec["post_attention_norm"], vec["ffn_norm"], vec["post_ffw_norm"], w.output_norm,
-                       np.float32(hp.rms_eps), self.embed_scale, hp.n_heads, hp.n_kv_heads, hp.head_dim,
-                       self.is_global, hp.sliding_window, self.rope_local[0], self.rope_local[1],
-                       self.rope_global[0], self.rope_global[1], np.float32(self.scale), kv.k, kv.v,
-                       kv.k_window, kv.v_window, kv.in_window, kv.pool_layer, window_tables, attention_chunk,
-                       b.x, b.h, b.qkv, b.q, b.k, b.v, b.att, b.proj, b.gu, b.act, b.scratch, b.logits)
-        return b.logits[:logit_rows.shape[0], :hp.vocab_size]
+        buf = self.buffers.ensure(tokens.shape[0], logit_rows.shape[0])
+        pools = KVPools(kv.k, kv.v, kv.k_window, kv.v_window, kv.in_window, kv.pool_layer, window_tables)
+        _gemma3_rows(StepRows(tokens, positions, block_tables, logit_rows), self.step_weights, self.step_config,
+                     pools, attention_chunk, ops, buf)
+        return buf.logits[:logit_rows.shape[0], :self.hp.vocab_size]
 
 
 @njit(cache=True, nogil=True)
-def _gemma3_rows(tokens, positions, block_tables, logit_rows, tab, mats, token_embd, output,
-                   attn_norm, q_norm, k_norm, post_attn_norm, ffn_norm, post_ffw_norm, output_norm, eps,
-                   embed_scale, n_heads, n_kv, head_dim, is_global, window, cos_local, sin_local,
-                   cos_global, sin_global, scale, k_pool, v_pool, k_window, v_window, in_window, pool_layer,
-                   window_tables, chunk,
-                   x, h, qkv, q, k, v, att, proj, gu, act, scratch, logits):
-    rows = tokens.shape[0]
-    d = x.shape[1]
-    ff = act.shape[1]
-    embed_rows(tab, token_embd, tokens, x)
+def _gemma3_rows(step, w, hp, kv, chunk, ops, buf):
+    """embed × sqrt(d) → per layer (norm, qkv, QK-norm, rope, attention, post-norm, residual,
+    norm, GELU ffn, post-norm, residual) → norm → logits, every row."""
+    rows = step.tokens.shape[0]
+    d = buf.x.shape[1]
+    ff = buf.act.shape[1]
+    mm = (w.tab, ops, buf.scratch)
+    embed_rows(w.tab, w.token_embd, step.tokens, buf.x)
     for b in range(rows):
         for i in range(d):
-            x[b, i] *= embed_scale
-    for layer in range(mats.shape[0]):
-        m = mats[layer]
-        rmsnorm_rows(x, attn_norm[layer], eps, h, rows)
-        matmul(tab, m[0:3], h[:rows], qkv[:rows], scratch)
-        split_qkv_rows(qkv, q, k, v, rows)
-        for b in range(rows):
-            head_norm(q[b], n_heads, head_dim, q_norm[layer], eps)
-            head_norm(k[b], n_kv, head_dim, k_norm[layer], eps)
-            pos = positions[b]
-            if is_global[layer]:
-                cos, sin = cos_global[pos], sin_global[pos]
-            else:
-                cos, sin = cos_local[pos], sin_local[pos]
-            rope_halves(q[b], n_heads, head_dim, cos, sin)
-            rope_halves(k[b], n_kv, head_dim, cos, sin)
-        layer_window = 0 if is_global[layer] else window
-        if in_window[layer]:  # a local layer whose K/V live in the window pool's slots
-            kp, vp, tables = k_window, v_window, window_tables
+            buf.x[b, i] *= hp.embed_scale
+    for layer in range(w.mats.shape[0]):
+        m = w.mats[layer]
+        rmsnorm_rows(buf.x, w.attn_norm[layer], hp.eps, buf.h, rows)
+        qkv_rows(mm, m, buf, rows)
+        head_norm_rows(buf, hp.n_heads, hp.n_kv_heads, hp.head_dim, w.q_norm[layer], w.k_norm[layer], hp.eps, rows)
+        if hp.is_global[layer]:
+            rope_rows(buf, step.positions, w.cos_global, w.sin_global, hp.n_heads, hp.n_kv_heads, hp.head_dim,
+                      True, rows)
         else:
-            kp, vp, tables = k_pool, v_pool, block_tables
-        store_kv_rows(kp, vp, pool_layer[layer], tables, positions, k, v, rows)
-        paged_attention_decode(q[:rows], kp, vp, pool_layer[layer], tables, positions, layer_window, scale, chunk,
-                               att[:rows])
-        matmul(tab, m[3:4], att[:rows], proj[:rows], scratch)
+            rope_rows(buf, step.positions, w.cos_local, w.sin_local, hp.n_heads, hp.n_kv_heads, hp.head_dim,
+                      True, rows)
+        window = 0 if hp.is_global[layer] else hp.sliding_window
+        if kv.in_window[layer]:  # a local layer whose K/V live in the window pool's slots
+            attention_rows(buf, kv.k_window, kv.v_window, kv.pool_layer[layer], kv.window_tables, step.positions,
+                           window, hp.scale, chunk, rows)
+        else:
+            attention_rows(buf, kv.k, kv.v, kv.pool_layer[layer], step.block_tables, step.positions,
+                           window, hp.scale, chunk, rows)
+        matmul(mm, m[ATTN_OUT], buf.att[:rows], buf.proj[:rows])
         for b in range(rows):
-            rmsnorm(proj[b, :d], post_attn_norm[layer], eps, proj[b, :d])
-        add_rows(x, proj, rows)
-        rmsnorm_rows(x, ffn_norm[layer], eps, h, rows)
-        matmul(tab, m[4:6], h[:rows], gu[:rows], scratch)
+            rmsnorm(buf.proj[b, :d], w.post_attn_norm[layer], hp.eps, buf.proj[b, :d])
+        add_rows(buf.x, buf.proj, rows)
+        rmsnorm_rows(buf.x, w.ffn_norm[layer], hp.eps, buf.h, rows)
+        matmul(mm, m[GATE_UP], buf.h[:rows], buf.gu[:rows])
         for b in range(rows):
-            gelu_tanh_mul(gu[b, :ff], gu[b, padded(ff):padded(ff) + ff], act[b])
-        matmul(tab, m[6:7], act[:rows], proj[:rows], scratch)
+            gelu_tanh_mul(buf.gu[b, :ff], buf.gu[b, padded(ff):padded(ff) + ff], buf.act[b])
+        matmul(mm, m[FFN_DOWN], buf.act[:rows], buf.proj[:rows])
         for b in range(rows):
-            rmsnorm(proj[b, :d], post_ffw_norm[layer], eps, proj[b, :d])
-        add_rows(x, proj, rows)
-    output_logits_rows(tab, output, x, output_norm, eps, h, logits, scratch, logit_rows)
+            rmsnorm(buf.proj[b, :d], w.post_ffw_norm[layer], hp.eps, buf.proj[b, :d])
+        add_rows(buf.x, buf.proj, rows)
+    output_logits_rows(mm, w.output, w.output_norm, hp.eps, buf, step.logit_rows)

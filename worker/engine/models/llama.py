@@ -1,4 +1,9 @@
-"""The llama architecture (Llama 2/3, SmolLM2, TinyLlama…): RMSNorm, RoPE, GQA, SwiGLU.
+"""The llama family: Llama 2/3, SmolLM2, TinyLlama…, Qwen 2/2.5 and Qwen 3. RMSNorm, RoPE, GQA,
+SwiGLU; three flags, read from the file, cover the differences:
+  qkv_bias    biases on Q, K and V (qwen2: the file has blk.N.attn_q.bias);
+  qk_norm     per-head RMSNorm of Q and K before RoPE (qwen3: blk.N.attn_q_norm.weight);
+  rope_neox   RoPE rotates element i with i + head_dim/2 (NEOX layout) instead of adjacent pairs;
+              GGUF has no key for it: llama.cpp fixes it per `general.architecture` (ROPE_NEOX).
 
 Two forwards over the same weights and the same paged KV cache:
   `forward`       a ragged batch of chunks with float32 matmuls on BLAS over dequantized weights
@@ -12,6 +17,7 @@ Two forwards over the same weights and the same paged KV cache:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 from numba import njit
@@ -19,64 +25,41 @@ from numba import njit
 from shared.errors import ModelLoadError
 from worker.engine.batch import RaggedBatch
 from worker.engine.gguf_file import GGUFFile
-from worker.engine.kernels.attention import paged_attention_decode
-from worker.engine.kernels.ops import rope_pairs
 from worker.engine.layers import rms_norm, silu
-from worker.engine.models.common import BatchBuffers, attend, load_packed, vector
-from worker.engine.models.decode_parts import (add_rows, embed_rows, matmul, output_logits_rows, rmsnorm_rows,
-                                               split_qkv_rows, store_kv_rows, swiglu_ffn_rows)
+from worker.engine.models.common import (ATTN_OUT, DOWN, GATE, K, O, Q, UP, V, BatchBuffers, BlockHParams, StepRows,
+                                         attend, layer_vectors, load_packed, vector)
+from worker.engine.models.decode_parts import (add_into, add_rows, attention_rows, embed_rows, head_norm_rows,
+                                               matmul, output_logits_rows, qkv_rows, rmsnorm_rows, rope_rows,
+                                               swiglu_ffn_rows)
 from worker.engine.paged_kv import PagedKVCache
-from worker.engine.rope import apply_rope_pairs, rope_tables
+from worker.engine.rope import apply_rope_halves, apply_rope_pairs, rope_tables
 
-# Per-layer matrices, in the column order of PackedWeights.mats.
-Q, K, V, O, GATE, UP, DOWN = range(7)
+ARCHITECTURES = ("llama", "qwen2", "qwen3")
+ROPE_NEOX = ("qwen2", "qwen3")  # llama.cpp's LLAMA_ROPE_TYPE_NEOX for these architectures
 
 
 @dataclass(frozen=True)
-class LlamaHParams:
-    n_layers: int
-    d_model: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    d_ff: int
-    vocab_size: int
-    n_ctx_train: int
+class LlamaHParams(BlockHParams):
     rope_base: float
     rope_linear_factor: float  # positions are divided by this ("linear" rope scaling); 1 = none
-    rms_eps: float
+    qkv_bias: bool
+    qk_norm: bool
+    rope_neox: bool
 
     @classmethod
     def from_gguf(cls, g: GGUFFile) -> "LlamaHParams":
         a = g.arch
-        n_heads = int(g.require(f"{a}.attention.head_count"))
-        d_model = int(g.require(f"{a}.embedding_length"))
-        vocab = g.get(f"{a}.vocab_size") or g.tensor("token_embd.weight").shape[0]
-        hp = cls(
-            n_layers=int(g.require(f"{a}.block_count")),
-            d_model=d_model,
-            n_heads=n_heads,
-            n_kv_heads=int(g.get(f"{a}.attention.head_count_kv", n_heads)),
-            head_dim=int(g.get(f"{a}.attention.key_length", d_model // n_heads)),
-            d_ff=int(g.require(f"{a}.feed_forward_length")),
-            vocab_size=int(vocab),
-            n_ctx_train=int(g.require(f"{a}.context_length")),
-            rope_base=float(g.get(f"{a}.rope.freq_base", 10000.0)),
-            rope_linear_factor=_linear_rope_factor(g),
-            rms_eps=float(g.require(f"{a}.attention.layer_norm_rms_epsilon")),
-        )
+        hp = cls(**BlockHParams.fields_from_gguf(g),
+                 rope_base=float(g.get(f"{a}.rope.freq_base", 10000.0)),
+                 rope_linear_factor=_linear_rope_factor(g),
+                 qkv_bias="blk.0.attn_q.bias" in g.tensors,
+                 qk_norm="blk.0.attn_q_norm.weight" in g.tensors,
+                 rope_neox=a in ROPE_NEOX)
         rope_dim = g.get(f"{a}.rope.dimension_count")
         if rope_dim is not None and int(rope_dim) != hp.head_dim:
             raise ModelLoadError(f"{g.path}: partial rotary embeddings (rope.dimension_count {rope_dim} < "
                                  f"head dim {hp.head_dim}) are not supported")
-        if hp.n_heads % hp.n_kv_heads:
-            raise ModelLoadError(f"{g.path}: {hp.n_heads} heads not divisible by {hp.n_kv_heads} KV heads")
         return hp
-
-    def layer_matrices(self) -> dict[str, tuple[int, int]]:
-        d, q, kv = self.d_model, self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-        return {"attn_q": (q, d), "attn_k": (kv, d), "attn_v": (kv, d), "attn_output": (d, q),
-                "ffn_gate": (self.d_ff, d), "ffn_up": (self.d_ff, d), "ffn_down": (d, self.d_ff)}
 
 
 def _linear_rope_factor(g: GGUFFile) -> float:
@@ -89,18 +72,57 @@ def _linear_rope_factor(g: GGUFFile) -> float:
                          f"and Llama 3 frequency factors in rope_freqs.weight)")
 
 
+class LlamaWeights(NamedTuple):
+    """The weights as the numba step takes them; per-layer vectors are (n_layers, n) float32."""
+    tab: tuple  # PackedWeights.tab: the packed matrices
+    mats: np.ndarray  # int64 (n_layers, 7): table index of each LAYER_MATRICES entry
+    token_embd: int
+    output: int
+    attn_norm: np.ndarray  # (n_layers, d_model)
+    ffn_norm: np.ndarray  # (n_layers, d_model)
+    output_norm: np.ndarray  # (d_model,)
+    q_bias: np.ndarray  # (n_layers, q_rows); (n_layers, 0) without qkv_bias
+    k_bias: np.ndarray  # (n_layers, kv_rows); idem
+    v_bias: np.ndarray  # (n_layers, kv_rows); idem
+    q_norm: np.ndarray  # (n_layers, head_dim); (n_layers, 0) without qk_norm
+    k_norm: np.ndarray  # (n_layers, head_dim); idem
+    cos: np.ndarray  # (n_ctx, head_dim / 2) RoPE table by position
+    sin: np.ndarray
+
+
+class LlamaStepConfig(NamedTuple):
+    """The hyper-parameters and flags the numba step reads."""
+    eps: np.float32
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    scale: np.float32  # 1 / sqrt(head_dim)
+    qkv_bias: bool
+    qk_norm: bool
+    rope_neox: bool
+
+
 class Llama:
     def __init__(self, g: GGUFFile, n_ctx: int, progress=None):
         self.hp = hp = LlamaHParams.from_gguf(g)
-        self.w = load_packed(g, hp.n_layers, hp.vocab_size, hp.d_model, hp.layer_matrices(),
-                             ("attn_norm", "ffn_norm"), progress)
+        qk_norms = ("attn_q_norm", "attn_k_norm") if hp.qk_norm else ()
+        self.w = w = load_packed(g, hp, ("attn_norm", "ffn_norm") + qk_norms, progress)
+        empty = np.zeros((hp.n_layers, 0), np.float32)  # stands in for what the flags leave out
+        self.bias = {name: layer_vectors(g, hp.n_layers, name, "bias") if hp.qkv_bias else empty
+                     for name in ("attn_q", "attn_k", "attn_v")}
         # Llama 3.1+ files carry per-frequency divisors (the "llama3" rope scaling) as a tensor.
         freq_factors = vector(g, "rope_freqs.weight") if "rope_freqs.weight" in g.tensors else None
         self.cos, self.sin = rope_tables(n_ctx, hp.head_dim, hp.rope_base, freq_factors,
                                          positions=np.arange(n_ctx) / hp.rope_linear_factor)
         self.scale = 1.0 / np.sqrt(hp.head_dim)
-        self.buffers = BatchBuffers(hp.d_model, hp.n_heads * hp.head_dim, hp.n_kv_heads * hp.head_dim,
-                                    hp.d_ff, hp.vocab_size)
+        self.buffers = BatchBuffers(hp.d_model, hp.q_rows, hp.kv_rows, hp.d_ff, hp.vocab_size)
+        vec = w.vectors
+        self.step_weights = LlamaWeights(
+            w.tab, w.mats, w.token_embd, w.output, vec["attn_norm"], vec["ffn_norm"], w.output_norm,
+            self.bias["attn_q"], self.bias["attn_k"], self.bias["attn_v"],
+            vec.get("attn_q_norm", empty), vec.get("attn_k_norm", empty), self.cos, self.sin)
+        self.step_config = LlamaStepConfig(np.float32(hp.rms_eps), hp.n_heads, hp.n_kv_heads, hp.head_dim,
+                                           np.float32(self.scale), hp.qkv_bias, hp.qk_norm, hp.rope_neox)
 
     # ---------------------------------------------------------------- ragged batch (BLAS, reference set)
     def forward(self, batch: RaggedBatch, kv: PagedKVCache, dense, logits_of_rows, attention_chunk: int) -> np.ndarray:
@@ -109,56 +131,62 @@ class Llama:
         dense(i) gives table matrix i as float32 (n, K); logits_of_rows(h) projects final normed
         hidden states (R, d) to the vocabulary.
         """
-        hp, w = self.hp, self.w
+        hp, w, vec, bias = self.hp, self.w, self.w.vectors, self.bias
         t = batch.num_tokens
+        rope = apply_rope_halves if hp.rope_neox else apply_rope_pairs
         x = dense(w.token_embd)[batch.tokens].astype(np.float32)  # (T, d)
         cos, sin = self.cos[batch.positions], self.sin[batch.positions]
         for layer in range(hp.n_layers):
             m = w.mats[layer]
-            h = rms_norm(x, w.vectors["attn_norm"][layer], hp.rms_eps)
-            q = (h @ dense(m[Q]).T).reshape(t, hp.n_heads, hp.head_dim)
-            k = (h @ dense(m[K]).T).reshape(t, hp.n_kv_heads, hp.head_dim)
-            v = h @ dense(m[V]).T
-            q, k = apply_rope_pairs(q, cos, sin), apply_rope_pairs(k, cos, sin)
+            h = rms_norm(x, vec["attn_norm"][layer], hp.rms_eps)
+            q, k, v = h @ dense(m[Q]).T, h @ dense(m[K]).T, h @ dense(m[V]).T
+            if hp.qkv_bias:
+                q, k, v = q + bias["attn_q"][layer], k + bias["attn_k"][layer], v + bias["attn_v"][layer]
+            q, k = q.reshape(t, hp.n_heads, hp.head_dim), k.reshape(t, hp.n_kv_heads, hp.head_dim)
+            if hp.qk_norm:
+                q = rms_norm(q, vec["attn_q_norm"][layer], hp.rms_eps)
+                k = rms_norm(k, vec["attn_k_norm"][layer], hp.rms_eps)
+            q, k = rope(q, cos, sin), rope(k, cos, sin)
             a = attend(kv, layer, batch, q.reshape(t, -1), k.reshape(t, -1), v, self.scale, 0, attention_chunk)
             x = x + a @ dense(m[O]).T
-            h = rms_norm(x, w.vectors["ffn_norm"][layer], hp.rms_eps)
+            h = rms_norm(x, vec["ffn_norm"][layer], hp.rms_eps)
             x = x + (silu(h @ dense(m[GATE]).T) * (h @ dense(m[UP]).T)) @ dense(m[DOWN]).T
         return logits_of_rows(rms_norm(x[batch.logit_rows], w.output_norm, hp.rms_eps))
 
     # ---------------------------------------------------------------- fused rows (numba)
     def forward_rows(self, tokens: np.ndarray, positions: np.ndarray, block_tables: np.ndarray,
-                     logit_rows: np.ndarray, kv: PagedKVCache, attention_chunk: int) -> np.ndarray:
+                     logit_rows: np.ndarray, kv: PagedKVCache, attention_chunk: int, ops: np.ndarray) -> np.ndarray:
         """Every row (a token at its position, with its sequence's block table) through all
-        layers in one numba call; returns logits (len(logit_rows), vocab), a view of the buffers."""
-        hp, w, b, t = self.hp, self.w, self.buffers, self.w.table
-        rows = tokens.shape[0]
-        b.ensure(rows, logit_rows.shape[0])
-        _llama_rows(tokens, positions, block_tables, logit_rows, (t.data, t.scales, t.scales16, t.meta), w.mats,
-                      w.token_embd, w.output, w.vectors["attn_norm"], w.vectors["ffn_norm"], w.output_norm,
-                      np.float32(hp.rms_eps), hp.n_heads, hp.n_kv_heads, hp.head_dim, self.cos, self.sin,
-                      np.float32(self.scale), kv.k, kv.v, attention_chunk,
-                      b.x, b.h, b.qkv, b.q, b.k, b.v, b.att, b.proj, b.gu, b.act, b.scratch, b.logits)
-        return b.logits[:logit_rows.shape[0], :hp.vocab_size]
+        layers in one numba call; returns logits (len(logit_rows), vocab), a view of the buffers.
+        ops: the op table's codes (registry.OpTable.codes), which kernel variants to run."""
+        buf = self.buffers.ensure(tokens.shape[0], logit_rows.shape[0])
+        _llama_rows(StepRows(tokens, positions, block_tables, logit_rows), self.step_weights, self.step_config,
+                    (kv.k, kv.v), attention_chunk, ops, buf)
+        return buf.logits[:logit_rows.shape[0], :self.hp.vocab_size]
 
 
 @njit(cache=True, nogil=True)
-def _llama_rows(tokens, positions, block_tables, logit_rows, tab, mats, token_embd, output, attn_norm, ffn_norm,
-                  output_norm, eps, n_heads, n_kv, head_dim, cos, sin, scale, k_pool, v_pool, chunk,
-                  x, h, qkv, q, k, v, att, proj, gu, act, scratch, logits):
-    rows = tokens.shape[0]
-    embed_rows(tab, token_embd, tokens, x)
-    for layer in range(mats.shape[0]):
-        m = mats[layer]
-        rmsnorm_rows(x, attn_norm[layer], eps, h, rows)
-        matmul(tab, m[0:3], h[:rows], qkv[:rows], scratch)
-        split_qkv_rows(qkv, q, k, v, rows)
-        for b in range(rows):
-            rope_pairs(q[b], n_heads, head_dim, cos[positions[b]], sin[positions[b]])
-            rope_pairs(k[b], n_kv, head_dim, cos[positions[b]], sin[positions[b]])
-        store_kv_rows(k_pool, v_pool, layer, block_tables, positions, k, v, rows)
-        paged_attention_decode(q[:rows], k_pool, v_pool, layer, block_tables, positions, 0, scale, chunk, att[:rows])
-        matmul(tab, m[3:4], att[:rows], proj[:rows], scratch)
-        add_rows(x, proj, rows)
-        swiglu_ffn_rows(tab, m, x, ffn_norm[layer], eps, h, gu, act, proj, scratch, rows)
-    output_logits_rows(tab, output, x, output_norm, eps, h, logits, scratch, logit_rows)
+def _llama_rows(step, w, hp, kv_pools, chunk, ops, buf):
+    """embed → per layer (norm, qkv, rope, attention, residual, ffn) → norm → logits, every row."""
+    rows = step.tokens.shape[0]
+    k_pool, v_pool = kv_pools
+    mm = (w.tab, ops, buf.scratch)
+    embed_rows(w.tab, w.token_embd, step.tokens, buf.x)
+    for layer in range(w.mats.shape[0]):
+        m = w.mats[layer]
+        rmsnorm_rows(buf.x, w.attn_norm[layer], hp.eps, buf.h, rows)
+        qkv_rows(mm, m, buf, rows)
+        if hp.qkv_bias:
+            for b in range(rows):
+                add_into(buf.q[b], w.q_bias[layer])
+                add_into(buf.k[b], w.k_bias[layer])
+                add_into(buf.v[b], w.v_bias[layer])
+        if hp.qk_norm:
+            head_norm_rows(buf, hp.n_heads, hp.n_kv_heads, hp.head_dim, w.q_norm[layer], w.k_norm[layer], hp.eps,
+                           rows)
+        rope_rows(buf, step.positions, w.cos, w.sin, hp.n_heads, hp.n_kv_heads, hp.head_dim, hp.rope_neox, rows)
+        attention_rows(buf, k_pool, v_pool, layer, step.block_tables, step.positions, 0, hp.scale, chunk, rows)
+        matmul(mm, m[ATTN_OUT], buf.att[:rows], buf.proj[:rows])
+        add_rows(buf.x, buf.proj, rows)
+        swiglu_ffn_rows(mm, m, w.ffn_norm[layer], hp.eps, buf, rows)
+    output_logits_rows(mm, w.output, w.output_norm, hp.eps, buf, step.logit_rows)
