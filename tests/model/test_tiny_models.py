@@ -125,3 +125,17 @@ def test_both_kernel_sets_generate_the_same_greedy_tokens(tiny):
     generator = solo_generator(_load(path, "float32"))
     assert generate_ids(generator, PROMPT, 12) == ref
     assert generator.blocks.num_free_blocks == generator.blocks.num_blocks  # the request gave its blocks back
+
+
+@pytest.mark.parametrize("name, flags", [("llama-q8_0-tied", (False, False, False)), ("qwen2", (True, False, True)),
+                                         ("qwen3", (False, True, True))])
+def test_llama_family_flags_come_from_the_file_not_its_name(tmp_path, name, flags):
+    """(qkv_bias, qk_norm, rope_neox): tensors and general.architecture decide, whatever the file is called."""
+    from dataclasses import replace
+
+    from worker.engine.gguf_file import GGUFFile
+    from worker.engine.models.llama import LlamaHParams
+    path = tmp_path / "gemma3-llama-qwen3.gguf"
+    write_tiny(path, replace(SPECS[name], weights={}))
+    hp = LlamaHParams.from_gguf(GGUFFile(path))
+    assert (hp.qkv_bias, hp.qk_norm, hp.rope_neox) == flags
