@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from gateway.tokenizer import StreamDecoder, Tokenizer  # noqa: E402
 
 MODELS = Path(os.environ.get("REAME_TEST_MODELS", "~/.cache/reame/models")).expanduser()
-CASES = Path(__file__).resolve().parent.parent.parent / "shared" / "reference" / "cases.json"
+CASES = Path(__file__).resolve().parent.parent / "tests" / "data" / "reference" / "cases.json"
 TARGET_TOKENS = 4000
 RUNS = 7
 LETTERS = "etaoinshrdlucmfwypvbgkjqxz" * 4 + "éüßñçøåжыдλπ日本語中文한국"

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-REFERENCE_DIR = REPO_ROOT.parent / "shared" / "reference"
+REFERENCE_DIR = REPO_ROOT / "tests" / "data" / "reference"  # llama.cpp's outputs, kept as data
 TEST_MODELS_DIR = Path(os.environ.get("REAME_TEST_MODELS", "~/.cache/reame/models")).expanduser()
 
 

@@ -1,4 +1,4 @@
-"""The comparison rules of ../shared/reference/README.md, as code."""
+"""The comparison rules of tests/data/reference/README.md, as code."""
 from __future__ import annotations
 
 from contextlib import closing

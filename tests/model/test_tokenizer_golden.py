@@ -1,4 +1,4 @@
-"""Tokenizer and chat template against llama.cpp's golden files (../shared/reference/*.json).
+"""Tokenizer and chat template against llama.cpp's golden files (tests/data/reference/*.json).
 
 Rule 1 of the reference README: ids must be identical for every text. Each file is paired with
 the real model of the same family (the .f32-exact files share their model's tokenizer).
