@@ -11,8 +11,8 @@ from tests.e2e.servers import API_KEY, gateway_and_worker
 @pytest.fixture(scope="session")
 def server(smollm2_gguf, tmp_path_factory):
     directory = tmp_path_factory.mktemp("e2e")
-    with gateway_and_worker(directory, smollm2_gguf) as procs:
-        yield procs
+    with gateway_and_worker(directory, smollm2_gguf) as server:
+        yield server
 
 
 @pytest.fixture

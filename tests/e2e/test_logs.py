@@ -12,7 +12,7 @@ LINE = re.compile(r"^\d\d:\d\d:\d\d (gateway|worker\[0\]) (DEBUG|INFO|WARNING|ER
 
 
 def logs(server) -> str:
-    return "".join((server.directory / f"{name}.log").read_text(errors="replace") for name in ("gateway", "worker"))
+    return server.log("gateway") + server.log("worker")
 
 
 def test_prompts_and_completions_stay_out_of_the_logs(server, client):
@@ -30,9 +30,8 @@ def test_prompts_and_completions_stay_out_of_the_logs(server, client):
 
 def test_a_request_id_cannot_forge_log_lines(server):
     # A tab and spaces pass the HTTP parser; control bytes do not get that far (a 400 from aiohttp).
-    port = int(server.url.rsplit(":", 1)[1])
     body = b'{"prompt": "Hi", "max_tokens": 1}'
-    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Authorization: Bearer " + API_KEY.encode() + b"\r\n"
                      b"X-Request-Id: forge\tERROR worker[0] pwned\r\n"

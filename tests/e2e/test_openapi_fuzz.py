@@ -15,7 +15,8 @@ import sys
 
 import pytest
 
-from tests.e2e.servers import API_KEY, REPO, gateway_and_worker
+from tests.e2e.servers import API_KEY, gateway_and_worker
+from tests.harness import REPO
 
 CHECKS = ("not_a_server_error,status_code_conformance,content_type_conformance,response_headers_conformance,"
           "response_schema_conformance,negative_data_rejection,unsupported_method,ignored_auth")
@@ -26,8 +27,8 @@ SEED = 8
 @pytest.fixture(scope="module")
 def fuzz_server(smollm2_gguf, tmp_path_factory):
     directory = tmp_path_factory.mktemp("fuzz")
-    with gateway_and_worker(directory, smollm2_gguf, gateway="max_n = 2\ndefault_max_tokens = 4") as procs:
-        yield procs
+    with gateway_and_worker(directory, smollm2_gguf, gateway={"max_n": 2, "default_max_tokens": 4}) as server:
+        yield server
 
 
 def test_live_gateway_matches_its_openapi_document(fuzz_server, tmp_path):

@@ -20,7 +20,8 @@ import psutil
 import pytest
 import requests
 
-from tests.e2e.servers import API_KEY, NO_END, REPO, Processes, free_port, metric, worker_processes, write_config
+from tests.e2e.servers import API_KEY, NO_END, metric, worker_processes, write_config
+from tests.harness import REPO, free_port, reame_serve
 
 
 @pytest.fixture(scope="module")
@@ -28,13 +29,8 @@ def serve(smollm2_gguf, tmp_path_factory):
     directory = tmp_path_factory.mktemp("serve")
     port = free_port()
     config = write_config(directory, smollm2_gguf, port)
-    procs = Processes(directory, port)
-    procs.start("serve", "-m", "reame.cli", "serve", "--config", str(config), "--workers", "2")
-    try:
-        procs.wait_ready(workers=2)
-        yield procs
-    finally:
-        procs.stop()
+    with reame_serve("reame serve", directory, config, port, "--workers", "2", workers=2) as server:
+        yield server
 
 
 @pytest.fixture
@@ -43,7 +39,7 @@ def client(serve):
 
 
 def serve_pid(serve) -> int:
-    return serve.procs[0][1].pid
+    return serve.processes[0].pid
 
 
 def busy_workers(serve) -> dict[int, float]:
@@ -66,7 +62,7 @@ def healthy_workers(serve) -> int:
 
 def test_prints_the_url_and_runs_two_pinned_workers(serve):
     ready = f"Reame is ready: point an OpenAI client at {serve.url}/v1"
-    wait_for(lambda: ready in (serve.directory / "serve.log").read_text(), timeout=10, what="the URL")
+    wait_for(lambda: ready in serve.log("serve"), timeout=10, what="the URL")
     workers = worker_processes(serve_pid(serve))
     assert len(workers) == 2
     assert sorted(len(w.cpu_affinity()) for w in workers) == [1, 1]  # the one node's CPUs, split
@@ -113,7 +109,7 @@ def test_sigterm_drains_the_worker(serve, client):
     assert result.usage.completion_tokens == 60  # finished, not cut off
     wait_for(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE,
              timeout=30, what="the drained worker to exit")
-    assert "draining" in (serve.directory / "serve.log").read_text()
+    assert "draining" in serve.log("serve")
     wait_for(lambda: healthy_workers(serve) == 2, what="the worker to be restarted")
 
 
@@ -131,7 +127,7 @@ def test_sigstop_worker_is_dropped_and_its_request_moved(serve, client):
             results = [first.result(timeout=120), second.result(timeout=120)]
             assert [r.usage.completion_tokens for r in results] == [60, 20]
             assert healthy_workers(serve) == 1
-            assert "silent for" in (serve.directory / "serve.log").read_text()
+            assert "silent for" in serve.log("serve")
         finally:
             os.kill(stopped, signal.SIGCONT)
     # Its next heartbeat reaches a gateway that dropped it, which asks it to register again.
@@ -147,7 +143,7 @@ def test_unknown_numa_node_is_a_clear_error(tmp_path):
 
 
 def test_sigterm_stops_everything(serve):
-    proc = serve.procs[0][1]
+    proc = serve.processes[0].popen
     children = psutil.Process(proc.pid).children(recursive=True)
     assert len(children) == 3
     proc.send_signal(signal.SIGTERM)

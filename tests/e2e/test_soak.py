@@ -9,7 +9,7 @@ import json
 import subprocess
 import sys
 
-from tests.e2e.servers import REPO
+from tests.harness import REPO
 
 
 def test_short_soak(smollm2_gguf, tmp_path):

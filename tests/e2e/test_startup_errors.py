@@ -5,7 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from tests.e2e.servers import REPO, free_port, write_config
+from tests.e2e.servers import write_config
+from tests.harness import REPO, free_port
 
 
 def serve(tmp_path, model, *flags: str) -> subprocess.CompletedProcess:
