@@ -3,6 +3,9 @@
 A frame is one kind byte followed by the message's fields as an orjson object. Every message
 is a frozen dataclass defined here and nowhere else; `decode` refuses unknown kinds and fields
 so a gateway and a worker from different versions fail loudly at registration, not mid-stream.
+It also checks every field against its declared type and range (`Annotated[int, Range(..)]`), so a
+peer on the endpoint cannot plant a value (`"capacity": "x"`) that breaks later code: a frame that
+does not match is refused whole, never half-used.
 
 Flow: the worker connects and sends Register, then a Heartbeat every `heartbeat_interval`
 carrying its load and its prefix-cache counters (cumulative since it started);
@@ -18,15 +21,29 @@ worker; Drain(done=True) says it is leaving now and that any request it still ha
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
+import types
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Union
+from typing import Annotated, Any, Callable, Literal, NamedTuple, Union, get_args, get_origin, get_type_hints
 
 import orjson
 
 from shared.sampling import SamplingParams
 
 PROTOCOL_VERSION = 2  # 2: Generate.warm, Finished.prefix_tokens, Heartbeat counters
+
+
+class Range(NamedTuple):
+    """The inclusive bounds of an int field, checked by `decode`."""
+    low: int
+    high: int
+
+
+Count = Annotated[int, Range(0, 2 ** 63 - 1)]  # sizes, counters, token ids (the worker checks them against its vocabulary)
+Positive = Annotated[int, Range(1, 2 ** 63 - 1)]
+ProcessId = Annotated[int, Range(0, 2 ** 31 - 1)]  # pid_t; 0 for a worker whose process is not checked
 
 
 class Kind(IntEnum):
@@ -44,16 +61,16 @@ class Kind(IntEnum):
 class Register:
     """Worker → gateway, once the model is loaded and warm."""
     worker_id: str
-    numa_node: int
-    cpus: list[int]
+    numa_node: Count
+    cpus: list[Count]
     model_name: str  # the GGUF's general.name
     model_path: str
-    arch: str
-    n_ctx: int
-    vocab_size: int
-    capacity: int  # sequences the worker runs at once
+    arch: str  # general.architecture
+    n_ctx: Positive
+    vocab_size: Positive
+    capacity: Positive  # sequences the worker runs at once
     host: str
-    pid: int
+    pid: ProcessId
     version: int = PROTOCOL_VERSION
 
 
@@ -66,20 +83,20 @@ class Heartbeat:
     them at 0.
     """
     worker_id: str
-    active: int = 0
-    queued: int = 0
+    active: Count = 0
+    queued: Count = 0
     registered: bool = True
-    prefix_query_tokens: int = 0  # prompt tokens looked up in the prefix cache
-    prefix_hit_tokens_ram: int = 0  # of those, found in this worker's RAM cache
-    prefix_hit_tokens_store: int = 0  # of those, found in the host store
-    prefix_restores: int = 0  # requests that chose to restore blocks from the store
-    prefix_recomputes: int = 0  # requests that chose to recompute although the store had the blocks
-    store_bytes: int = 0  # the host store's size now (one store per host, shared by its workers)
-    store_evictions: int = 0
-    store_writes: int = 0
-    kv_blocks: int = 0  # the worker's KV pool now: all blocks,
-    kv_blocks_used: int = 0  # those some request holds,
-    kv_blocks_cached: int = 0  # and those free that still hold a reusable prefix
+    prefix_query_tokens: Count = 0  # prompt tokens looked up in the prefix cache
+    prefix_hit_tokens_ram: Count = 0  # of those, found in this worker's RAM cache
+    prefix_hit_tokens_store: Count = 0  # of those, found in the host store
+    prefix_restores: Count = 0  # requests that chose to restore blocks from the store
+    prefix_recomputes: Count = 0  # requests that chose to recompute although the store had the blocks
+    store_bytes: Count = 0  # the host store's size now (one store per host, shared by its workers)
+    store_evictions: Count = 0
+    store_writes: Count = 0
+    kv_blocks: Count = 0  # the worker's KV pool now: all blocks,
+    kv_blocks_used: Count = 0  # those some request holds,
+    kv_blocks_cached: Count = 0  # and those free that still hold a reusable prefix
 
 
 # The Heartbeat fields a worker's counters fill (worker.pulse); the rest are load and control.
@@ -91,7 +108,7 @@ HEARTBEAT_COUNTERS = ("prefix_query_tokens", "prefix_hit_tokens_ram", "prefix_hi
 @dataclass(frozen=True)
 class Generate:
     request_id: str
-    prompt_ids: list[int]
+    prompt_ids: list[Count]
     params: SamplingParams
     warm: bool = False  # prefill only: fill the prefix caches (RAM and host store), flush the store writes, finish
 
@@ -100,7 +117,7 @@ class Generate:
 class TokenChunk:
     """Tokens generated since the last chunk; `top_logprobs[i]` lists [token, logprob] pairs."""
     request_id: str
-    tokens: list[int]
+    tokens: list[Count]
     logprobs: list[float | None] = field(default_factory=list)
     top_logprobs: list[list[list[float]]] = field(default_factory=list)
 
@@ -108,11 +125,11 @@ class TokenChunk:
 @dataclass(frozen=True)
 class Finished:
     request_id: str
-    finish_reason: str  # stop | length | abort
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0  # prompt tokens whose K/V were reused from the prefix cache
-    prefix_tokens: int = 0  # prompt tokens whose K/V the prefix cache now holds (full blocks)
+    finish_reason: Literal["stop", "length", "abort"]
+    prompt_tokens: Count = 0
+    completion_tokens: Count = 0
+    cached_tokens: Count = 0  # prompt tokens whose K/V were reused from the prefix cache
+    prefix_tokens: Count = 0  # prompt tokens whose K/V the prefix cache now holds (full blocks)
 
 
 @dataclass(frozen=True)
@@ -145,8 +162,6 @@ _KIND_OF: dict[type, Kind] = {
     Abort: Kind.ABORT, Drain: Kind.DRAIN,
 }
 _CLASS_OF: dict[int, type] = {int(kind): cls for cls, kind in _KIND_OF.items()}
-_FIELDS: dict[type, frozenset[str]] = {cls: frozenset(f.name for f in dataclasses.fields(cls)) for cls in _KIND_OF}
-_PARAM_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
 
 class ProtocolError(ValueError):
@@ -155,7 +170,7 @@ class ProtocolError(ValueError):
 
 def encode(message: Message) -> bytes:
     # orjson serialises dataclasses natively (nested SamplingParams included); int dict keys
-    # (logit_bias) need OPT_NON_STR_KEYS and come back as strings, which `_params` undoes.
+    # (logit_bias) need OPT_NON_STR_KEYS and come back as strings, which the key decoder undoes.
     body = orjson.dumps(message, option=orjson.OPT_NON_STR_KEYS)
     return bytes((_KIND_OF[type(message)],)) + body
 
@@ -170,23 +185,170 @@ def decode(frame: bytes) -> Message:
         data = orjson.loads(frame[1:])
     except orjson.JSONDecodeError as exc:
         raise ProtocolError(f"{cls.__name__}: bad body: {exc}") from None
-    if not isinstance(data, dict):
-        raise ProtocolError(f"{cls.__name__}: body is not an object")
-    unknown = data.keys() - _FIELDS[cls]
-    if unknown:
-        raise ProtocolError(f"{cls.__name__}: unknown fields {sorted(unknown)}")
-    if cls is Generate and "params" in data:
-        data["params"] = _params(data["params"])
     try:
-        return cls(**data)
-    except TypeError as exc:
-        raise ProtocolError(f"{cls.__name__}: {exc}") from None
+        return _DECODERS[cls](data)
+    except _Invalid as exc:
+        raise ProtocolError(f"{cls.__name__}{exc.where}: {exc.problem}") from None
 
 
-def _params(data: object) -> SamplingParams:
-    if not isinstance(data, dict) or data.keys() - _PARAM_FIELDS:
-        raise ProtocolError("Generate: bad params")
-    data = dict(data)
-    data["logit_bias"] = {int(k): float(v) for k, v in (data.get("logit_bias") or {}).items()}
-    data["stop_token_ids"] = tuple(data.get("stop_token_ids") or ())
-    return SamplingParams(**data)
+# ---- the decoder: one per field type, built once from the dataclasses' annotations ----------
+
+class _Invalid(Exception):
+    """A value that does not match its declared type; `where` grows as it climbs out (.params.seed)."""
+
+    def __init__(self, problem: str):
+        super().__init__(problem)
+        self.problem = problem
+        self.where = ""
+
+    def within(self, step: str) -> _Invalid:
+        self.where = step + self.where
+        return self
+
+
+_INT_KEY = re.compile(r"-?[0-9]{1,19}")  # JSON object keys are strings; bounded, so int() stays cheap
+
+
+def _scalar(kind: type) -> Callable[[Any], Any]:
+    def check(value: Any) -> Any:
+        # bool is an int in Python but not in the protocol; an int is a valid float (kept as is).
+        if isinstance(value, bool) and kind is not bool:
+            raise _Invalid(f"expected {kind.__name__}, got {value!r}")
+        if kind is float and isinstance(value, (int, float)):
+            if not math.isfinite(value):
+                raise _Invalid(f"expected a finite number, got {value!r}")
+            return value
+        if not isinstance(value, kind):
+            raise _Invalid(f"expected {kind.__name__}, got {type(value).__name__}")
+        return value
+    return check
+
+
+def _decoder(hint: Any) -> Callable[[Any], Any]:
+    """A function that checks (and, for tuples and dataclasses, builds) a value of type `hint`."""
+    origin, args = get_origin(hint), get_args(hint)
+    if hint in (int, float, str, bool):
+        return _scalar(hint)
+    if hint is type(None):
+        return _scalar(type(None))
+    if origin is Annotated:
+        inner = _decoder(args[0])
+        bounds = [a for a in args[1:] if isinstance(a, Range)]
+
+        def in_range(value: Any) -> Any:
+            value = inner(value)
+            for low, high in bounds:
+                if not low <= value <= high:
+                    raise _Invalid(f"{value} is outside {low}..{high}")
+            return value
+        return in_range
+    if origin is Literal:
+        def one_of(value: Any) -> Any:
+            if not any(type(value) is type(a) and value == a for a in args):
+                raise _Invalid(f"expected one of {list(args)}, got {value!r:.40}")
+            return value
+        return one_of
+    if origin in (Union, types.UnionType):
+        nullable = type(None) in args
+        options = [_decoder(a) for a in args if a is not type(None)]
+
+        def either(value: Any) -> Any:
+            if value is None and nullable:
+                return None
+            for option in options:
+                try:
+                    return option(value)
+                except _Invalid:
+                    pass
+            raise _Invalid(f"expected {hint}, got {value!r:.40}")
+        return either
+    if origin is list or (origin is tuple and len(args) == 2 and args[1] is Ellipsis):
+        item = _decoder(args[0])
+        build = list if origin is list else tuple
+        # Token ids are most of the traffic: a list of in-range ints is checked without a call per item.
+        int_bounds = _int_bounds(args[0])
+
+        def sequence(value: Any) -> Any:
+            if not isinstance(value, list):
+                raise _Invalid(f"expected a list, got {type(value).__name__}")
+            if int_bounds is not None and all(type(v) is int for v in value) and (
+                    not value or int_bounds[0] <= min(value) and max(value) <= int_bounds[1]):
+                return value if build is list else tuple(value)
+            out = []
+            for i, v in enumerate(value):
+                try:
+                    out.append(item(v))
+                except _Invalid as exc:
+                    raise exc.within(f"[{i}]") from None
+            return build(out)
+        return sequence
+    if origin is dict:
+        key, val = _key_decoder(args[0]), _decoder(args[1])
+
+        def mapping(value: Any) -> Any:
+            if not isinstance(value, dict):
+                raise _Invalid(f"expected an object, got {type(value).__name__}")
+            out = {}
+            for k, v in value.items():
+                try:
+                    out[key(k)] = val(v)
+                except _Invalid as exc:
+                    raise exc.within(f"[{k!r:.40}]") from None
+            return out
+        return mapping
+    if dataclasses.is_dataclass(hint):
+        return _dataclass_decoder(hint)
+    raise TypeError(f"protocol: no decoder for the field type {hint!r}")  # a message defined here is wrong
+
+
+def _int_bounds(hint: Any) -> tuple[int, int] | None:
+    """(low, high) when hint is int or a ranged int; None for any other type."""
+    if hint is int:
+        return -2 ** 63, 2 ** 64 - 1  # what orjson parses as an int
+    args = get_args(hint)
+    if get_origin(hint) is Annotated and args[0] is int:
+        ranges = [a for a in args[1:] if isinstance(a, Range)]
+        return (max(r.low for r in ranges), min(r.high for r in ranges)) if ranges else _int_bounds(int)
+    return None
+
+
+def _key_decoder(hint: Any) -> Callable[[Any], Any]:
+    """Object keys arrive as strings; an int key is parsed from its decimal digits, then checked."""
+    check = _decoder(hint)
+    if hint is not int and get_args(hint)[:1] != (int,):
+        return check
+
+    def int_key(text: Any) -> Any:
+        if not isinstance(text, str) or not _INT_KEY.fullmatch(text):
+            raise _Invalid(f"expected an integer key, got {text!r:.40}")
+        return check(int(text))
+    return int_key
+
+
+def _dataclass_decoder(cls: type) -> Callable[[Any], Any]:
+    hints = get_type_hints(cls, include_extras=True)
+    fields = [(f.name, _decoder(hints[f.name]),
+               f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+              for f in dataclasses.fields(cls)]
+    names = frozenset(name for name, _, _ in fields)
+
+    def build(data: Any) -> Any:
+        if not isinstance(data, dict):
+            raise _Invalid("body is not an object")
+        unknown = data.keys() - names
+        if unknown:
+            raise _Invalid(f"unknown fields {sorted(unknown)}")
+        values = {}
+        for name, check, required in fields:
+            if name in data:
+                try:
+                    values[name] = check(data[name])
+                except _Invalid as exc:
+                    raise exc.within(f".{name}") from None
+            elif required:
+                raise _Invalid(f"missing field {name}")
+        return cls(**values)
+    return build
+
+
+_DECODERS: dict[type, Callable[[Any], Any]] = {cls: _dataclass_decoder(cls) for cls in _KIND_OF}

@@ -1,4 +1,5 @@
-"""Every message survives encode → decode unchanged; bad frames are refused, not guessed at."""
+"""Every message survives encode → decode unchanged; bad frames are refused, not guessed at:
+every field is checked against its declared type and range, nested ones included."""
 from __future__ import annotations
 
 import dataclasses
@@ -72,5 +73,68 @@ def test_every_kind_has_one_class():
 def test_heartbeat_counters_are_its_int_fields_beyond_load():
     fields = {f.name: f for f in dataclasses.fields(Heartbeat)}
     assert set(protocol.HEARTBEAT_COUNTERS) == fields.keys() - {"worker_id", "active", "queued", "registered"}
-    assert all(fields[name].type == "int" and fields[name].default == 0 for name in protocol.HEARTBEAT_COUNTERS)
+    assert all(fields[name].type == "Count" and fields[name].default == 0 for name in protocol.HEARTBEAT_COUNTERS)
 
+
+
+REGISTER = orjson.loads(encode(MESSAGES[0])[1:])
+
+
+def frame_of(kind: Kind, body: dict) -> bytes:
+    return bytes([kind]) + orjson.dumps(body)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("capacity", "x"), ("capacity", 0), ("capacity", 2.0), ("capacity", True), ("capacity", None),
+    ("pid", "12"), ("pid", -1), ("pid", 2 ** 40), ("n_ctx", -5), ("vocab_size", 0),
+    ("cpus", [0, "1"]), ("cpus", "0-3"), ("numa_node", -1), ("worker_id", 7), ("version", "2"),
+])
+def test_a_register_with_a_field_of_the_wrong_type_or_range_is_refused(field, value):
+    with pytest.raises(ProtocolError, match=f"Register.{field}"):
+        decode(frame_of(Kind.REGISTER, {**REGISTER, field: value}))
+
+
+def test_a_register_missing_a_field_is_refused():
+    body = dict(REGISTER)
+    del body["capacity"]
+    with pytest.raises(ProtocolError, match="missing field capacity"):
+        decode(frame_of(Kind.REGISTER, body))
+
+
+@pytest.mark.parametrize("kind, body", [
+    (Kind.HEARTBEAT, {"worker_id": "w", "active": "1"}),
+    (Kind.HEARTBEAT, {"worker_id": "w", "store_bytes": -1}),
+    (Kind.HEARTBEAT, {"worker_id": "w", "registered": 0}),
+    (Kind.TOKEN_CHUNK, {"request_id": "r", "tokens": [1.5]}),
+    (Kind.TOKEN_CHUNK, {"request_id": "r", "tokens": [1], "logprobs": ["x"]}),
+    (Kind.TOKEN_CHUNK, {"request_id": "r", "tokens": [1], "top_logprobs": [[["a", 1.0]]]}),
+    (Kind.FINISHED, {"request_id": "r", "finish_reason": "exploded"}),
+    (Kind.FINISHED, {"request_id": "r", "finish_reason": "stop", "completion_tokens": "3"}),
+    (Kind.ERROR, {"request_id": "r", "error": "X", "message": 5}),
+    (Kind.ERROR, {"request_id": "", "error": "X", "message": "m", "fatal": "yes"}),
+    (Kind.ABORT, {"request_id": None}),
+    (Kind.DRAIN, {"worker_id": "w", "done": 1}),
+    (Kind.GENERATE, {"request_id": "r", "prompt_ids": [1, -2], "params": {}}),
+    (Kind.GENERATE, {"request_id": "r", "prompt_ids": [1], "params": []}),
+    (Kind.GENERATE, {"request_id": "r", "prompt_ids": [1], "params": {"max_tokens": "5"}}),
+    (Kind.GENERATE, {"request_id": "r", "prompt_ids": [1], "params": {"seed": 1.5}}),
+    (Kind.GENERATE, {"request_id": "r", "prompt_ids": [1], "params": {"logit_bias": {"x": 1.0}}}),
+    (Kind.GENERATE, {"request_id": "r", "prompt_ids": [1], "params": {"logit_bias": {"1" * 5000: 1.0}}}),
+    (Kind.GENERATE, {"request_id": "r", "prompt_ids": [1], "params": {"logit_bias": {"1": "big"}}}),
+    (Kind.GENERATE, {"request_id": "r", "prompt_ids": [1], "params": {"stop_token_ids": ["2"]}}),
+])
+def test_every_message_kind_checks_its_field_types(kind, body):
+    with pytest.raises(ProtocolError):
+        decode(frame_of(kind, body))
+
+
+def test_the_error_names_the_nested_field():
+    with pytest.raises(ProtocolError, match=r"Generate.params.logit_bias\['7'\]: expected float"):
+        decode(frame_of(Kind.GENERATE, {"request_id": "r", "prompt_ids": [1], "params": {"logit_bias": {"7": "x"}}}))
+
+
+def test_ranges_of_sampling_values_are_left_to_the_worker_which_answers_the_request():
+    # A Generate whose values are out of range still decodes: the worker's validate_params then
+    # answers it with an InvalidRequestError, so the request does not wait for an answer forever.
+    message = decode(frame_of(Kind.GENERATE, {"request_id": "r", "prompt_ids": [1], "params": {"temperature": 99}}))
+    assert message.params.temperature == 99
