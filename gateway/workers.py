@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import socket
+import stat
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import psutil
@@ -80,8 +83,13 @@ class WorkerHandle:
 class WorkerPool:
     def __init__(self, endpoint: str, metrics: Metrics, *, heartbeat_interval: float = 1.0,
                  worker_timeout: float = 10.0, max_queue: int = 256, queue_timeout: float = 60.0,
+                 model_arch: str | None = None, vocab_size: int | None = None,
                  clock: Callable[[], float] = time.monotonic):
+        """`model_arch` and `vocab_size` are the tokenizer's (general.architecture, its token count):
+        a worker whose model differs is refused, as its token ids would mean other text."""
         self.endpoint = endpoint
+        self.model_arch = model_arch
+        self.vocab_size = vocab_size
         self.metrics = metrics
         self.worker_timeout = worker_timeout
         self.max_queue = max_queue
@@ -100,11 +108,15 @@ class WorkerPool:
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted worker may reuse its id
         self._tasks: list[asyncio.Task] = []
+        self._refused: set[tuple[str, str]] = set()  # (worker id, reason) already logged
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
     async def start(self) -> None:
-        self._socket.bind(self.endpoint)
+        if self.endpoint.startswith("ipc://") and not self.endpoint.startswith("ipc://@"):  # @: abstract, no file
+            _bind_private(self._socket, Path(self.endpoint[len("ipc://"):]))
+        else:
+            self._socket.bind(self.endpoint)
         self._tasks = [asyncio.create_task(self._receive_loop()), asyncio.create_task(self._sweep_loop())]
         log.info("gateway: waiting for workers on %s", self.endpoint)
 
@@ -228,6 +240,10 @@ class WorkerPool:
         if identity != info.worker_id.encode():
             log.error("worker %s registered from routing id %r: ignored", info.worker_id, identity)
             return
+        mismatch = self._model_mismatch(info)
+        if mismatch:
+            self._refuse(identity, info, mismatch)
+            return
         known = self.workers.get(info.worker_id)
         if known is not None:
             known.info = info
@@ -240,6 +256,22 @@ class WorkerPool:
         self.model_names.add(info.model_name)
         self._update_gauges()
         self._dispatch()
+
+    def _model_mismatch(self, info: Register) -> str:
+        """Why this worker's model cannot serve this gateway's tokenizer ("" when it can)."""
+        if self.model_arch is not None and info.arch != self.model_arch:
+            return f"its model is a {info.arch} ({info.model_path}), the gateway's tokenizer is for {self.model_arch}"
+        if self.vocab_size is not None and info.vocab_size != self.vocab_size:
+            return (f"its model ({info.model_path}) has {info.vocab_size} tokens, "
+                    f"the gateway's tokenizer {self.vocab_size}")
+        return ""
+
+    def _refuse(self, identity: bytes, info: Register, reason: str) -> None:
+        # A refused worker registers again after each Heartbeat(registered=False): log once, tell it each time.
+        if (info.worker_id, reason) not in self._refused:
+            self._refused.add((info.worker_id, reason))
+            log.error("worker %s refused: %s", info.worker_id, reason)
+        self._send(identity, Error("", "ConfigError", f"the gateway refused this worker: {reason}", fatal=True))
 
     # ---- liveness ----------------------------------------------------------------------------
 
@@ -322,6 +354,21 @@ class WorkerPool:
         # heartbeats and timeouts deal with such peers.
         future = self._socket.send_multipart([identity, protocol.encode(message)], flags=zmq.NOBLOCK)
         future.add_done_callback(_consume_result)
+
+
+def _bind_private(sock: zmq.Socket, path: Path) -> None:
+    """Bind an ipc:// socket that only this user can reach: a directory of 0700, a socket of 0600.
+
+    Anyone who can connect can register as a worker and read prompts, so the directory is made
+    private before the bind (no window in which the socket is open to others). A shared directory
+    such as /tmp (sticky, or not ours) is left as it is; the socket's own mode still applies.
+    """
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    info = path.parent.stat()
+    if info.st_uid == os.getuid() and not info.st_mode & stat.S_ISVTX:
+        os.chmod(path.parent, 0o700)
+    sock.bind(f"ipc://{path}")
+    os.chmod(path, 0o600)
 
 
 def _consume_result(future: asyncio.Future) -> None:

@@ -134,6 +134,10 @@ class WorkerService:
         elif isinstance(message, Heartbeat):
             if not message.registered:  # a gateway that restarted does not know us yet
                 self.register_requested = True
+        elif isinstance(message, Error) and message.fatal:
+            # The gateway refused us (a model its tokenizer does not fit): waiting would not change that.
+            log.error("worker %s: %s; leaving", self.info.worker_id, message.message)
+            self.stop_requested = True
         else:
             log.warning("worker %s: unexpected %s", self.info.worker_id, type(message).__name__)
 

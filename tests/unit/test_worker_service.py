@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 
+import orjson
 import zmq
 
 from shared import protocol
@@ -155,6 +156,27 @@ def test_warm_request_reaches_the_generator_and_its_cache_counts_come_back():
     assert [m.request_id for m in of(sock, TokenChunk)] == ["g", "g"]  # the warm one prefills only
     assert of(sock, Finished) == [Finished("w", "length", 40, 0, cached_tokens=16, prefix_tokens=32),
                                   Finished("g", "length", 40, 2, cached_tokens=16, prefix_tokens=32)]
+
+
+def test_a_malformed_generate_is_dropped_and_logged_and_the_next_one_runs(caplog):
+    service, sock, engine = make()
+    sock.inbox.append(bytes([protocol.Kind.GENERATE]) + orjson.dumps(
+        {"request_id": "bad", "prompt_ids": ["1"], "params": {}}))
+    sock.push(Generate("a", [1], greedy(1)))
+    service.request_drain()
+    with caplog.at_level(logging.WARNING, "reame.worker"):
+        service.run()
+    assert [rid for rid, _, _, _ in engine.added] == ["a"]
+    assert "dropped a bad frame: Generate.prompt_ids[0]: expected int" in caplog.text
+
+
+def test_a_worker_the_gateway_refuses_leaves(caplog):
+    service, sock, _ = make()
+    sock.push(Error("", "ConfigError", "the gateway refused this worker: its model has 259 tokens", fatal=True))
+    with caplog.at_level(logging.ERROR, "reame.worker"):
+        service.run()  # returns: no drain or stop was asked for
+    assert sock.sent[-1] == Drain("w", done=True)
+    assert "the gateway refused this worker" in caplog.text
 
 
 class _Loaded:

@@ -1,0 +1,108 @@
+"""The gateway's WorkerPool against a raw ZeroMQ peer: what it stores of a registration (only a
+well-typed one, from a worker whose model fits the tokenizer) and who can reach its socket."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import stat
+
+import orjson
+import zmq
+import zmq.asyncio
+
+from gateway.metrics import Metrics
+from gateway.workers import WorkerPool
+from shared import protocol
+from shared.protocol import Error, Kind, Register
+
+GOOD = Register("w0", 0, [0, 1], "SmolLM2", "/m/a.gguf", "llama", 8192, 49152, 2, "elsewhere", 12)
+
+
+def with_pool(tmp_path, body, **options):
+    """Runs `await body(pool, peer)` with a started pool and a DEALER peer named w0 connected to it."""
+    async def main():
+        pool = WorkerPool(f"ipc://{tmp_path}/state/workers.ipc", Metrics(), heartbeat_interval=0.1, **options)
+        await pool.start()
+        context = zmq.asyncio.Context()
+        peer = context.socket(zmq.DEALER)
+        peer.setsockopt(zmq.IDENTITY, b"w0")
+        peer.setsockopt(zmq.LINGER, 0)
+        peer.connect(pool.endpoint)
+        try:
+            return await body(pool, peer)
+        finally:
+            peer.close()
+            context.term()
+            await pool.close()
+    return asyncio.run(main())
+
+
+def register_frame(**changes) -> bytes:
+    return bytes([Kind.REGISTER]) + orjson.dumps({**dataclasses.asdict(GOOD), **changes})
+
+
+async def settle(condition=lambda: False, timeout=1.0) -> None:
+    """Waits until condition() holds, or `timeout` seconds (for the absence of an effect)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition() and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.01)
+
+
+def test_a_register_with_a_bad_field_is_dropped_and_logged_never_stored(tmp_path, caplog):
+    async def body(pool, peer):
+        await peer.send(register_frame(capacity="x"))
+        await peer.send(register_frame(pid="12"))
+        await settle(timeout=0.3)
+        assert pool.workers == {}
+        await peer.send(protocol.encode(GOOD))  # the loop is still serving
+        await settle(lambda: "w0" in pool.workers)
+        assert pool.workers["w0"].info == GOOD
+
+    with caplog.at_level(logging.WARNING, "reame.gateway"):
+        with_pool(tmp_path, body)
+    assert "dropped a bad frame from b'w0': Register.capacity: expected int, got str" in caplog.text
+    assert "dropped a bad frame from b'w0': Register.pid: expected int, got str" in caplog.text
+
+
+def test_a_worker_whose_model_differs_from_the_tokenizer_is_refused_and_told(tmp_path, caplog):
+    async def body(pool, peer):
+        await peer.send(protocol.encode(dataclasses.replace(GOOD, vocab_size=32000)))
+        answer = protocol.decode(await asyncio.wait_for(peer.recv(), 2))
+        await peer.send(protocol.encode(dataclasses.replace(GOOD, arch="gemma3")))
+        answer_arch = protocol.decode(await asyncio.wait_for(peer.recv(), 2))
+        await settle(timeout=0.2)
+        assert pool.workers == {} and not pool.ready
+        await peer.send(protocol.encode(GOOD))
+        await settle(lambda: "w0" in pool.workers)
+        return answer, answer_arch
+
+    with caplog.at_level(logging.ERROR, "reame.gateway"):
+        answer, answer_arch = with_pool(tmp_path, body, model_arch="llama", vocab_size=49152)
+    assert isinstance(answer, Error) and answer.fatal and answer.error == "ConfigError"
+    assert "32000 tokens" in answer.message and "49152" in answer.message
+    assert isinstance(answer_arch, Error) and "gemma3" in answer_arch.message
+    assert "worker w0 refused: its model (/m/a.gguf) has 32000 tokens, the gateway's tokenizer 49152" in caplog.text
+
+
+def test_a_refused_worker_is_logged_once_however_often_it_registers(tmp_path, caplog):
+    async def body(pool, peer):
+        for _ in range(3):
+            await peer.send(protocol.encode(dataclasses.replace(GOOD, vocab_size=32000)))
+            await asyncio.wait_for(peer.recv(), 2)
+
+    with caplog.at_level(logging.ERROR, "reame.gateway"):
+        with_pool(tmp_path, body, model_arch="llama", vocab_size=49152)
+    assert caplog.text.count("worker w0 refused") == 1
+
+
+def test_the_socket_and_its_directory_are_owner_only(tmp_path):
+    (tmp_path / "state").mkdir(mode=0o755)  # as an older gateway (or a plain mkdir) left it
+    os.chmod(tmp_path / "state", 0o755)
+
+    async def body(pool, peer):
+        return (stat.S_IMODE((tmp_path / "state").stat().st_mode),
+                stat.S_IMODE((tmp_path / "state" / "workers.ipc").stat().st_mode))
+
+    assert with_pool(tmp_path, body) == (0o700, 0o600)
