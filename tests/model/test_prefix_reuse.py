@@ -3,6 +3,8 @@ it gives without any cache, whether the prefix comes from RAM, from the store af
 or is recomputed because the stored copy was corrupt."""
 from __future__ import annotations
 
+import threading
+import time
 
 import lmdb
 import pytest
@@ -11,7 +13,7 @@ from shared.hashing import extend_chain
 from worker.kv.block_manager import BlockManager
 from tests.model.run_requests import run_requests
 from worker.engine.engine import load_engine
-from worker.sched.generation import BatchGenerator
+from worker.sched.generation import BatchGenerator, FinishEvent
 from worker.kv.store import KVStore
 from worker.kv.store_writer import StoreWriter
 from worker.kv.prefix_cache import PrefixCache
@@ -188,3 +190,31 @@ def _flip_a_byte_in_every_entry(path) -> int:
     finally:
         env.close()
     return len(items)
+
+
+def test_a_warm_request_waits_for_the_store_without_holding_up_the_step_loop(engine, tmp_path):
+    """/v1/warm's answer waits until the store has its blocks, but other requests keep stepping
+    meanwhile (the wait used to be a blocking flush inside the step: 30 s with a stuck store)."""
+    _fresh_pool(engine)
+    store = _store(engine, tmp_path / "store")
+    commit = threading.Event()
+    put_many = store.put_many
+    store.put_many = lambda entries: (commit.wait(30), put_many(entries))[1]  # a store stuck on disk
+    prefix = _prefix(engine, store)
+    generator = _generator(engine, prefix)
+    generator.add("warm", SYSTEM + QUESTION_A, SamplingParams(max_tokens=1, temperature=0.0), warm=True)
+    generator.add("other", QUESTION_B, GREEDY)
+    finished = {}
+    while "other" not in finished:
+        started = time.perf_counter()
+        finished.update((e.request_id, e) for e in generator.step() if isinstance(e, FinishEvent))
+        assert time.perf_counter() - started < 5.0
+    assert "warm" not in finished and generator.has_work  # its blocks are not committed yet
+    commit.set()
+    deadline = time.monotonic() + 30
+    while "warm" not in finished and time.monotonic() < deadline:
+        finished.update((e.request_id, e) for e in generator.step() if isinstance(e, FinishEvent))
+    assert finished["warm"].prefix_tokens == len(SYSTEM + QUESTION_A) // BS * BS
+    assert not generator.has_work
+    assert store.stats().entries == len(SYSTEM + QUESTION_A) // BS
+    prefix.close()

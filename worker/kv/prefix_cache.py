@@ -232,6 +232,14 @@ class PrefixCache:
         """Wait until the store has committed every block handed to it so far."""
         return self.writer.flush(timeout) if self.writer is not None else True
 
+    def store_ticket(self) -> int:
+        """A mark after every block handed to the store so far (see `store_reached`)."""
+        return self.writer.ticket() if self.writer is not None else 0
+
+    def store_reached(self, ticket: int) -> bool:
+        """Whether the store is done with every block handed to it before `ticket` was taken."""
+        return self.writer is None or self.writer.reached(ticket)
+
     def close(self, timeout: float = 10.0) -> None:
         """Let the writer commit what it holds (a worker leaving), then close the store."""
         if self.writer is not None:

@@ -5,9 +5,9 @@ commit, one fsync) of at most `_MAX_BATCH_BYTES`; compression happens there, on 
 `submit` never blocks: when the queue already holds `max_pending_bytes` of payload the block is
 dropped (counted in `dropped`) — a cache may forget, the request must not stall.
 
-`flush` counts operations: `_finished` catches up with `_submitted` when the thread is done with
-everything queued before, whether the store committed it or refused it (writes stopped, entry over
-budget). An exception in the thread is logged and the thread goes on with the next operation.
+`flush` (blocking) and `ticket`/`reached` (polling) count operations: `_finished` catches up with
+`_submitted` when the thread is done with everything queued before, whether the store committed it
+or refused it (writes stopped, entry over budget). An exception in the thread is logged and the thread goes on with the next operation.
 """
 from __future__ import annotations
 
@@ -72,6 +72,16 @@ class StoreWriter:
         with self._cond:
             target = self._submitted
             return self._cond.wait_for(lambda: self._finished >= target, timeout)
+
+    def ticket(self) -> int:
+        """A mark after everything submitted so far: `reached(ticket)` tells, without waiting,
+        whether all of it has been written (or refused)."""
+        with self._cond:
+            return self._submitted
+
+    def reached(self, ticket: int) -> bool:
+        with self._cond:
+            return self._finished >= ticket
 
     def close(self, timeout: float = 10.0) -> None:
         """Flushes, then stops the thread. The store itself stays open: its owner closes it."""

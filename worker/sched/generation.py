@@ -28,6 +28,9 @@ from worker.sched.tuning_state import TuningState
 
 log = logging.getLogger("reame.generation")
 
+WARM_TIMEOUT_S = 30.0  # a warm request's finish waits this long at most for the store's commit
+WARM_POLL_S = 0.005  # how often an otherwise idle loop checks the store for them
+
 
 class BatchEngine(Protocol):
     """What the generator needs of worker.engine.Engine."""
@@ -98,7 +101,10 @@ class BatchGenerator:
         self._samplers: dict[str, Sampler] = {}
         self._top_logits: dict[str, int] = {}  # requests that want raw logits reported (golden tests, CLI)
         self._warm: set[str] = set()  # requests that only fill the prefix caches
-        self.hold_until: float | None = None  # set while a lone request waits for company
+        # Finished warm requests whose blocks the store has not committed yet: (ticket, deadline,
+        # finished at, event). Their finish is held back, never the step loop (issue 17, item 9).
+        self._warming: list[tuple[int, float, float, FinishEvent]] = []
+        self.hold_until: float | None = None  # when to step again though nothing is ready to run
         self.preemptions = 0  # sequences sent back to recompute because KV blocks ran out
         self.last_step = StepStats()
 
@@ -132,14 +138,18 @@ class BatchGenerator:
         return self._finish_event(seq)
 
     def abort_all(self) -> list[FinishEvent]:
+        """Stop every request; warm ones waiting for the store finish now (their blocks are in RAM)."""
         ids = [s.seq_id for s in self.scheduler.running + self.scheduler.waiting]
-        return [event for rid in ids if (event := self.abort(rid)) is not None]
+        events = [event for rid in ids if (event := self.abort(rid)) is not None]
+        events += [event for _, _, _, event in self._warming]
+        self._warming = []
+        return events
 
     # ---- observation ---------------------------------------------------------------------------
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self._warming)
 
     def load(self) -> tuple[int, int]:
         """(running, waiting) sequences."""
@@ -149,13 +159,16 @@ class BatchGenerator:
 
     def step(self) -> list[Event]:
         """Run one engine step; return its events in order (tokens before finishes)."""
+        warmed = self._warmed()
         batch = self.scheduler.schedule(self.clock())
         self.preemptions += len(batch.preempted)
         for seq in batch.preempted:
             log.info("request %s: preempted (KV blocks ran out); it will be recomputed", seq.seq_id)
         self.hold_until = batch.hold_until
         if batch.is_empty:
-            return []
+            if self._warming and self.hold_until is None:
+                self.hold_until = self.clock() + WARM_POLL_S
+            return warmed
         window_table = self.blocks.window_table
         chunks = [StepChunk.of(c.token_ids, c.start, c.seq.block_table, c.samples, window_table(c.seq.block_table))
                   for c in batch.chunks]
@@ -189,10 +202,12 @@ class BatchGenerator:
         for seq in self.scheduler.update(batch, sampled):
             warm = seq.seq_id in self._warm
             self._forget(seq.seq_id)
-            if warm:
-                self._flush_store(seq)
-            events.append(self._finish_event(seq))
-        return events
+            if warm and self.prefix is not None:
+                now = self.clock()
+                self._warming.append((self.prefix.store_ticket(), now + WARM_TIMEOUT_S, now, self._finish_event(seq)))
+            else:
+                events.append(self._finish_event(seq))
+        return events + warmed
 
     def _forget(self, request_id: str) -> None:
         self._samplers.pop(request_id, None)
@@ -204,13 +219,27 @@ class BatchGenerator:
         return FinishEvent(seq.seq_id, seq.status.value, seq.num_prompt_tokens, seq.num_output_tokens,
                            cached_tokens=seq.num_cached_tokens, prefix_tokens=prefix_tokens)
 
-    def _flush_store(self, seq: Sequence) -> None:
-        started = time.perf_counter()
-        if self.prefix.flush(timeout=30.0):
-            log.info("request %s: warmed %d prompt tokens; the store has them (flushed in %.3f s)",
-                     seq.seq_id, self.prefix.cached_prompt_tokens(seq), time.perf_counter() - started)
-        else:
-            log.warning("request %s: the prefix store did not take the warmed blocks within 30 s", seq.seq_id)
+    def _warmed(self) -> list[Event]:
+        """The finishes of warm requests whose blocks the store has now committed (or that waited
+        WARM_TIMEOUT_S for it: the blocks are in RAM either way)."""
+        if not self._warming:
+            return []
+        now = self.clock()
+        done, waiting = [], []
+        for entry in self._warming:
+            ticket, deadline, finished_at, event = entry
+            if self.prefix.store_reached(ticket):
+                log.info("request %s: warmed %d prompt tokens; the store has them (%.3f s after the prefill)",
+                         event.request_id, event.prefix_tokens, now - finished_at)
+                done.append(event)
+            elif now >= deadline:
+                log.warning("request %s: the prefix store did not take the warmed blocks within %.0f s",
+                            event.request_id, WARM_TIMEOUT_S)
+                done.append(event)
+            else:
+                waiting.append(entry)
+        self._warming = waiting
+        return done
 
     def heartbeat_counters(self) -> dict[str, int]:
         """For heartbeats (read from another thread, so only sizes are read): the prefix cache's
