@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from shared.errors import InvalidRequestError, TokenizerError
@@ -37,10 +37,11 @@ class Tokenizer:
         self._hidden = frozenset(i for i, t in enumerate(vocab.types) if t in (CONTROL, UNKNOWN))
         specials = [(text, i) for i, (text, t) in enumerate(zip(vocab.tokens, vocab.types))
                     if t in (CONTROL, USER_DEFINED, UNKNOWN)]
-        self._split_all = SpecialSplitter(specials)
         # Without special parsing llama.cpp still cuts out user-defined tokens.
-        self._split_user = SpecialSplitter(
-            [(text, i) for text, i in specials if vocab.types[i] == USER_DEFINED])
+        user_defined = [i for _, i in specials if vocab.types[i] == USER_DEFINED]
+        self._splitter = SpecialSplitter(specials, always=user_defined)
+        self._control_texts = frozenset(text for text, i in specials if vocab.types[i] != USER_DEFINED)
+        self._max_token_bytes = max((len(p) for p in self._pieces), default=1)
         eot = {i for text, i in self._ids.items() if text in END_OF_TURN_TEXTS}
         eot.update(i for i in (vocab.eos_id, vocab.eot_id) if i is not None)
         self._eot_ids = frozenset(eot)
@@ -59,12 +60,16 @@ class Tokenizer:
 
     # -- encoding --------------------------------------------------------------------------
 
-    def encode(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
-        """Token ids of `text`, as llama.cpp's llama_tokenize(add_special, parse_special)."""
+    def encode(self, text: str, add_special: bool = True, parse_special: bool = True,
+               plain: Sequence[tuple[int, int]] = ()) -> list[int]:
+        """Token ids of `text`, as llama.cpp's llama_tokenize(add_special, parse_special).
+
+        `plain`: ordered, disjoint (start, end) spans of `text` encoded as with parse_special=False
+        (a chat message's text inside a rendered template)."""
         if not isinstance(text, str):
             raise InvalidRequestError(f"text to tokenize must be a string, not {type(text).__name__}")
         vocab = self._vocab
-        pieces = (self._split_all if parse_special else self._split_user).split(text)
+        pieces = self._splitter.split(text, plain if parse_special else [(0, len(text))])
         words: list[str] = []
         layout: list[tuple[int, int]] = []    # (special id, -1) or (-1, number of words)
         prev_special = True
@@ -131,6 +136,16 @@ class Tokenizer:
     def token_id(self, text: str) -> int | None:
         """The id of the token whose text is exactly `text`, if any."""
         return self._ids.get(text)
+
+    @property
+    def control_texts(self) -> frozenset[str]:
+        """Texts of the special tokens that only parse_special=True cuts out (e.g. <|im_start|>)."""
+        return self._control_texts
+
+    @property
+    def max_token_bytes(self) -> int:
+        """Bytes of the longest token: a text of more than n × this has more than n tokens."""
+        return self._max_token_bytes
 
     def token_text(self, token_id: int) -> str:
         return self._vocab.tokens[token_id]
