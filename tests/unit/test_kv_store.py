@@ -10,8 +10,10 @@ from __future__ import annotations
 import hashlib
 import logging
 import multiprocessing
+import os
 import resource
 import signal
+import stat
 import struct
 import threading
 import zlib
@@ -256,6 +258,47 @@ def test_eviction_keeps_the_budget_and_removes_the_least_recently_used(tmp_path)
         reopened.put(key(i), tokens(i), payload(i))
         assert reopened.stats().bytes_used <= budget
     assert [i for i in range(40) if reopened.contains(key(i))] == list(range(30, 40))
+
+
+def test_an_lru_row_without_its_atime_row_is_deleted_not_spun_on(tmp_path, caplog):
+    budget = 10 * VALUE_BYTES
+    store = open_store(tmp_path, compression="none", budget_bytes=budget)
+    store.put_many([(key(i), tokens(i), payload(i)) for i in range(10)])
+    store.close()
+    env = lmdb.open(str(tmp_path), max_dbs=4)
+    with env.begin(write=True) as txn:
+        lru, atime = env.open_db(b"lru", txn=txn), env.open_db(b"atime", txn=txn)
+        txn.put(struct.pack(">Q", 1) + key(100), b"", db=lru)  # oldest of all, for an entry that does not exist
+        txn.delete(key(0), db=atime)  # key(0)'s row (the next oldest) no longer points back
+    env.close()
+
+    store = open_store(tmp_path, compression="none", budget_bytes=budget)
+    # Before the fix this put spun forever inside its write transaction: run it where a hang shows.
+    done = []
+    writer = threading.Thread(target=lambda: done.append(store.put(key(10), tokens(10), payload(10))), daemon=True)
+    with caplog.at_level(logging.WARNING, logger="reame.kvstore"):
+        writer.start()
+        writer.join(10)
+    assert done == [True], "the eviction loop did not finish"
+    assert [i for i in range(11) if store.contains(key(i))] == list(range(1, 11))
+    assert caplog.text.count("LRU row with no atime row") == 1
+    store.close()
+    assert_consistent(tmp_path, budget)
+
+
+def test_the_store_is_owner_only(tmp_path, caplog):
+    store = open_store(tmp_path / "new" / "store")
+    store.put(key(1), tokens(1), payload(1))
+    store.close()
+    where = tmp_path / "new" / "store"
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in [where, *where.iterdir()]}
+    assert modes == {"store": 0o700, "data.mdb": 0o600, "lock.mdb": 0o600}
+
+    (tmp_path / "old").mkdir()
+    os.chmod(tmp_path / "old", 0o755)  # as an older version left it: kept, but said
+    with caplog.at_level(logging.WARNING, logger="reame.kvstore"):
+        open_store(tmp_path / "old").close()
+    assert f"prefix store at {tmp_path / 'old'}: the directory is open to other users (mode 755)" in caplog.text
 
 
 def test_an_entry_larger_than_the_budget_is_skipped(tmp_path):

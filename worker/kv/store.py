@@ -25,6 +25,7 @@ until open transactions end.
 from __future__ import annotations
 
 import logging
+import stat
 import struct
 import threading
 import time
@@ -89,6 +90,7 @@ class KVStore:
         self._last_stamp = 0
         self._read_failure_logged = False
         self._corrupt_kept: set[bytes] = set()  # corrupt but not deletable: warn once only
+        self._orphan_logged = False
         self._env, self._dbs = _open_env(self.path, min(initial_map_bytes, self._max_map))
         self._blocks, self._lru, self._atime, self._meta = self._dbs
 
@@ -353,11 +355,27 @@ class KVStore:
         freed = evicted = 0
         cursor = txn.cursor(db=self._lru)
         while totals.bytes_used > limit and evicted != max_entries and cursor.first():
-            key = bytes(cursor.key())[_STAMP.size:]
+            row = bytes(cursor.key())
+            key = row[_STAMP.size:]
+            stamp = txn.get(key, db=self._atime)
+            # The row goes first, by itself: one that `atime` does not point back to (a damaged
+            # store) would otherwise stay first forever, spinning inside the host-wide write lock.
+            cursor.delete()
+            if stamp is not None and bytes(stamp) != row[:_STAMP.size]:
+                continue  # a stale duplicate: the key's own row comes later
+            if stamp is None:
+                self._note_orphan(key)
             size = self._remove_in_txn(txn, key, totals)
-            freed += size
-            evicted += 1
+            if size:
+                freed += size
+                evicted += 1
         return freed, evicted
+
+    def _note_orphan(self, key: bytes) -> None:
+        if not self._orphan_logged:
+            self._orphan_logged = True
+            log.warning("prefix store at %s: deleted an LRU row with no atime row (key %s); "
+                        "the store was damaged", self.path, key.hex())
 
     def _remove_in_txn(self, txn, key: bytes, totals: _Totals) -> int:
         """Deletes key from every sub-database; returns the value bytes removed (0 if absent)."""
@@ -501,10 +519,15 @@ class _MapGuard:
 def _open_env(path: Path, map_bytes: int):
     env = None
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        # Owner-only: the entries hold other users' prompts (their token ids, and K/V that give
+        # them away). The workers of a host run as one user, so they still share it.
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if stat.S_IMODE(path.stat().st_mode) & 0o077:
+            log.warning("prefix store at %s: the directory is open to other users (mode %o); "
+                        "chmod 700 it to keep cached prompts private", path, stat.S_IMODE(path.stat().st_mode))
         # readahead off: reads are random single blocks; metasync off: a system crash may undo the
         # last commit but never breaks the B-tree (fine for a cache, half the fsyncs).
-        env = lmdb.open(str(path), map_size=map_bytes, max_dbs=len(_DB_NAMES), subdir=True,
+        env = lmdb.open(str(path), map_size=map_bytes, max_dbs=len(_DB_NAMES), subdir=True, mode=0o600,
                         lock=True, readahead=False, metasync=False)
         env.reader_check()  # frees reader slots left by crashed processes
         with env.begin(write=True) as txn:
