@@ -38,7 +38,11 @@ def build_prefix_cache(config: Config, engine, blocks: BlockManager) -> PrefixCa
             store = KVStore(path, fingerprint=fingerprint, payload_bytes=payload, budget_bytes=budget,
                             dtype=engine.kv.dtype, compression=settings.store_compression)
         except KVStoreUnavailable as exc:
-            log.warning("prefix store unavailable (%s): prefixes are reused from RAM only", exc)
+            # Typically a path the service may not write (systemd's ProtectHome= hides ~): without
+            # this line the host store, and all it saves across restarts, is silently gone.
+            log.warning("prefix store unavailable (%s): prefixes are reused from RAM only and lost on restart; "
+                        "set [prefix_cache] store_path (now %r) to a writable directory, or to \"\" for RAM only",
+                        exc, settings.store_path)
         else:
             writer = StoreWriter(store)
             stats = store.stats()
