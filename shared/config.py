@@ -88,6 +88,9 @@ class GatewaySection:
     queue_timeout: float = 60.0  # seconds a request waits for a worker before 503
     default_max_tokens: int = 0  # when a request gives none; 0 = the rest of the context
     max_n: int = 16
+    content_specials: str = "text"  # text | reject: special-token text inside chat messages
+    allowed_hosts: str = ""  # Host names accepted besides `host` and loopback names, comma-separated
+    cors_origins: str = ""  # browser origins allowed to call the API, comma-separated; "" = CORS off
 
 
 @dataclass(frozen=True)
@@ -143,6 +146,7 @@ _CHOICES = {
     ("engine", "kv_dtype"): {"float32", "float16"},
     ("engine", "matmul_activations"): {"auto", "float32", "int8"},
     ("engine", "window_kv"): {"bounded", "full"},
+    ("gateway", "content_specials"): {"text", "reject"},
     ("logging", "level"): {"debug", "info", "warning", "error"},
     ("prefix_cache", "store_compression"): {"zstd", "none"},
     ("prefix_cache", "store_restore"): {"auto", "always", "never"},
