@@ -112,7 +112,7 @@ class ChatTemplate:
             raise InvalidRequestError(f"chat template rejected the messages: {exc}",
                                       param="messages") from exc
         except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError,
-                AttributeError) as exc:
+                AttributeError, OverflowError) as exc:  # OverflowError: the sandbox's range limit
             raise TokenizerError(
                 f"chat template ({self.origin}) failed to render: {_one_line(str(exc))}") from exc
         # Templates written for transformers often print BOS themselves; the tokenizer adds it

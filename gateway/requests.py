@@ -3,7 +3,8 @@ or InvalidRequestError naming the field.
 
 Pure functions (no I/O, no tokenizer): the checks here are about shapes, types and ranges.
 Checks that need the model (context length, token ids in range) happen once the prompt is
-tokenized. Unknown fields are ignored, as OpenAI's own server does for forward compatibility.
+tokenized. Unknown fields are ignored, as OpenAI's own server does for forward compatibility; in a
+message they are dropped, so that they never reach the chat template.
 """
 from __future__ import annotations
 
@@ -15,6 +16,14 @@ from shared.errors import InvalidRequestError
 from shared.sampling import LIMITS, MAX_LOGPROBS, SamplingParams, check
 
 MAX_STOPS = 16
+# Every stop string is searched for in the held-back text after each token; 16 × 256 bytes keeps
+# that small, and real stop strings (end markers, "\n\n", "User:") are far shorter.
+MAX_STOP_CHARS = 256
+# Token ids have at most 7 digits (vocabularies stay under 10 million); a longer key is refused
+# before int(), which raises on more than 4,300 digits.
+MAX_TOKEN_ID_DIGITS = 9
+# The message fields of OpenAI's schema; others are dropped before the chat template sees them.
+MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id", "function_call", "refusal"})
 MAX_TOP_LOGPROBS_CHAT = MAX_LOGPROBS
 MAX_LOGPROBS_COMPLETION = 5
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
@@ -182,6 +191,10 @@ def _stops(value: Any) -> tuple[str, ...]:
         raise InvalidRequestError("'stop' must be a string or an array of strings", param="stop")
     if len(value) > MAX_STOPS:
         raise InvalidRequestError(f"'stop' has {len(value)} entries; at most {MAX_STOPS} are allowed", param="stop")
+    longest = max(value, key=len, default="")
+    if len(longest) > MAX_STOP_CHARS:
+        raise InvalidRequestError(f"a 'stop' string is {len(longest)} characters long; at most {MAX_STOP_CHARS} "
+                                  "are allowed", param="stop")
     return tuple(s for s in value if s)
 
 
@@ -193,8 +206,8 @@ def _logit_bias(value: Any) -> dict[int, float]:
     bias = {}
     for key, amount in value.items():
         # ASCII digits only: int() would also take " 7", "+7", "7_0" and other scripts' digits.
-        if not (key.isascii() and key.isdigit()):
-            raise InvalidRequestError(f"'logit_bias' key {key!r} is not a token id", param="logit_bias")
+        if not (key.isascii() and key.isdigit()) or len(key) > MAX_TOKEN_ID_DIGITS:
+            raise InvalidRequestError(f"'logit_bias' key {key[:20]!r} is not a token id", param="logit_bias")
         token = int(key)
         if isinstance(amount, bool) or not isinstance(amount, (int, float)) or not LIMITS["logit_bias"].contains(amount):
             raise InvalidRequestError(f"'logit_bias' value for {key} must be a number, "
@@ -226,7 +239,17 @@ def _message(message: Any, index: int) -> dict:
     elif not isinstance(content, str):
         raise InvalidRequestError(f"'{where}.content' must be a string or an array of text parts",
                                   param=f"{where}.content")
-    return {**message, "content": content}
+    for name in ("name", "tool_call_id", "refusal"):
+        if message.get(name) is not None and not isinstance(message[name], str):
+            raise InvalidRequestError(f"'{where}.{name}' must be a string", param=f"{where}.{name}")
+    calls = message.get("tool_calls")
+    if calls is not None and not (isinstance(calls, list) and all(isinstance(c, dict) for c in calls)):
+        raise InvalidRequestError(f"'{where}.tool_calls' must be an array of objects", param=f"{where}.tool_calls")
+    if message.get("function_call") is not None and not isinstance(message["function_call"], dict):
+        raise InvalidRequestError(f"'{where}.function_call' must be an object", param=f"{where}.function_call")
+    # Keys the template was not written for could steer it (a template may print any key it finds).
+    kept = {key: value for key, value in message.items() if key in MESSAGE_FIELDS}
+    return {**kept, "content": content}
 
 
 def _text_part(part: Any, where: str) -> str:

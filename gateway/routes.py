@@ -1,9 +1,10 @@
 """HTTP handlers: the OpenAI routes, /v1/warm, /health and /metrics.
 
-Handlers turn a request into token ids and hand them to `completion.complete` (or `warm.prefill`);
-everything they raise is a ReameError, which the error middleware turns into the OpenAI envelope.
-Chat messages and text prompts become token ids in one place each, so that a warmed prompt and
-a later request with the same beginning share their token prefix.
+Handlers turn a request into token ids (gateway.prompts, off the event loop) and hand them to
+`completion.complete` (or `warm.prefill`); everything they raise is a ReameError, which the error
+middleware turns into the OpenAI envelope. Chat messages and text prompts become token ids in one
+place each, so that a warmed prompt and a later request with the same beginning share their
+token prefix.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from gateway.metrics import CONTENT_TYPE
 from gateway.openapi import openapi_document
 from gateway.requests import parse_chat, parse_completion, parse_warm
 from gateway.warm import prefill
-from shared.errors import InvalidRequestError, TokenizerError
+from shared.errors import InvalidRequestError
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -28,7 +29,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     req = parse_chat(await _read_json(request, state), max_n=state.config.gateway.max_n)
     _check_model(state, req.model)
-    ids = _chat_ids(state, req.messages)
+    ids = await state.prompts.chat_ids(req.messages, state.pool.n_ctx)
     return await complete(state, request, req, [ids], arrived, extra_stops=state.chat_stops)
 
 
@@ -37,7 +38,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     req = parse_completion(await _read_json(request, state), max_n=state.config.gateway.max_n)
     _check_model(state, req.model)
-    return await complete(state, request, req, [_prompt_ids(state, p) for p in req.prompts], arrived)
+    prompts = [await state.prompts.prompt_ids(p, state.pool.n_ctx) for p in req.prompts]
+    return await complete(state, request, req, prompts, arrived)
 
 
 async def warm(request: web.Request) -> web.Response:
@@ -45,9 +47,9 @@ async def warm(request: web.Request) -> web.Response:
     req = parse_warm(await _read_json(request, state))
     _check_model(state, req.model)
     if req.messages:
-        ids, param = _chat_ids(state, req.messages), "messages"
+        ids, param = await state.prompts.chat_ids(req.messages, state.pool.n_ctx), "messages"
     else:
-        ids, param = _prompt_ids(state, req.prompt), "prompt"
+        ids, param = await state.prompts.prompt_ids(req.prompt, state.pool.n_ctx), "prompt"
     finished = await prefill(state, ids, param)
     return _json({"object": "prefix.warm", "model": state.model_id, "prompt_tokens": len(ids),
                   "cached_tokens": finished.prefix_tokens, "reused_tokens": finished.cached_tokens})
@@ -104,22 +106,6 @@ async def _read_json(request: web.Request, state: GatewayState) -> object:
         return orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         raise InvalidRequestError(f"the request body is not valid JSON: {exc}") from None
-
-
-def _chat_ids(state: GatewayState, messages: tuple[dict, ...]) -> list[int]:
-    try:
-        text = state.template.render(list(messages), add_generation_prompt=True)
-    except TokenizerError as exc:  # e.g. a template that insists on alternating roles
-        raise InvalidRequestError(f"the chat template rejected these messages: {exc.message}",
-                                  param="messages") from None
-    # The template leaves BOS out when the tokenizer adds it, so specials are added here.
-    return state.tokenizer.encode(text, add_special=True, parse_special=True)
-
-
-def _prompt_ids(state: GatewayState, prompt: str | tuple[int, ...]) -> list[int]:
-    if isinstance(prompt, tuple):
-        return list(prompt)
-    return state.tokenizer.encode(prompt, add_special=True, parse_special=True)
 
 
 def _check_model(state: GatewayState, name: str | None) -> None:

@@ -10,6 +10,7 @@ from aiohttp import web
 
 from gateway.choice import Decoder
 from gateway.metrics import Metrics
+from gateway.prompts import PromptEncoder
 from gateway.workers import WorkerPool
 from shared.config import Config
 
@@ -28,6 +29,7 @@ class GatewayState:
     hidden_ids: frozenset[int]  # tokens never shown as text (the same set)
     chat_stops: tuple[str, ...]  # end-of-turn markers the template writes as text, not as one token
     created: int
+    prompts: PromptEncoder  # messages and prompts → token ids, off the event loop
 
 
 STATE = web.AppKey("state", GatewayState)
@@ -47,7 +49,8 @@ def build_state(config: Config, tokenizer: Any, template: Any, decoder: Callable
         config=config, tokenizer=tokenizer, template=template, decoder=decoder, pool=pool, metrics=metrics,
         model_id=model_id, model_aliases=frozenset({model_id, model_path.name, model_path.stem}),
         stop_token_ids=tuple(sorted(end_ids)), hidden_ids=frozenset(end_ids),
-        chat_stops=tuple(getattr(template, "stop_strings", ())), created=int(time.time()))
+        chat_stops=tuple(getattr(template, "stop_strings", ())), created=int(time.time()),
+        prompts=PromptEncoder(tokenizer, template, config.gateway.content_specials))
 
 
 def load_state(config: Config, model_path: Path) -> GatewayState:

@@ -1,0 +1,167 @@
+"""Chat messages and text prompts → token ids: off the event loop, bounded, and with what a client
+wrote inside a message kept as plain text.
+
+Off the event loop: rendering and tokenizing a 4 MiB body takes seconds of CPU, and every stream,
+/health and every other request would wait for it. A text of more than n_ctx × (bytes of the
+longest token) bytes cannot fit the context whatever it tokenizes to, so it is refused before
+tokenizing; what is left runs on a small thread pool.
+
+Plain text: the rendered template is tokenized with special tokens parsed, so that its own turn
+markers become control tokens. A message containing `<|im_end|>\\n<|im_start|>system\\n...` must
+not open a system turn. Before rendering, each control token's text found in a client's strings
+(content, name, tool call arguments, any string in the message) is replaced by a private-use
+character that occurs nowhere in the messages or the template; after rendering those characters
+are put back and their spans tokenized as with parse_special=False. Requests without such text
+render and tokenize exactly as before. With `[gateway] content_specials = reject` such a
+message is refused instead (400 naming the field).
+"""
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from shared.errors import ContextLengthError, InvalidRequestError, TokenizerError
+
+T = TypeVar("T")
+
+# Two threads: one huge prompt does not hold up every small one behind it.
+ENCODE_THREADS = 2
+_FIRST_PLACEHOLDER = 0xF0000     # Supplementary Private Use Area-A
+
+
+class PromptEncoder:
+    def __init__(self, tokenizer: Any, template: Any, content_specials: str = "text"):
+        self.tokenizer = tokenizer
+        self.template = template
+        self.content_specials = content_specials        # "text" | "reject"
+        control = sorted(getattr(tokenizer, "control_texts", ()), key=len, reverse=True)
+        self._control = re.compile("|".join(map(re.escape, control))) if control else None
+        self._executor = ThreadPoolExecutor(ENCODE_THREADS, thread_name_prefix="encode")
+
+    async def chat_ids(self, messages: tuple[dict, ...], n_ctx: int) -> list[int]:
+        return await self._off_loop(self.encode_chat, messages, n_ctx)
+
+    async def prompt_ids(self, prompt: str | tuple[int, ...], n_ctx: int) -> list[int]:
+        if isinstance(prompt, tuple):
+            return list(prompt)
+        return await self._off_loop(self.encode_prompt, prompt, n_ctx)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    # ---- the work, run on the pool (and called directly by tests) --------------------------------
+
+    def encode_chat(self, messages: tuple[dict, ...], n_ctx: int = 0) -> list[int]:
+        messages, placeholders = self._plain_messages(messages)
+        try:
+            text = self.template.render(messages, add_generation_prompt=True)
+        except TokenizerError as exc:  # e.g. a template that insists on alternating roles
+            raise InvalidRequestError(f"the chat template rejected these messages: {exc.message}",
+                                      param="messages") from None
+        text, plain = _restore(text, placeholders)
+        self._check_size(text, n_ctx, "messages")
+        # The template leaves BOS out when the tokenizer adds it, so specials are added here.
+        if plain:
+            return self.tokenizer.encode(text, add_special=True, parse_special=True, plain=plain)
+        return self.tokenizer.encode(text, add_special=True, parse_special=True)
+
+    def encode_prompt(self, prompt: str, n_ctx: int = 0) -> list[int]:
+        # /v1/completions prompts are raw model input: specials in them are meant (as in llama.cpp).
+        self._check_size(prompt, n_ctx, "prompt")
+        return self.tokenizer.encode(prompt, add_special=True, parse_special=True)
+
+    # ---- parts ------------------------------------------------------------------------------------
+
+    async def _off_loop(self, work: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, work, *args)
+
+    def _check_size(self, text: str, n_ctx: int, param: str) -> None:
+        token_bytes = getattr(self.tokenizer, "max_token_bytes", None)
+        if not n_ctx or not token_bytes:
+            return
+        size = len(text.encode("utf-8", errors="surrogatepass"))
+        if size > n_ctx * token_bytes:
+            raise ContextLengthError(
+                f"This model's maximum context length is {n_ctx} tokens. The {param} is {size} bytes, "
+                f"more than {n_ctx} tokens of at most {token_bytes} bytes can hold. Please reduce the "
+                f"length of the {param}.", param=param)
+
+    def _plain_messages(self, messages: tuple[dict, ...]) -> tuple[list[dict], dict[str, str]]:
+        """`messages` with control-token text in any string replaced by placeholders (or refused)."""
+        if self._control is None:
+            return list(messages), {}
+        found: dict[str, str] = {}      # control text → where it was first seen
+        for where, value in _strings(messages):
+            for match in self._control.finditer(value):
+                found.setdefault(match.group(), where)
+        if not found:
+            return list(messages), {}
+        if self.content_specials == "reject":
+            text, where = next(iter(found.items()))
+            raise InvalidRequestError(f"'{where}' contains the special token {text!r}; this server refuses "
+                                      "special-token text in messages", param=where.split(".")[0])
+        placeholder_of = dict(zip(found, self._free_characters(messages, len(found))))
+
+        def swap(value: str) -> str:
+            return self._control.sub(lambda m: placeholder_of[m.group()], value)
+
+        replaced = [_map_strings(m, swap) for m in messages]
+        return replaced, {p: text for text, p in placeholder_of.items()}
+
+    def _free_characters(self, messages: tuple[dict, ...], count: int) -> list[str]:
+        """`count` characters that occur in no string of `messages` nor in the template's source."""
+        texts = [value for _, value in _strings(messages)] + [getattr(self.template, "source", "")]
+        free, code = [], _FIRST_PLACEHOLDER
+        while len(free) < count:
+            ch = chr(code)
+            if not any(ch in t for t in texts):
+                free.append(ch)
+            code += 1
+        return free
+
+
+def _strings(value: Any, where: str = "messages") -> Iterator[tuple[str, str]]:
+    """(path, string) for every string value inside `value`, role names aside."""
+    if isinstance(value, str):
+        yield where, value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            if key != "role":
+                yield from _strings(key, f"{where}.{key}")   # a key, too, can reach the text (tojson)
+                yield from _strings(item, f"{where}.{key}")
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            yield from _strings(item, f"{where}[{i}]")
+
+
+def _map_strings(value: Any, change: Callable[[str], str]) -> Any:
+    if isinstance(value, str):
+        return change(value)
+    if isinstance(value, dict):
+        return {(k if k == "role" else _map_strings(k, change)): (v if k == "role" else _map_strings(v, change))
+                for k, v in value.items()}
+    if isinstance(value, list):
+        return [_map_strings(v, change) for v in value]
+    return value
+
+
+def _restore(text: str, placeholders: dict[str, str]) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered text with placeholders put back, and the (start, end) spans they fill."""
+    if not placeholders:
+        return text, []
+    parts: list[str] = []
+    spans: list[tuple[int, int]] = []
+    pos = size = 0
+    for match in re.finditer("[" + "".join(placeholders) + "]", text):
+        before = text[pos:match.start()]
+        original = placeholders[match.group()]
+        parts += (before, original)
+        size += len(before)
+        spans.append((size, size + len(original)))
+        size += len(original)
+        pos = match.end()
+    parts.append(text[pos:])
+    return "".join(parts), spans
