@@ -4,6 +4,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from gateway.auth import auth_middleware
+from gateway.browsers import browser_middleware
 from gateway.errors import error_middleware
 from gateway.request_id import add_header, request_id_middleware
 from gateway.routes import add_routes
@@ -12,14 +13,17 @@ from gateway.state import STATE, GatewayState
 
 def build_app(state: GatewayState) -> web.Application:
     # Outermost first: name the request (its id is in every log line below), count every answer,
-    # turn exceptions into OpenAI errors, then auth (whose refusals are such exceptions).
-    middlewares = [request_id_middleware, _count_requests, error_middleware]
+    # turn exceptions into OpenAI errors, then what browsers may do (before auth: a CORS preflight
+    # carries no key), then auth (whose refusals are such exceptions).
+    browser_guard, add_cors_headers = browser_middleware(state.config.gateway)
+    middlewares = [request_id_middleware, _count_requests, error_middleware, browser_guard]
     if state.config.gateway.api_key:
         middlewares.append(auth_middleware(state.config.gateway.api_key))
     app = web.Application(middlewares=middlewares, client_max_size=state.config.gateway.max_body_bytes)
     app[STATE] = state
     add_routes(app)
     app.on_response_prepare.append(add_header)
+    app.on_response_prepare.append(add_cors_headers)
     app.on_startup.append(_start_pool)
     app.on_cleanup.append(_close_pool)
     return app

@@ -35,6 +35,17 @@ class ModelNotFoundError(NotFoundError):
     code = "model_not_found"
 
 
+class HostNotAllowedError(InvalidRequestError):
+    """The Host header names this server by a name it was not configured for (DNS rebinding)."""
+    status = 403
+    code = "host_not_allowed"
+
+
+class UnsupportedMediaTypeError(InvalidRequestError):
+    status = 415
+    code = "unsupported_media_type"
+
+
 class MethodNotAllowedError(InvalidRequestError):
     status = 405
     code = "method_not_allowed"
@@ -72,10 +83,17 @@ class WorkerLostError(ServiceUnavailableError):
 
 
 def error_from_worker(name: str, message: str, param: str | None, code: str | None) -> ReameError:
-    """Rebuild the typed error a worker reported by class name (shared.errors or this module)."""
+    """Rebuild the typed error a worker reported by class name (shared.errors or this module).
+
+    A server error's text can hold internals ("generation failed: FloatingPointError: ..."): it
+    goes to the log, and the client gets a generic message naming the request id to look for."""
     cls = globals().get(name) or getattr(shared_errors, name, None)
     if not (isinstance(cls, type) and issubclass(cls, ReameError)):
         cls = ReameError
+    if cls.status >= 500 and not issubclass(cls, ServiceUnavailableError):
+        rid = current_request_id()
+        log.error("request %s: worker error %s: %s", rid, name, message)
+        message = f"the server failed while generating (request {rid}); its log has the details"
     return cls(message, param=param, code=code)
 
 

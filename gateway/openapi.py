@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from gateway.requests import MAX_LOGPROBS_COMPLETION, MAX_STOPS, MAX_TOP_LOGPROBS_CHAT, ROLES
+from gateway.requests import (MAX_LOGPROBS_COMPLETION, MAX_STOP_CHARS, MAX_STOPS, MAX_TOKEN_ID_DIGITS,
+                              MAX_TOP_LOGPROBS_CHAT, ROLES)
 from shared.config import Config
 from shared.sampling import LIMITS
 
@@ -84,6 +85,7 @@ def _worker_operation(summary: str, request: str, ok: Schema, secured: bool, inv
         "404": _error("the requested `model` is not served here"),
         "408": _error("the request body took longer than read_timeout to arrive"),
         "413": _error("the request body is larger than max_body_bytes"),
+        "415": _error("the request body is not JSON (Content-Type must be application/json)"),
         "429": _error("too many requests are waiting for a worker", retry_after=True),
         "503": _error("no worker is ready, or the worker running the request was lost", retry_after=True),
     })
@@ -94,10 +96,14 @@ def _operation(summary: str, ok: Schema, secured: bool) -> Schema:
     responses = {"200": ok}
     if secured:
         responses["401"] = _error("missing or wrong API key")
+    else:
+        responses["403"] = _error("the Host header is not this server's host, a loopback name or in allowed_hosts")
     return {"summary": summary, "responses": responses}
 
 
 def _open_operation(summary: str, responses: Schema) -> Schema:
+    responses = {**responses, "403": _error("the Host header is not this server's host, a loopback name or "
+                                            "in allowed_hosts (servers without an api_key)")}
     return {"summary": summary, "security": [], "responses": responses}
 
 
@@ -131,6 +137,7 @@ def _limited(kind: str, name: str, **extra: Any) -> Schema:
 
 def _sampling(max_n: int) -> Schema:
     """Fields both completion requests share (gateway.requests._common)."""
+    stop_string = {"type": "string", "maxLength": MAX_STOP_CHARS}
     return {
         "model": _opt("string", description="Optional: this server serves one model"),
         "temperature": _limited("number", "temperature"),
@@ -140,13 +147,15 @@ def _sampling(max_n: int) -> Schema:
         "presence_penalty": _limited("number", "presence_penalty"),
         "frequency_penalty": _limited("number", "frequency_penalty"),
         "repetition_penalty": _limited("number", "repetition_penalty"),
-        "logit_bias": _opt("object", propertyNames={"pattern": "^[0-9]+$"},
+        "logit_bias": _opt("object", propertyNames={"pattern": f"^[0-9]{{1,{MAX_TOKEN_ID_DIGITS}}}$"},
                            additionalProperties={"type": "number", **LIMITS["logit_bias"].schema()},
                            description="token id → bias; ids must be in the vocabulary (else 400)"),
         "seed": _limited("integer", "seed"),
         "n": _opt("integer", minimum=1, maximum=max_n),
-        "stop": {"anyOf": [{"type": "string"}, {"type": "array", "maxItems": MAX_STOPS, "items": {"type": "string"}},
-                           {"type": "null"}]},
+        "stop": {"anyOf": [stop_string, {"type": "array", "maxItems": MAX_STOPS, "items": stop_string},
+                           {"type": "null"}],
+                 "description": f"up to {MAX_STOPS} strings of at most {MAX_STOP_CHARS} characters each; "
+                                "generation ends before the first one that appears"},
         "stream": _opt("boolean"),
         "stream_options": _opt("object", properties={"include_usage": _opt("boolean")}),
         "user": _opt("string"),
