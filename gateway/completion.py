@@ -23,7 +23,7 @@ from gateway.errors import error_from_worker
 from gateway.request_id import current_request_id
 from gateway.requests import CompletionRequest
 from gateway.router import prefix_key
-from gateway.sse import EventStream
+from gateway.sse import ClientStoppedReading, EventStream
 from gateway.workers import Job, Restarted
 from shared.errors import ContextLengthError, InvalidRequestError, ReameError
 from shared.protocol import Error, Finished, TokenChunk
@@ -139,7 +139,7 @@ class _Run:
         return web.Response(body=orjson.dumps(body), content_type="application/json")
 
     async def stream(self, request: web.Request) -> web.StreamResponse:
-        out = EventStream(request)
+        out = EventStream(request, self.state.config.gateway.write_timeout)
         try:
             while self.pending:
                 batch = await self._next()
@@ -157,6 +157,9 @@ class _Run:
                 raise  # nothing sent yet: an ordinary HTTP error response
             await out.fail(exc)
             return out.response
+        except ClientStoppedReading as exc:
+            log.info("request %s: cancelled: %s", self.request_id, exc)
+            raise  # `complete` releases the jobs: their workers stop generating
         except (ConnectionError, asyncio.CancelledError):
             raise  # the client left; `complete` releases the jobs
         except Exception:

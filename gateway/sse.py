@@ -5,6 +5,8 @@ with a normal HTTP status, or be moved to another worker without the client noti
 """
 from __future__ import annotations
 
+import asyncio
+
 import orjson
 from aiohttp import web
 
@@ -17,9 +19,14 @@ _HEADERS = {
 }
 
 
+class ClientStoppedReading(ConnectionError):
+    """The client did not take a write within `write_timeout` seconds."""
+
+
 class EventStream:
-    def __init__(self, request: web.Request):
+    def __init__(self, request: web.Request, write_timeout: float):
         self.request = request
+        self.write_timeout = write_timeout
         self.response: web.StreamResponse | None = None
 
     @property
@@ -42,4 +49,12 @@ class EventStream:
         if self.response is None:
             self.response = web.StreamResponse(status=200, headers=_HEADERS)
             await self.response.prepare(self.request)
-        await self.response.write(data)
+        # A write waits only while the socket's buffers are full, i.e. while the client is not
+        # reading; without a limit a client that never reads would hold its generation (and
+        # every token queued for it) for as long as the connection lives.
+        try:
+            await asyncio.wait_for(self.response.write(data), self.write_timeout)
+        except asyncio.TimeoutError:
+            if self.request.transport is not None:
+                self.request.transport.abort()  # drop the unread bytes with the connection
+            raise ClientStoppedReading(f"the client read nothing for {self.write_timeout:g} s") from None

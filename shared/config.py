@@ -84,6 +84,7 @@ class GatewaySection:
     api_key: str = ""  # "" = no authentication
     max_body_bytes: int = 4 * 1024 * 1024
     read_timeout: float = 30.0  # seconds a client may take to send a request (slow-loris guard)
+    write_timeout: float = 30.0  # seconds a stream may wait for its client to read before it is cancelled
     max_queue: int = 256  # requests waiting for a worker slot before 429
     queue_timeout: float = 60.0  # seconds a request waits for a worker before 503
     default_max_tokens: int = 0  # when a request gives none; 0 = the rest of the context
