@@ -1,0 +1,98 @@
+"""One client posting the largest bodies the gateway takes cannot stall anyone else: prompts are
+refused untokenized when they cannot fit and tokenized off the event loop (gateway/prompts.py)."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+import requests
+
+from tests.e2e.servers import NO_END, auth, gateway_and_worker
+
+MAX_BODY = 4 * 1024 * 1024
+PAIR = "<|im_start|><|im_end|>"
+LIMIT_MS = 100
+N_CTX = 8192  # SmolLM2's trained context, which is also [engine] max_context's default
+
+
+@pytest.fixture(scope="module")
+def big_body_server(smollm2_gguf, tmp_path_factory):
+    with gateway_and_worker(tmp_path_factory.mktemp("large"), smollm2_gguf,
+                            gateway={"max_body_bytes": MAX_BODY}) as server:
+        yield server
+
+
+def attack_bodies(n_ctx_bytes: int) -> list[tuple[str, bytes]]:
+    """The largest body the gateway reads, and the largest text it must tokenize (just under
+    n_ctx × the longest token's bytes), as a completion prompt (all specials) and as a chat message."""
+    biggest = PAIR * ((MAX_BODY - 200) // len(PAIR))
+    fits = PAIR * (n_ctx_bytes // len(PAIR))
+    chat = lambda text: json.dumps({"messages": [{"role": "user", "content": text}], "max_tokens": 1})
+    return [("/v1/chat/completions", chat(biggest).encode()),
+            ("/v1/completions", json.dumps({"prompt": fits, "max_tokens": 1}).encode()),
+            ("/v1/chat/completions", chat(fits).encode())]
+
+
+def stream_gaps(server) -> list[float]:
+    """Seconds between the chunks of one streamed completion."""
+    body = {"prompt": "Count to one hundred:", "max_tokens": 40, "temperature": 0, "stream": True,
+            "logit_bias": NO_END}
+    arrivals = []
+    with requests.post(server.url + "/v1/completions", json=body, headers=auth(), stream=True, timeout=120) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith(b"data: {"):
+                arrivals.append(time.perf_counter())
+    return [b - a for a, b in zip(arrivals[2:], arrivals[3:])]   # from the third: past the prefill
+
+
+# Not met yet on the 2-core dev host (2026-12-03): /health worst 329 ms, the stream's longest gap
+# 4.6 s (400 ms quiet). One pretokenizer regex call over a 660 KB fragment holds the GIL for
+# ~450 ms, and the tokenizing threads take CPU from the worker; tokenizing in a process pool is
+# the next step.
+@pytest.mark.xfail(reason="tokenizing in gateway threads still holds the GIL and the CPU (see above)",
+                   strict=False)
+def test_a_maximal_body_delays_no_other_stream_or_health(big_body_server, smollm2_gguf):
+    from gateway.tokenizer import Tokenizer
+    server = big_body_server
+    bound = N_CTX * Tokenizer.from_gguf(smollm2_gguf).max_token_bytes
+    bodies = attack_bodies(bound)
+    quiet = stream_gaps(server)
+
+    stop = threading.Event()
+    answers: list[tuple[int, str, float]] = []
+    health_ms: list[float] = []
+
+    def attack(path: str, body: bytes) -> None:
+        while not stop.is_set():
+            started = time.perf_counter()
+            r = requests.post(server.url + path, data=body, timeout=120,
+                              headers={"Content-Type": "application/json", **auth()})
+            answers.append((r.status_code, r.json()["error"]["code"], time.perf_counter() - started))
+
+    def poll_health() -> None:
+        while not stop.is_set():
+            started = time.perf_counter()
+            assert requests.get(server.url + "/health", timeout=10).status_code == 200
+            health_ms.append((time.perf_counter() - started) * 1000)
+            time.sleep(0.02)
+
+    threads = [threading.Thread(target=attack, args=b) for b in bodies] + [threading.Thread(target=poll_health)]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(1.0)     # the attack under way first
+        attacked = stream_gaps(server)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(120)
+    quiet_ms, attacked_ms = max(quiet) * 1000, max(attacked) * 1000
+    print(f"\nlongest gap quiet {quiet_ms:.0f} ms, under attack {attacked_ms:.0f} ms; /health worst "
+          f"{max(health_ms):.0f} ms of {len(health_ms)}; attack answers {len(answers)}, "
+          f"slowest {max(a[2] for a in answers):.2f} s")
+    assert answers and all(status == 400 and code == "context_length_exceeded" for status, code, _ in answers)
+    assert max(health_ms) < LIMIT_MS
+    assert attacked_ms < quiet_ms + LIMIT_MS
