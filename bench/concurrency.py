@@ -43,9 +43,12 @@ from pathlib import Path
 import aiohttp
 import orjson
 
-from benchlib import Server, free_port, healthy, percentile, say  # bench/, the script's directory, is on sys.path
+from benchlib import percentile, say  # bench/, the script's directory, is on sys.path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from tests.harness import Server, free_port, health, reame_serve, start_server, write_config  # noqa: E402
+
 MODELS_DIR = Path(os.environ.get("REAME_TEST_MODELS", "~/.cache/reame/models")).expanduser()
 
 # Prompts are four of these in a per-request order; the first two differ for every request.
@@ -88,25 +91,18 @@ def prompt(k: int) -> str:
 
 def start_reame(directory: Path, model: Path, threads: int, workers: int) -> Server:
     port = free_port()
-    config = directory / "reame.conf"
-    config.write_text(f"[model]\nmodel_path = {model}\n[engine]\nthreads = {threads}\n"
-                      f"[server]\nstate_dir = {directory}/state\n[gateway]\nport = {port}\n"
-                      f"[prefix_cache]\nstore_path = {directory}/prefix-store\n"
-                      f"[logging]\nlevel = warning\n[serve]\nworkers = {workers}\n")
-    server = Server("reame serve", [sys.executable, "-m", "reame.cli", "serve", "--config", str(config)],
-                    directory / "reame.log", f"http://127.0.0.1:{port}")
-    server.wait_ready()
-    return server
+    config = write_config(directory, model, port, {"engine": {"threads": threads}, "logging": {"level": "warning"},
+                                                   "serve": {"workers": workers}})
+    return reame_serve("reame serve", directory, config, port, workers=max(workers, 1), progress=say)
 
 
 def start_peer(binary: str, directory: Path, model: Path, threads: int, slots: int, slot_ctx: int) -> Server:
     port = free_port()
     argv = [binary, "-m", str(model), "-t", str(threads), "-tb", str(threads), "-np", str(slots),
             "-c", str(slots * slot_ctx), "--host", "127.0.0.1", "--port", str(port)]
-    server = Server(f"llama-server ({slots} slots)", argv, directory / f"peer-{slots}.log",
-                    f"http://127.0.0.1:{port}")
-    server.wait_ready()
-    return server
+    # llama-server's /health answers 200 once the model is loaded; it counts no workers.
+    return start_server(f"llama-server ({slots} slots)", directory, port, {f"peer-{slots}": argv}, workers=0,
+                        progress=say)
 
 
 # ---- the clients --------------------------------------------------------------------------------
@@ -382,7 +378,6 @@ def main() -> int:
     # a shell started us in the background with it ignored.
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    sys.path.insert(0, str(REPO))
     from gateway.tokenizer import Tokenizer
     from shared.model_store import ensure_model
 
@@ -408,7 +403,7 @@ def main() -> int:
         try:
             if args.url:
                 url = args.url.rstrip("/")
-                if not healthy(url):
+                if health(url)[0] != 200:
                     raise SystemExit(f"--url {url}: /health does not answer 200")
             else:
                 reame = start_reame(Path(tmp), model, args.threads, args.workers)

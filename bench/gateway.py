@@ -21,7 +21,6 @@ import os
 import signal
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,6 +29,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from shared import blas_env  # noqa: E402
+from tests.harness import Server, ServerProcess, free_port, health, write_config  # noqa: E402
 
 blas_env.prefer_native_blas()  # before numpy loads OpenBLAS
 from worker.sched.generation import FinishEvent, TokenEvent  # noqa: E402
@@ -120,50 +120,17 @@ def run_null_worker(config_path: str) -> int:
 
 # ---- processes and measurements -----------------------------------------------------------------
 
-class Server:
-    def __init__(self, directory: Path, model: Path):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.conf = directory / "reame.conf"
-        self.conf.write_text(f"[model]\nmodel_path = {model}\n[server]\nstate_dir = {directory}\n"
-                             f"[gateway]\nport = {self.port}\n[logging]\nlevel = warning\n")
-        self.gateway = self._spawn("-m", "gateway.main", "--config", str(self.conf))
-        self.worker: subprocess.Popen | None = None
+def start_worker(server: Server, name: str, argv: list[str]) -> ServerProcess:
+    worker = server.start(name, argv)
+    server.wait_ready(timeout=180)
+    return worker
 
-    def _spawn(self, *args: str) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, *args], cwd=REPO)
 
-    def start_worker(self, *args: str) -> None:
-        self.worker = self._spawn(*args)
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            try:
-                conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=1)
-                conn.request("GET", "/health")
-                if conn.getresponse().status == 200:
-                    return
-            except OSError:
-                pass
-            time.sleep(0.1)
-        raise TimeoutError("no worker became ready")
-
-    def stop_worker(self) -> None:
-        self.worker.send_signal(signal.SIGTERM)
-        self.worker.wait(30)
-        deadline = time.monotonic() + 10  # until the gateway has let it go
-        while time.monotonic() < deadline:
-            conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=1)
-            conn.request("GET", "/health")
-            if conn.getresponse().status == 503:
-                return
-            time.sleep(0.05)
-
-    def close(self) -> None:
-        for proc in (self.worker, self.gateway):
-            if proc is not None and proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                proc.wait(30)
+def stop_worker(server: Server, worker: ServerProcess) -> None:
+    worker.stop(30)
+    deadline = time.monotonic() + 10  # until the gateway has let it go
+    while time.monotonic() < deadline and health(server.url)[0] != 503:
+        time.sleep(0.05)
 
 
 class Client:
@@ -181,18 +148,20 @@ class Client:
         return elapsed
 
 
-def bench_null(server: Server, n: int, warmup: int) -> dict[str, list[float]]:
-    server.start_worker(__file__, "--null-worker", str(server.conf))
+def bench_null(server: Server, config: Path, n: int, warmup: int) -> dict[str, list[float]]:
+    argv = [sys.executable, str(Path(__file__).resolve()), "--null-worker", str(config)]
+    worker = start_worker(server, "null-worker", argv)
     client = Client(server.port)
     out = {}
     for name, (path, body) in REQUESTS.items():
         data = json.dumps(body).encode()
         out[name] = [client.post(path, data) for _ in range(warmup + n)][warmup:]
-    server.stop_worker()
+    stop_worker(server, worker)
     return out
 
 
-def bench_real(server: Server, model: Path, threads: int, n: int, warmup: int) -> dict[str, tuple[list, list]]:
+def bench_real(server: Server, config: Path, model: Path, threads: int, n: int,
+               warmup: int) -> dict[str, tuple[list, list]]:
     from gateway.chat_template import ChatTemplate
     from gateway.tokenizer import Tokenizer
     from shared.config import Config, override
@@ -213,8 +182,8 @@ def bench_real(server: Server, model: Path, threads: int, n: int, warmup: int) -
     engine = load_engine_from_config(override(Config(), "engine", threads=threads), model=str(model),
                                      progress=lambda _m: None)
     generator = solo_generator(engine)
-    server.start_worker("-m", "worker.main", "--config", str(server.conf), "--model", str(model),
-                        "--cpus", ",".join(map(str, cpus)))
+    start_worker(server, "worker", [sys.executable, "-m", "worker.main", "--config", str(config), "--model",
+                                    str(model), "--cpus", ",".join(map(str, cpus))])
     client = Client(server.port)
     params = SamplingParams(max_tokens=1, temperature=0.0)
     out = {}
@@ -254,24 +223,24 @@ def main() -> int:
     print(f"{'request (max_tokens 1)':<24} {'engine':<7} {'direct p50/p99 ms':>18} {'gateway p50/p99 ms':>19} "
           f"{'overhead p50/p99 ms':>20}", flush=True)
     with tempfile.TemporaryDirectory(prefix="reame-bench-") as tmp:
-        server = Server(Path(tmp), model)
-        try:
+        port = free_port()
+        config = write_config(Path(tmp), model, port, {"logging": {"level": "warning"}})
+        with Server("gateway", Path(tmp), port) as server:
+            server.start("gateway", [sys.executable, "-m", "gateway.main", "--config", str(config)])
             say(f"null engine: {args.requests} requests per row")
-            for name, samples in bench_null(server, args.requests, args.warmup).items():
+            for name, samples in bench_null(server, config, args.requests, args.warmup).items():
                 h50, h99 = percentiles(samples)
                 print(f"{name:<24} {'null':<7} {'-':>18} {h50 * 1e3:>9.2f} /{h99 * 1e3:>7.2f} "
                       f"{h50 * 1e3:>10.2f} /{h99 * 1e3:>7.2f}", flush=True)
             if args.real_requests:
                 say(f"real engine: {args.real_requests} interleaved pairs per row, {args.threads} thread(s)")
-                for name, (direct, through) in bench_real(server, model, args.threads, args.real_requests,
-                                                          args.warmup).items():
+                for name, (direct, through) in bench_real(server, config, model, args.threads,
+                                                          args.real_requests, args.warmup).items():
                     d50, d99 = percentiles(direct)
                     t50, t99 = percentiles(through)
                     o50, o99 = percentiles([t - d for d, t in zip(direct, through)])
                     print(f"{name:<24} {'real':<7} {d50 * 1e3:>8.2f} /{d99 * 1e3:>7.2f} {t50 * 1e3:>9.2f} /"
                           f"{t99 * 1e3:>7.2f} {o50 * 1e3:>10.2f} /{o99 * 1e3:>7.2f}", flush=True)
-        finally:
-            server.close()
     print("\nOne request at a time. Null rows: the engine answers at once, so latency = overhead. "
           "Real rows: overhead = gateway - direct, per interleaved pair.")
     return 0

@@ -32,14 +32,17 @@ import sys
 import tempfile
 import time
 import urllib.request
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import orjson
 
-from benchlib import Server, free_port, say  # bench/, the script's directory, is on sys.path
+from benchlib import say  # bench/, the script's directory, is on sys.path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from tests.harness import Server, free_port, gateway_and_worker, start_server, write_config  # noqa: E402
+
 MODELS_DIR = Path(os.environ.get("REAME_TEST_MODELS", "~/.cache/reame/models")).expanduser()
 MAX_TOKENS = 16
 CASES = ("cold", "warm RAM", "new question", "other worker", "restart")
@@ -82,34 +85,21 @@ class Stack:
     name: str
     directory: Path
     port: int
-    servers: list[Server] = field(default_factory=list)
+    server: Server | None = None
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def write_config(self, model: Path, threads: int, store: Path) -> Path:
-        self.directory.mkdir(parents=True, exist_ok=True)
-        config = self.directory / "reame.conf"
-        config.write_text(f"[model]\nmodel_path = {model}\n[engine]\nthreads = {threads}\n"
-                          f"[server]\nstate_dir = {self.directory}/state\n[gateway]\nport = {self.port}\n"
-                          f"[prefix_cache]\nstore_path = {store}\n[logging]\nlevel = info\n")
-        return config
-
     def start(self, model: Path, threads: int, store: Path) -> None:
-        config = str(self.write_config(model, threads, store))
-        n = len(self.servers)
-        self.servers = [
-            Server(f"{self.name} gateway", [sys.executable, "-m", "gateway.main", "--config", config],
-                   self.directory / f"gateway-{n}.log", self.url),
-            Server(f"{self.name} worker", [sys.executable, "-m", "worker.main", "--config", config, "--numa-node", "0"],
-                   self.directory / f"worker-{n}.log", self.url),
-        ]
-        self.servers[0].wait_ready()  # /health answers 200 only once the worker registered
+        config = write_config(self.directory, model, self.port, {
+            "engine": {"threads": threads}, "prefix_cache": {"store_path": store}, "logging": {"level": "info"}})
+        # The logs of a restart are appended to the first run's (gateway.log, worker.log).
+        self.server = gateway_and_worker(f"stack {self.name}", self.directory, config, self.port, progress=say)
 
     def stop(self) -> None:
-        for server in reversed(self.servers):
-            server.stop()
+        if self.server is not None:
+            self.server.stop()
 
 
 @dataclass
@@ -202,11 +192,10 @@ def run_peer(binary: str, model: Path, threads: int, rounds: int, sentences: int
 
     def start() -> Server:
         port = free_port()
-        server = Server("llama-server", [binary, "-m", str(model), "-t", str(threads), "-tb", str(threads),
-                                         "-np", "1", "-c", "4096", "--host", "127.0.0.1", "--port", str(port)],
-                        directory / f"peer-{time.monotonic_ns()}.log", f"http://127.0.0.1:{port}")
-        server.wait_ready()
-        return server
+        argv = [binary, "-m", str(model), "-t", str(threads), "-tb", str(threads), "-np", "1", "-c", "4096",
+                "--host", "127.0.0.1", "--port", str(port)]
+        # Its /health answers 200 once the model is loaded; it counts no workers. Logs go to peer.log.
+        return start_server("llama-server", directory, port, {"peer": argv}, workers=0, progress=say)
 
     for r in range(rounds):
         system = system_prompt(r, sentences)
@@ -257,7 +246,6 @@ def main() -> int:
     parser.add_argument("--peer", help="llama-server binary to compare against in the same run")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
-    sys.path.insert(0, str(REPO))
     from shared.model_store import ensure_model
 
     model = Path(args.model) if args.model.endswith(".gguf") else ensure_model(args.model, MODELS_DIR)

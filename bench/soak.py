@@ -22,8 +22,6 @@ import json
 import os
 import random
 import secrets
-import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -33,11 +31,13 @@ from pathlib import Path
 
 import openai
 import psutil
-import requests
 
-from benchlib import free_port, percentile, tail  # bench/, the script's directory, is on sys.path
+from benchlib import percentile  # bench/, the script's directory, is on sys.path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from tests.harness import Server, free_port, reame_serve, write_config  # noqa: E402
+
 MODELS_DIR = Path(os.environ.get("REAME_TEST_MODELS", "~/.cache/reame/models")).expanduser()
 RSS_SLACK = (0.10, 32 << 20)  # allowed growth after warm-up: fraction, plus bytes
 
@@ -94,38 +94,12 @@ class Report:
 # ---- the server ---------------------------------------------------------------------------------
 
 
-def start_server(directory: Path, model: Path, workers: int, clients: int, key: str) -> tuple[subprocess.Popen, str]:
+def start_server(directory: Path, model: Path, workers: int, clients: int, key: str) -> Server:
     port = free_port()
-    config = directory / "reame.conf"
     # The queue holds every client's request, so a client waits rather than being refused (429).
-    config.write_text(f"[model]\nmodel_path = {model}\n[server]\nstate_dir = {directory}/state\n"
-                      f"[gateway]\nport = {port}\napi_key = {key}\nmax_queue = {4 * clients}\n"
-                      f"[serve]\nworkers = {workers}\n[prefix_cache]\nstore_path = {directory}/prefix-store\n")
-    log = open(directory / "serve.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "reame.cli", "serve", "--config", str(config)], cwd=REPO,
-                            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"reame serve exited with {proc.returncode}:\n{tail(directory / 'serve.log')}")
-        try:
-            if requests.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
-        except requests.RequestException:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise TimeoutError(f"reame serve not ready after 300 s:\n{tail(directory / 'serve.log')}")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    config = write_config(directory, model, port, {"gateway": {"api_key": key, "max_queue": 4 * clients},
+                                                   "serve": {"workers": workers}})
+    return reame_serve("reame serve", directory, config, port, workers=max(workers, 1))
 
 
 def rss_by_process(root: int) -> dict[str, int]:
@@ -194,7 +168,8 @@ def soak(model: Path, clients: int, duration: float, sample_every: float, warmup
         Report, list[Sample], list[Outcome]]:
     key = secrets.token_hex(8)
     with tempfile.TemporaryDirectory(prefix="reame-soak-") as tmp:
-        proc, url = start_server(Path(tmp), model, workers, clients, key)
+        server = start_server(Path(tmp), model, workers, clients, key)
+        url, serve_pid = server.url, server.processes[0].pid
         try:
             outcomes: list[Outcome] = []
             samples: list[Sample] = []
@@ -205,16 +180,16 @@ def soak(model: Path, clients: int, duration: float, sample_every: float, warmup
                        for i in range(clients)]
             for t in threads:
                 t.start()
-            samples.append(Sample(0.0, rss_by_process(proc.pid)))
+            samples.append(Sample(0.0, rss_by_process(serve_pid)))
             while (now := time.monotonic() - t0) < duration:
                 time.sleep(min(sample_every, duration - now))
-                samples.append(Sample(time.monotonic() - t0, rss_by_process(proc.pid)))
+                samples.append(Sample(time.monotonic() - t0, rss_by_process(serve_pid)))
             stop.set()  # each client finishes the request it has under way
             for t in threads:
                 t.join(600)
         finally:
-            stop_server(proc)
-        log = (Path(tmp) / "serve.log").read_text(errors="replace")
+            server.stop()
+        log = server.log("serve")
     report = summarise(clients, duration, warmup, samples, outcomes)
     report.server_problems = log.count("Traceback") + log.count(" exited (")
     report.passed = report.passed and report.server_problems == 0
@@ -283,7 +258,6 @@ def main() -> int:
     parser.add_argument("--workers", type=int, default=0, help="0 = one per NUMA node")
     parser.add_argument("--json", help="also write the report here")
     args = parser.parse_args()
-    sys.path.insert(0, str(REPO))
     from shared.model_store import ensure_model
 
     model = Path(args.model) if args.model.endswith(".gguf") else ensure_model(args.model, MODELS_DIR)

@@ -120,6 +120,7 @@ class ServerProcess:
                 child.kill()  # psutil checks the start time too: only our orphans, never a reused pid
             except psutil.NoSuchProcess:
                 pass
+        self._descendants = []
 
     def stop(self, timeout: float = STOP_TIMEOUT) -> None:
         self.terminate()
@@ -144,8 +145,9 @@ class Server:
         self.progress = progress or (lambda _message: None)
 
     def start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> ServerProcess:
-        self.progress(f"starting {self.name} {name}: {' '.join(argv)}")
-        process = ServerProcess(name, argv, self.directory / f"{name}.log", env)
+        log = self.directory / f"{name}.log"
+        self.progress(f"starting {self.name}: {' '.join(argv)} (log {log})")
+        process = ServerProcess(name, argv, log, env)
         self.processes.append(process)
         return process
 
