@@ -5,7 +5,7 @@ the end of its log), and stopping them all (SIGTERM, then SIGKILL for the whole 
 
     port = free_port()
     config = write_config(directory, model, port, {"engine": {"threads": 2}})
-    with reame_serve("reame", directory, config, port, workers=2) as server:
+    with reame_serve("reame serve", directory, config, port, "--workers", "2", workers=2) as server:
         ...  # server.url, server.log("serve"), server.processes[0].pid
 
 A peer such as llama-server goes through the same `start_server` with its own argv (its /health
