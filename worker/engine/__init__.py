@@ -44,15 +44,23 @@ def _source_digest() -> str:
 SOURCE_DIGEST = _source_digest()
 
 
-def _numba_cache_dir() -> str:
-    base = Path(os.environ.get("REAME_NUMBA_CACHE_BASE")
-                or os.environ.get("NUMBA_CACHE_DIR", "~/.cache/reame/numba")).expanduser()
+# Marks a version directory as this engine's: $NUMBA_CACHE_DIR may be shared with other numba
+# projects, whose directories the clean-up below must never touch.
+_OWN_MARKER = ".reame-engine-cache"
+
+
+def _numba_cache_dir(base: Path | None = None) -> str:
+    if base is None:
+        base = Path(os.environ.get("REAME_NUMBA_CACHE_BASE")
+                    or os.environ.get("NUMBA_CACHE_DIR", "~/.cache/reame/numba")).expanduser()
     here = base / SOURCE_DIGEST
     try:
         here.mkdir(parents=True, exist_ok=True)
+        (here / _OWN_MARKER).touch()
         os.utime(here)
-        for old in base.iterdir():  # versions nobody has used for two weeks
-            if old != here and old.is_dir() and time.time() - old.stat().st_mtime > _STALE_AFTER_S:
+        for old in base.iterdir():  # our versions nobody has used for two weeks
+            if (old != here and (old / _OWN_MARKER).is_file()
+                    and time.time() - old.stat().st_mtime > _STALE_AFTER_S):
                 shutil.rmtree(old, ignore_errors=True)
     except OSError:
         pass  # numba reports an unusable cache directory itself
