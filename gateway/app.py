@@ -3,8 +3,9 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from gateway.auth import auth_middleware
+from gateway.auth import auth_middleware, load_tenants
 from gateway.browsers import browser_middleware
+from gateway.cache_namespace import check_isolation
 from gateway.errors import error_middleware
 from gateway.request_id import add_header, request_id_middleware
 from gateway.routes import add_routes
@@ -17,8 +18,10 @@ def build_app(state: GatewayState) -> web.Application:
     # carries no key), then auth (whose refusals are such exceptions).
     browser_guard, add_cors_headers = browser_middleware(state.config.gateway)
     middlewares = [request_id_middleware, _count_requests, error_middleware, browser_guard]
-    if state.config.gateway.api_key:
-        middlewares.append(auth_middleware(state.config.gateway.api_key))
+    tenants = load_tenants(state.config)
+    check_isolation(state.config.prefix_cache.isolation, bool(tenants))
+    if tenants:
+        middlewares.append(auth_middleware(tenants))
     app = web.Application(middlewares=middlewares, client_max_size=state.config.gateway.max_body_bytes)
     app[STATE] = state
     add_routes(app)

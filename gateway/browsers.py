@@ -35,7 +35,7 @@ def names(setting: str) -> frozenset[str]:
 
 
 def browser_middleware(config: GatewaySection):
-    check_host = not config.api_key and "*" not in names(config.allowed_hosts)
+    check_host = not config.authenticated and "*" not in names(config.allowed_hosts)
     hosts = LOOPBACK_NAMES | {config.host.lower()} | names(config.allowed_hosts)
     any_address = config.host in WILDCARD_HOSTS
     origins = frozenset(part.strip() for part in config.cors_origins.split(",") if part.strip())

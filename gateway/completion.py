@@ -18,6 +18,8 @@ import orjson
 from aiohttp import web
 
 from gateway import responses
+from gateway.auth import tenant_name
+from gateway.cache_namespace import request_namespace
 from gateway.choice import Choice, Delta
 from gateway.errors import error_from_worker
 from gateway.request_id import current_request_id
@@ -39,13 +41,19 @@ async def complete(state: GatewayState, request: web.Request, req: CompletionReq
     await state.pool.wait_ready(state.config.gateway.queue_timeout)  # n_ctx is known from here on
     param = "messages" if req.chat else "prompt"
     _check_vocab(state, req, prompts)
+    most = state.config.gateway.max_jobs_per_request
+    if len(prompts) * req.n > most:  # one request must not take every place in the queue
+        raise InvalidRequestError(f"this request asks for {len(prompts) * req.n} choices ({len(prompts)} prompt(s) × "
+                                  f"n = {req.n}); at most {most} are allowed per request", param="n")
+    namespace = request_namespace(state.config.prefix_cache.isolation, request, req.cache_salt)
+    tenant = tenant_name(request)
     sink: asyncio.Queue = asyncio.Queue()
     jobs = []
     for p, ids in enumerate(prompts):
         max_tokens = _max_tokens(state, req, ids, param)
         for j in range(req.n):
             jobs.append(Job(uuid.uuid4().hex, p * req.n + j, ids, req.params(max_tokens, state.stop_token_ids, j),
-                            sink, prefix_key(ids)))
+                            sink, prefix_key(ids, namespace), cache_namespace=namespace, tenant=tenant))
     if len(jobs) > state.config.gateway.max_queue:  # could never be queued: retrying would not help
         raise InvalidRequestError(f"this request asks for {len(jobs)} choices ({len(prompts)} prompt(s) × n = "
                                   f"{req.n}); at most {state.config.gateway.max_queue} can wait at once", param="n")

@@ -59,7 +59,7 @@ def check_exposure(config: Config) -> list[str]:
         if not config.gateway.allow_remote:
             raise ConfigError(f"[gateway] host = {host} is reachable from other machines; set [gateway] "
                               "allow_remote = true to listen there, or use 127.0.0.1")
-        if not config.gateway.api_key:
+        if not config.gateway.authenticated:
             warnings.append(f"listening on {host} without an api_key: anyone who can reach port "
                             f"{config.gateway.port} may use this server (set [gateway] api_key or $REAME_API_KEY)")
     endpoint = config.endpoint

@@ -11,17 +11,19 @@ from __future__ import annotations
 
 from typing import Any
 
-from gateway.requests import (MAX_LOGPROBS_COMPLETION, MAX_STOP_CHARS, MAX_STOPS, MAX_TOKEN_ID_DIGITS,
-                              MAX_TOP_LOGPROBS_CHAT, ROLES)
+from gateway.requests import (MAX_CACHE_SALT, MAX_LOGPROBS_COMPLETION, MAX_STOP_CHARS, MAX_STOPS,
+                              MAX_TOKEN_ID_DIGITS, MAX_TOP_LOGPROBS_CHAT, ROLES)
 from shared.config import Config
 from shared.sampling import LIMITS
 
 Schema = dict[str, Any]
+CACHE_SALT: Schema = {"type": ["string", "null"], "minLength": 1, "maxLength": MAX_CACHE_SALT,
+                      "description": "only requests with the same salt (and API key) share cached prompt prefixes"}
 
 
 def openapi_document(config: Config, vocab_size: int | None = None) -> Schema:
     """The document for this config; `vocab_size` (the model's) bounds token ids when known."""
-    secured = bool(config.gateway.api_key)
+    secured = config.gateway.authenticated
     document: Schema = {
         "openapi": "3.1.0",
         "info": {"title": "Reame", "version": "1",
@@ -159,6 +161,7 @@ def _sampling(max_n: int) -> Schema:
         "stream": _opt("boolean"),
         "stream_options": _opt("object", properties={"include_usage": _opt("boolean")}),
         "user": _opt("string"),
+        "cache_salt": CACHE_SALT,
         "max_tokens": _limited("integer", "max_tokens",
                                description="prompt + max_tokens must fit the context (else 400)"),
     }
@@ -201,7 +204,8 @@ def _schemas(max_n: int, vocab_size: int | None) -> Schema:
             "logprobs": _opt("integer", minimum=0, maximum=MAX_LOGPROBS_COMPLETION),
         }},
         # Exactly one of `messages` and `prompt`; a null one counts as not given.
-        "WarmRequest": {"type": "object", "properties": {"model": _opt("string")}, "oneOf": [
+        "WarmRequest": {"type": "object", "properties": {"model": _opt("string"), "cache_salt": CACHE_SALT},
+                        "oneOf": [
             {"required": ["messages"], "properties": {
                 "messages": {"type": "array", "minItems": 1, "items": _ref("ChatMessage")},
                 "prompt": {"type": "null"}}},

@@ -16,6 +16,7 @@ from shared.errors import InvalidRequestError
 from shared.sampling import LIMITS, MAX_LOGPROBS, SamplingParams, check
 
 MAX_STOPS = 16
+MAX_CACHE_SALT = 256
 # Every stop string is searched for in the held-back text after each token; 16 × 256 bytes keeps
 # that small, and real stop strings (end markers, "\n\n", "User:") are far shorter.
 MAX_STOP_CHARS = 256
@@ -44,6 +45,7 @@ class CompletionRequest:
     logprobs: bool
     top_logprobs: int
     user: str | None
+    cache_salt: str | None = None  # only requests with the same salt (and key) share cached prefixes
 
     def params(self, max_tokens: int, stop_token_ids: tuple[int, ...], choice: int) -> SamplingParams:
         """Sampling parameters for one choice; choice i of a seeded request uses seed + i."""
@@ -59,6 +61,7 @@ class WarmRequest:
     model: str | None
     messages: tuple[dict, ...]  # as for /v1/chat/completions; () when `prompt` is given
     prompt: str | tuple[int, ...] | None  # text or token ids, as one /v1/completions prompt; None when `messages`
+    cache_salt: str | None = None
 
 
 def parse_chat(body: Any, *, max_n: int) -> CompletionRequest:
@@ -91,8 +94,8 @@ def parse_warm(body: Any) -> WarmRequest:
         raise InvalidRequestError("give exactly one of 'messages' (a chat) and 'prompt' (text or token ids)",
                                   param="messages" if messages is None else "prompt")
     if messages is not None:
-        return WarmRequest(model, _messages(messages), None)
-    return WarmRequest(model, (), _one_prompt(prompt))
+        return WarmRequest(model, _messages(messages), None, _cache_salt(body))
+    return WarmRequest(model, (), _one_prompt(prompt), _cache_salt(body))
 
 
 def _common(body: dict, max_n: int, **fields: Any) -> CompletionRequest:
@@ -118,7 +121,7 @@ def _common(body: dict, max_n: int, **fields: Any) -> CompletionRequest:
     )
     return CompletionRequest(model=model, sampling=sampling, stop=_stops(body.get("stop")),
                              n=_int(body, "n", 1, 1, max_n), stream=stream, include_usage=include_usage,
-                             user=user, **fields)
+                             user=user, cache_salt=_cache_salt(body), **fields)
 
 
 # ---- field readers: each names the field in its error -------------------------------------------
@@ -196,6 +199,16 @@ def _stops(value: Any) -> tuple[str, ...]:
         raise InvalidRequestError(f"a 'stop' string is {len(longest)} characters long; at most {MAX_STOP_CHARS} "
                                   "are allowed", param="stop")
     return tuple(s for s in value if s)
+
+
+def _cache_salt(body: dict) -> str | None:
+    salt = body.get("cache_salt")
+    if salt is None:
+        return None
+    if not isinstance(salt, str) or not 0 < len(salt) <= MAX_CACHE_SALT:
+        raise InvalidRequestError(f"'cache_salt' must be a string of 1 to {MAX_CACHE_SALT} characters",
+                                  param="cache_salt")
+    return salt
 
 
 def _logit_bias(value: Any) -> dict[int, float]:

@@ -17,10 +17,11 @@ import numpy as np
 PREFIX_TOKENS = 64  # tokens that make up the affinity key
 
 
-def prefix_key(prompt_ids: Sequence[int]) -> bytes:
-    # A stable hash (never Python's hash(), which is salted per process).
+def prefix_key(prompt_ids: Sequence[int], cache_namespace: bytes = b"") -> bytes:
+    # A stable hash (never Python's hash(), which is salted per process). The namespace is part
+    # of it: a prefix is only reusable where its own namespace's blocks are.
     head = np.asarray(prompt_ids[:PREFIX_TOKENS], dtype="<i4").tobytes()
-    return hashlib.blake2b(head, digest_size=16).digest()
+    return hashlib.blake2b(cache_namespace + head, digest_size=16).digest()
 
 
 @dataclass(frozen=True)

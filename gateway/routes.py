@@ -14,6 +14,8 @@ import time
 import orjson
 from aiohttp import web
 
+from gateway.auth import tenant_name
+from gateway.cache_namespace import request_namespace
 from gateway.state import STATE, GatewayState
 from gateway.completion import complete
 from gateway.errors import ModelNotFoundError, PayloadTooLargeError, RequestTimeoutError
@@ -50,7 +52,8 @@ async def warm(request: web.Request) -> web.Response:
         ids, param = await state.prompts.chat_ids(req.messages, state.pool.n_ctx), "messages"
     else:
         ids, param = await state.prompts.prompt_ids(req.prompt, state.pool.n_ctx), "prompt"
-    finished = await prefill(state, ids, param)
+    namespace = request_namespace(state.config.prefix_cache.isolation, request, req.cache_salt)
+    finished = await prefill(state, ids, param, namespace, tenant_name(request))
     return _json({"object": "prefix.warm", "model": state.model_id, "prompt_tokens": len(ids),
                   "cached_tokens": finished.prefix_tokens, "reused_tokens": finished.cached_tokens})
 

@@ -25,13 +25,15 @@ if TYPE_CHECKING:
 WARM_PARAMS = SamplingParams(max_tokens=1, temperature=0.0)
 
 
-async def prefill(state: GatewayState, ids: list[int], param: str) -> Finished:
+async def prefill(state: GatewayState, ids: list[int], param: str, cache_namespace: bytes = b"",
+                  tenant: str = "") -> Finished:
     """Prefill `ids` on a worker; its Finished says how much of the prompt was reused and is now cached."""
     await state.pool.wait_ready(state.config.gateway.queue_timeout)  # n_ctx is known from here on
     check_token_ids(state, [ids])
     check_fits(state, ids, WARM_PARAMS.max_tokens, param)
     sink: asyncio.Queue = asyncio.Queue()
-    job = Job(uuid.uuid4().hex, 0, ids, WARM_PARAMS, sink, prefix_key(ids), warm=True)
+    job = Job(uuid.uuid4().hex, 0, ids, WARM_PARAMS, sink, prefix_key(ids, cache_namespace), warm=True,
+              cache_namespace=cache_namespace, tenant=tenant)
     state.pool.submit([job])
     try:
         while True:

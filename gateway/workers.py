@@ -55,6 +55,8 @@ class Job:
     sink: asyncio.Queue  # receives (job, TokenChunk | Finished | Error | Restarted)
     key: bytes  # prefix-affinity key
     warm: bool = False  # prefill only (POST /v1/warm): the worker fills its prefix caches and finishes
+    cache_namespace: bytes = b""  # whose cached prefixes it may reuse (gateway.cache_namespace)
+    tenant: str = ""  # whose key sent it (gateway.auth): free slots are shared fairly between tenants
     worker_id: str | None = None
     delivered: bool = False  # output reached the client: it can no longer move to another worker
     closed: bool = False  # the HTTP side is done with it
@@ -109,6 +111,8 @@ class WorkerPool:
         self._socket.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted worker may reuse its id
         self._tasks: list[asyncio.Task] = []
         self._refused: set[tuple[str, str]] = set()  # (worker id, reason) already logged
+        self._dispatched = 0  # jobs sent to workers so far
+        self._served: dict[str, int] = {}  # tenant → the number of its latest dispatched job
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
@@ -328,14 +332,38 @@ class WorkerPool:
             free = [w for w in self.workers.values() if w.has_slot]
             if not free:
                 break
-            job = self.queue.popleft()
+            job = self._next_job()
             candidates = [Candidate(w.worker_id, len(w.jobs), w.info.capacity) for w in free]
             worker = self.workers[self.router.choose(candidates, job.key)]
             worker.jobs[job.request_id] = job
             job.worker_id = worker.worker_id
             job.attempts += 1
-            self._send(worker.identity, Generate(job.request_id, job.prompt_ids, job.params, warm=job.warm))
+            self._send(worker.identity, Generate(job.request_id, job.prompt_ids, job.params, warm=job.warm,
+                                                   cache_namespace=job.cache_namespace.hex()))
         self._update_gauges()
+
+    def _next_job(self) -> Job:
+        """The oldest queued job of the tenant with the fewest jobs running, and of those the one
+        served least recently: one tenant's burst (a request with n = 16, a client in a loop)
+        takes turns with the other tenants' requests instead of every free slot. With one tenant
+        (or none: no API keys) this is first in, first out."""
+        running: dict[str, int] = {}
+        for worker in self.workers.values():
+            for job in worker.jobs.values():
+                running[job.tenant] = running.get(job.tenant, 0) + 1
+        best, best_rank, seen = 0, None, set()
+        for i, job in enumerate(self.queue):
+            if job.tenant in seen:
+                continue
+            seen.add(job.tenant)
+            rank = (running.get(job.tenant, 0), self._served.get(job.tenant, -1))
+            if best_rank is None or rank < best_rank:
+                best, best_rank = i, rank
+        job = self.queue[best]
+        del self.queue[best]
+        self._dispatched += 1
+        self._served[job.tenant] = self._dispatched
+        return job
 
     def _update_gauges(self) -> None:
         ready = self.ready

@@ -59,6 +59,7 @@ class PrefixCacheSection:
     store_budget: str = "2GiB"  # the store's payload bytes ("512MiB", "10GB")
     store_compression: str = "none"  # none | zstd (zstd saves ~7% on float16 K/V; restores 3x slower)
     store_restore: str = "auto"  # auto (the cheaper of restore and recompute, measured) | always | never
+    isolation: str = "none"  # none | key | request: whose cached prefixes a request may reuse
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,7 @@ class GatewaySection:
     port: int = 8000
     allow_remote: bool = False  # a host other than loopback must be asked for explicitly
     api_key: str = ""  # "" = no authentication
+    api_keys_file: str = ""  # one key per line, optionally after a name: tenants told apart ("" = none)
     max_body_bytes: int = 4 * 1024 * 1024
     read_timeout: float = 30.0  # seconds a client may take to send a request (slow-loris guard)
     write_timeout: float = 30.0  # seconds a stream may wait for its client to read before it is cancelled
@@ -89,9 +91,16 @@ class GatewaySection:
     queue_timeout: float = 60.0  # seconds a request waits for a worker before 503
     default_max_tokens: int = 0  # when a request gives none; 0 = the rest of the context
     max_n: int = 16
+    max_jobs_per_request: int = 32  # choices one request may ask for (prompts × n)
     content_specials: str = "text"  # text | reject: special-token text inside chat messages
     allowed_hosts: str = ""  # Host names accepted besides `host` and loopback names, comma-separated
     cors_origins: str = ""  # browser origins allowed to call the API, comma-separated; "" = CORS off
+
+
+    @property
+    def authenticated(self) -> bool:
+        """Whether requests must carry an API key."""
+        return bool(self.api_key or self.api_keys_file)
 
 
 @dataclass(frozen=True)

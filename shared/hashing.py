@@ -1,7 +1,11 @@
 """Stable names for KV blocks: a SHA-256 chain over token ids and the model's K/V fingerprint.
 
-    h_0 = SHA-256(ZERO_HASH   || fingerprint || token ids of block 0)
+    h_0 = SHA-256(root        || fingerprint || token ids of block 0)
     h_i = SHA-256(h_{i-1}     || fingerprint || token ids of block i)
+
+`root` is ZERO_HASH for the shared namespace, else `namespace_root(namespace)`: requests of
+different cache namespaces (tenants, or clients that send different `cache_salt`s) name even
+equal prompts differently, so none can find, or time, another's blocks.
 
 Token ids are packed as little-endian int32, so a name is the same in every process, on every
 host and after every restart (never Python's `hash()`, which is salted per process). A block's
@@ -26,6 +30,13 @@ def kv_fingerprint(**facts: object) -> bytes:
     return hashlib.sha256(b"reame-kv/" + text.encode()).digest()
 
 
+def namespace_root(namespace: bytes) -> bytes:
+    """The parent of block 0 in a cache namespace (b"" = the shared one: ZERO_HASH)."""
+    if not namespace:
+        return ZERO_HASH
+    return hashlib.sha256(b"reame-namespace/" + namespace).digest()
+
+
 def block_hash(parent: bytes, token_ids: Sequence[int], fingerprint: bytes) -> bytes:
     digest = hashlib.sha256(parent)
     digest.update(fingerprint)
@@ -34,12 +45,12 @@ def block_hash(parent: bytes, token_ids: Sequence[int], fingerprint: bytes) -> b
 
 
 def extend_chain(chain: list[bytes], token_ids: Sequence[int], block_size: int, num_blocks: int,
-                 fingerprint: bytes) -> list[bytes]:
+                 fingerprint: bytes, root: bytes = ZERO_HASH) -> list[bytes]:
     """Grow `chain` (the hashes of the first blocks of token_ids) to num_blocks full blocks."""
     if num_blocks * block_size > len(token_ids):
         raise ValueError(f"{num_blocks} blocks of {block_size} need {num_blocks * block_size} tokens, "
                          f"got {len(token_ids)}")
     for i in range(len(chain), num_blocks):
-        parent = chain[i - 1] if i else ZERO_HASH
+        parent = chain[i - 1] if i else root
         chain.append(block_hash(parent, token_ids[i * block_size:(i + 1) * block_size], fingerprint))
     return chain

@@ -111,6 +111,7 @@ class Generate:
     prompt_ids: list[Count]
     params: SamplingParams
     warm: bool = False  # prefill only: fill the prefix caches (RAM and host store), flush the store writes, finish
+    cache_namespace: str = ""  # hex: the prefix blocks it may reuse (shared.hashing.namespace_root); "" = shared
 
 
 @dataclass(frozen=True)

@@ -82,13 +82,15 @@ class FakeGenerator:
         self.steps = 0  # generated tokens, all requests
         self.closed = 0  # requests aborted before their end
         self.added: list[tuple[str, list[int], SamplingParams, bool]] = []  # id, prompt, params, warm
+        self.namespaces: dict[str, bytes] = {}  # id → the cache namespace it came with
         self.cached_tokens = 0  # what every Finished reports
         self.prefix_tokens = 0
         self.counters: dict[str, int] = {}  # what the heartbeats carry
         self._requests: dict[str, tuple[list[int], SamplingParams, list[int]]] = {}  # id → prompt, params, output
         self._warm: set[str] = set()
 
-    def add(self, request_id: str, prompt_ids, params: SamplingParams, warm: bool = False) -> None:
+    def add(self, request_id: str, prompt_ids, params: SamplingParams, warm: bool = False,
+            cache_namespace: bytes = b"") -> None:
         if not prompt_ids:
             raise InvalidRequestError("empty prompt", param="prompt")
         if len(prompt_ids) + params.max_tokens > self.n_ctx:
@@ -96,6 +98,7 @@ class FakeGenerator:
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="id")
         self.added.append((request_id, list(prompt_ids), params, warm))
+        self.namespaces[request_id] = cache_namespace
         self._requests[request_id] = (list(prompt_ids), params, [])
         if warm:
             self._warm.add(request_id)

@@ -15,7 +15,7 @@ from typing import Callable, Protocol
 import zmq
 
 from shared import protocol
-from shared.errors import ReameError
+from shared.errors import InvalidRequestError, ReameError
 from shared.protocol import Abort, Drain, Error, Finished, Generate, Heartbeat, Register, TokenChunk
 from worker.sched.generation import Event, FinishEvent, TokenEvent
 from shared.sampling import SamplingParams
@@ -30,7 +30,8 @@ class GeneratorLike(Protocol):
     @property
     def has_work(self) -> bool: ...
 
-    def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams, warm: bool = False) -> None: ...
+    def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams, warm: bool = False,
+            cache_namespace: bytes = b"") -> None: ...
 
     def abort(self, request_id: str) -> FinishEvent | None: ...
 
@@ -144,7 +145,9 @@ class WorkerService:
     def _accept(self, request: Generate) -> None:
         # Validated on arrival, so a bad request fails at once, not after the requests ahead of it.
         try:
-            self.generator.add(request.request_id, request.prompt_ids, request.params, warm=request.warm)
+            namespace = _namespace(request.cache_namespace)
+            self.generator.add(request.request_id, request.prompt_ids, request.params, warm=request.warm,
+                               cache_namespace=namespace)
         except ReameError as exc:
             self._send_error(request.request_id, exc)
             return
@@ -185,3 +188,14 @@ class WorkerService:
 
     def _send_many(self, messages: list[protocol.Message]) -> None:
         self.socket.send_multipart([protocol.encode(m) for m in messages])
+
+
+def _namespace(text: str) -> bytes:
+    """A Generate's cache namespace: hex of at most 32 bytes (a digest), "" for the shared one."""
+    try:
+        namespace = bytes.fromhex(text)
+    except ValueError:
+        namespace = None
+    if namespace is None or len(namespace) > 32:
+        raise InvalidRequestError("cache_namespace must be the hex of at most 32 bytes", param="cache_namespace")
+    return namespace

@@ -196,3 +196,24 @@ def test_the_chain_is_the_same_in_another_process():
                          env={"PYTHONHASHSEED": "123", "PATH": ""}, cwd=str(__import__("pathlib").Path(__file__).parents[2]))
     here = ",".join(h.hex() for h in extend_chain([], PROMPT, 4, 2, FP))
     assert out.stdout.strip() == here
+
+
+def test_cache_namespaces_never_share_blocks():
+    """The same prompt in two namespaces (two tenants, or two cache_salts): nothing is reused across
+    them, everything within one; the shared namespace (b"") roots its chain at ZERO_HASH as before."""
+    scheduler = _scheduler()
+    tenant_a, tenant_b = b"a" * 32, b"b" * 32
+
+    def cached(name: str, namespace: bytes) -> int:
+        seq = Sequence(name, PROMPT, SamplingParams(max_tokens=2), 0.0, cache_namespace=namespace)
+        scheduler.add(seq)
+        _run(scheduler)
+        return seq.num_cached_tokens
+
+    assert cached("a1", tenant_a) == 0
+    assert cached("b1", tenant_b) == 0  # a's blocks are in RAM, but not b's to find
+    assert cached("shared", b"") == 0
+    assert cached("a2", tenant_a) == 8 and cached("b2", tenant_b) == 8 and cached("shared2", b"") == 8
+    shared = Sequence("s", PROMPT, SamplingParams(max_tokens=2), 0.0)
+    assert extend_chain([], PROMPT, BS, 2, FP)[0] == block_hash(ZERO_HASH, PROMPT[:BS], FP)
+    assert shared.cache_namespace == b""

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from shared.hashing import extend_chain
+from shared.hashing import extend_chain, namespace_root
 from worker.kv.block_manager import BlockManager
 from worker.kv.sequence import Sequence
 
@@ -86,7 +86,8 @@ class PrefixCache:
             raise ValueError(f"attach() takes a sequence without blocks, got {seq!r}")
         bs = self.block_size
         usable = (seq.num_tokens - 1) // bs  # the last token is always fed: it gives the logits
-        chain = extend_chain(seq.block_hashes, seq.token_ids, bs, usable, self.fingerprint)
+        chain = extend_chain(seq.block_hashes, seq.token_ids, bs, usable, self.fingerprint,
+                             namespace_root(seq.cache_namespace))
         manager = self.block_manager
         in_ram = []
         for i in range(usable):
@@ -189,7 +190,8 @@ class PrefixCache:
         full = seq.num_computed_tokens // bs
         if full <= seq.num_named_blocks:
             return
-        chain = extend_chain(seq.block_hashes, seq.token_ids, bs, full, self.fingerprint)
+        chain = extend_chain(seq.block_hashes, seq.token_ids, bs, full, self.fingerprint,
+                             namespace_root(seq.cache_namespace))
         writing = self.writer is not None and self.store.writes_enabled
         for i in range(seq.num_named_blocks, full):
             block_id = seq.block_table[i]

@@ -35,7 +35,7 @@ _FINISHED = frozenset({SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_
 
 class Sequence:
     def __init__(self, seq_id: str, prompt_token_ids: Iterable[int], params: SamplingParams,
-                 arrival_time: float):
+                 arrival_time: float, cache_namespace: bytes = b""):
         self.seq_id = seq_id
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.token_ids)
@@ -46,6 +46,7 @@ class Sequence:
         self.block_table: list[int] = []  # block ids; block i holds tokens [i*block_size, (i+1)*block_size)
         self.window_start = 0  # window models: first block whose window slot this sequence references
         self.num_preemptions = 0
+        self.cache_namespace = cache_namespace  # whose prefix blocks it may reuse (b"": everyone's)
         self.block_hashes: list[bytes] = []
         self.num_named_blocks = 0
         self.num_cached_tokens = 0  # prompt tokens whose K/V came from the prefix cache at admission

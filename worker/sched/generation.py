@@ -111,15 +111,16 @@ class BatchGenerator:
     # ---- requests ------------------------------------------------------------------------------
 
     def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams, warm: bool = False,
-            top_logits: int = 0) -> None:
+            top_logits: int = 0, cache_namespace: bytes = b"") -> None:
         """Queue a request; ReameError (nothing queued) when it cannot be served.
 
         warm: the request is there to fill the prefix caches; its finish waits until the store
         has committed its blocks, so the caller may rely on them being there.
-        top_logits > 0: each TokenEvent also carries the raw logits of the best candidates."""
+        top_logits > 0: each TokenEvent also carries the raw logits of the best candidates.
+        cache_namespace: the prefix blocks it may reuse and leave for reuse (shared.hashing)."""
         validate_params(params, self.engine.vocab_size)
         self.engine.validate(prompt_ids, params.max_tokens)
-        seq = Sequence(request_id, [int(t) for t in prompt_ids], params, self.clock())
+        seq = Sequence(request_id, [int(t) for t in prompt_ids], params, self.clock(), cache_namespace)
         self.scheduler.add(seq)
         sampler = Sampler(params, self.engine.vocab_size)
         sampler.observe_prompt(seq.prompt_token_ids)
