@@ -6,6 +6,7 @@ with a normal HTTP status, or be moved to another worker without the client noti
 from __future__ import annotations
 
 import asyncio
+import socket
 
 import orjson
 from aiohttp import web
@@ -48,6 +49,7 @@ class EventStream:
     async def _write(self, data: bytes) -> None:
         if self.response is None:
             self.response = web.StreamResponse(status=200, headers=_HEADERS)
+            _bound_send_buffer(self.request)
             await self.response.prepare(self.request)
         # A write waits only while the socket's buffers are full, i.e. while the client is not
         # reading; without a limit a client that never reads would hold its generation (and
@@ -58,3 +60,25 @@ class EventStream:
             if self.request.transport is not None:
                 self.request.transport.abort()  # drop the unread bytes with the connection
             raise ClientStoppedReading(f"the client read nothing for {self.write_timeout:g} s") from None
+
+
+# A token stream needs little buffer (chunks of ~200 bytes), but Linux grows an unread loopback
+# socket's send buffer up to tcp_wmem's maximum (4 MiB here), and asyncio buffers 64 KiB more
+# before a write waits: at ~25 KB/s of SSE a client that never read held its generation for
+# minutes before write_timeout even started to count. A fixed socket buffer turns the growth off
+# (the kernel doubles it: 64 KiB) and asyncio's share is cut to 16 KiB.
+_STREAM_SEND_BUFFER = 32 * 1024
+_STREAM_WRITE_BUFFER = 16 * 1024
+
+
+def _bound_send_buffer(request: web.Request) -> None:
+    transport = request.transport
+    if transport is None:
+        return
+    transport.set_write_buffer_limits(high=_STREAM_WRITE_BUFFER)
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _STREAM_SEND_BUFFER)
+        except OSError:
+            pass  # not every transport is a TCP socket (unix sockets, tests); nothing to bound
