@@ -21,9 +21,9 @@ BATCH = 2  # requests a test worker runs at once (small, so tests can fill the g
 
 
 def write_config(directory: Path, model: Path, port: int, gateway: dict | None = None,
-                 store: Path | None = None) -> Path:
-    """A reame.conf for tests; `gateway` adds keys to [gateway]. The prefix store is the test's own
-    (`store`, else one in `directory`)."""
+                 store: Path | None = None, prefix_cache: dict | None = None) -> Path:
+    """A reame.conf for tests; `gateway` and `prefix_cache` add keys to those sections. The prefix
+    store is the test's own (`store`, else one in `directory`)."""
     sections = {
         "server": {"heartbeat_interval": 0.2, "worker_timeout": 5},
         "gateway": {"api_key": API_KEY, "max_queue": 4, "queue_timeout": 60, "max_body_bytes": 65536,
@@ -42,8 +42,7 @@ def write_config(directory: Path, model: Path, port: int, gateway: dict | None =
         },
         "scheduler": {"max_batch_size": BATCH},
     }
-    if store is not None:
-        sections["prefix_cache"] = {"store_path": store}
+    sections["prefix_cache"] = {**({"store_path": store} if store is not None else {}), **(prefix_cache or {})}
     return harness.write_config(directory, model, port, sections)
 
 
@@ -88,9 +87,10 @@ def wait_idle(server: Server, timeout: float = 10) -> None:
 
 
 @contextmanager
-def gateway_and_worker(directory: Path, model: Path, gateway: dict | None = None, store: Path | None = None):
+def gateway_and_worker(directory: Path, model: Path, gateway: dict | None = None, store: Path | None = None,
+                       prefix_cache: dict | None = None):
     """A real gateway and one worker on a free port, ready; stopped on exit."""
     port = free_port()
-    config = write_config(directory, model, port, gateway=gateway, store=store)
+    config = write_config(directory, model, port, gateway=gateway, store=store, prefix_cache=prefix_cache)
     with harness.gateway_and_worker("e2e", directory, config, port) as server:
         yield server

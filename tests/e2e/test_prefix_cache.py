@@ -113,3 +113,26 @@ def test_after_a_full_restart_the_prefix_comes_from_the_store(first, smollm2_ggu
 def len_system_tokens(first) -> int:
     """Tokens of the shared part: the longer prompt minus its question differs by a few tokens."""
     return min(first["cold"].usage.prompt_tokens, first["other"].usage.prompt_tokens) - 16
+
+
+def test_tenants_never_share_cached_prefixes(smollm2_gguf, tmp_path):
+    """[prefix_cache] isolation = key with two API keys: the same system prompt is reused within a
+    key, never across keys (cached_tokens 0), and a cache_salt splits a key's prefixes further."""
+    keys = {"alice": "alice-key", "bob": "bob-key"}
+    keys_file = tmp_path / "keys"
+    keys_file.write_text("".join(f"{name} {key}\n" for name, key in keys.items()))
+    with gateway_and_worker(tmp_path / "server", smollm2_gguf, gateway={"api_keys_file": keys_file},
+                            prefix_cache={"isolation": "key"}) as server:
+        def cached(tenant: str, **kw) -> int:
+            client = openai.OpenAI(base_url=server.url + "/v1", api_key=keys[tenant], max_retries=0, timeout=120)
+            answer = client.chat.completions.create(
+                model="reame", temperature=0, max_tokens=2,
+                messages=SYSTEM_MESSAGES + [{"role": "user", "content": "Which tool gives a river?"}], **kw)
+            return answer.usage.prompt_tokens_details.cached_tokens
+
+        assert cached("alice") == 0
+        assert cached("bob") == 0  # alice's blocks are in the worker's RAM and the store: not for bob
+        assert cached("alice") >= len(SYSTEM) // 8  # within a key: reused (SmolLM2: ~4 characters a token)
+        assert cached("bob") > 0
+        assert cached("alice", extra_body={"cache_salt": "project-x"}) == 0
+        assert cached("alice", extra_body={"cache_salt": "project-x"}) > 0
