@@ -21,11 +21,9 @@ from worker.engine.models.common import FFN_DOWN, GATE_UP, QKV
 _JIT = dict(cache=True, nogil=True)
 
 # The registry's functions, called by the codes of the op table's slots.
-_MATMUL_FLOAT32 = KERNELS[("matmul", "float32")]
-_MATMUL_INT8 = KERNELS[("matmul", "int8")]
-_matmul_float32 = _MATMUL_FLOAT32.fn
-_matmul_int8 = _MATMUL_INT8.fn
-MATMUL_INT8_CODE = _MATMUL_INT8.code
+_matmul_float32 = KERNELS[("matmul", "float32")].fn
+_matmul_int8 = KERNELS[("matmul", "int8")].fn
+_MATMUL_INT8_CODE = KERNELS[("matmul", "int8")].code
 _dequant_row = KERNELS[("row", "gather")].fn  # the only row variant: nothing to branch on yet
 
 
@@ -69,7 +67,7 @@ def matmul(mm, mats, x, out):
     or AVX2 integer dot products, float32 keeps them exact (the bits of matvec.linear).
     """
     tab, ops, scratch = mm
-    if ops[MATMUL] == MATMUL_INT8_CODE:
+    if ops[MATMUL] == _MATMUL_INT8_CODE:
         _matmul_int8(tab[0], tab[1], tab[2], tab[3], mats, x, out, scratch[1])
     else:
         _matmul_float32(tab[0], tab[1], tab[2], tab[3], mats, x, out, scratch[0])
