@@ -11,8 +11,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from gateway.requests import (MAX_CACHE_SALT, MAX_LOGPROBS_COMPLETION, MAX_STOP_CHARS, MAX_STOPS,
-                              MAX_TOKEN_ID_DIGITS, MAX_TOP_LOGPROBS_CHAT, ROLES)
+from gateway.requests import (
+    MAX_CACHE_SALT,
+    MAX_LOGPROBS_COMPLETION,
+    MAX_STOP_CHARS,
+    MAX_STOPS,
+    MAX_TOKEN_ID_DIGITS,
+    MAX_TOP_LOGPROBS_CHAT,
+    ROLES,
+)
 from shared.config import Config
 from shared.sampling import LIMITS
 

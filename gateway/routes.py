@@ -16,12 +16,12 @@ from aiohttp import web
 
 from gateway.auth import tenant_name
 from gateway.cache_namespace import request_namespace
-from gateway.state import STATE, GatewayState
 from gateway.completion import complete
 from gateway.errors import ModelNotFoundError, PayloadTooLargeError, RequestTimeoutError
 from gateway.metrics import CONTENT_TYPE
 from gateway.openapi import openapi_document
 from gateway.requests import parse_chat, parse_completion, parse_warm
+from gateway.state import STATE, GatewayState
 from gateway.warm import prefill
 from shared.errors import InvalidRequestError
 

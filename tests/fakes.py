@@ -23,8 +23,8 @@ from aiohttp import web
 from shared.config import Config, parse_config
 from shared.errors import ContextLengthError, InvalidRequestError
 from shared.protocol import Register
-from worker.sched.generation import FinishEvent, TokenEvent
 from shared.sampling import SamplingParams
+from worker.sched.generation import FinishEvent, TokenEvent
 
 BOS, EOS, EOT = 0, 1, 2
 OFFSET = 3  # token id = byte value + OFFSET

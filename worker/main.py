@@ -117,12 +117,12 @@ def serve(config: Config, node: int, cpus: list[int], engine, path: Path) -> Non
     import zmq
 
     from shared.protocol import Error, Register, encode
-    from worker.sched.generation import BatchGenerator
     from worker.kv.block_manager import BlockManager
     from worker.kv.prefix_setup import build_prefix_cache
     from worker.pulse import Pulse
-    from worker.service import WorkerService
+    from worker.sched.generation import BatchGenerator
     from worker.sched.tuning_state import SchedulerKnobs, TuningState
+    from worker.service import WorkerService
 
     knobs = SchedulerKnobs.from_config(config)
     host = socket.gethostname()

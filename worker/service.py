@@ -17,8 +17,8 @@ import zmq
 from shared import protocol
 from shared.errors import InvalidRequestError, ReameError
 from shared.protocol import Abort, Drain, Error, Finished, Generate, Heartbeat, Register, TokenChunk
-from worker.sched.generation import Event, FinishEvent, TokenEvent
 from shared.sampling import SamplingParams
+from worker.sched.generation import Event, FinishEvent, TokenEvent
 
 log = logging.getLogger("reame.worker")
 

@@ -20,10 +20,10 @@ def run(args: argparse.Namespace) -> int:
     from gateway.chat_template import template_for
     from gateway.tokenizer import StreamDecoder, Tokenizer
     from shared.config import load_config, model_flag
-    from shared.model_store import model_file
     from shared.errors import InvalidRequestError
-    from worker.engine.engine import load_engine_from_config
+    from shared.model_store import model_file
     from shared.sampling import SamplingParams
+    from worker.engine.engine import load_engine_from_config
     from worker.sched.one_request import solo_generator
     from worker.sched.tuning_state import SchedulerKnobs
 

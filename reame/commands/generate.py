@@ -39,8 +39,8 @@ def parse_ids(text: str) -> list[int]:
 
 def run(args: argparse.Namespace) -> int:
     from shared.config import load_config, model_flag
-    from worker.engine.engine import load_engine_from_config
     from shared.sampling import SamplingParams
+    from worker.engine.engine import load_engine_from_config
     from worker.sched.one_request import Timing, generate_ids, generate_one, solo_generator
     from worker.sched.tuning_state import SchedulerKnobs
 

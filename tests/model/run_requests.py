@@ -4,8 +4,8 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from worker.sched.generation import BatchGenerator, FinishEvent, TokenEvent
 from shared.sampling import SamplingParams
+from worker.sched.generation import BatchGenerator, FinishEvent, TokenEvent
 
 
 @dataclass

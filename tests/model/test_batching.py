@@ -7,13 +7,13 @@ import random
 import pytest
 
 from shared.errors import ContextLengthError, InvalidRequestError
+from shared.sampling import SamplingParams
 from tests.conftest import load_reference
 from tests.model.golden import SHIPPED_RULE
 from tests.model.run_requests import run_requests
 from tests.model.tiny_gguf import TinyModel, write_tiny
 from worker.engine.engine import load_engine
 from worker.sched.generation import BatchGenerator, ErrorEvent, FinishEvent
-from shared.sampling import SamplingParams
 from worker.sched.tuning_state import SchedulerKnobs, TuningState
 
 

@@ -10,15 +10,15 @@ import lmdb
 import pytest
 
 from shared.hashing import extend_chain
-from worker.kv.block_manager import BlockManager
+from shared.sampling import SamplingParams
 from tests.model.run_requests import run_requests
 from worker.engine.engine import load_engine
-from worker.sched.generation import BatchGenerator, FinishEvent
-from worker.kv.store import KVStore
-from worker.kv.store_writer import StoreWriter
+from worker.kv.block_manager import BlockManager
 from worker.kv.prefix_cache import PrefixCache
 from worker.kv.prefix_setup import engine_fingerprint
-from shared.sampling import SamplingParams
+from worker.kv.store import KVStore
+from worker.kv.store_writer import StoreWriter
+from worker.sched.generation import BatchGenerator, FinishEvent
 from worker.sched.tuning_state import SchedulerKnobs, TuningState
 
 BS = 16

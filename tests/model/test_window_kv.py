@@ -11,19 +11,19 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
 
+from shared.sampling import SamplingParams
 from tests.model.run_requests import run_requests
 from tests.model.tiny_gguf import TinyModel, forward_f64, write_tiny
 from worker.engine.batch import StepChunk
 from worker.engine.engine import load_engine
 from worker.engine.paged_kv import window_blocks_per_sequence
-from worker.sched.generation import BatchGenerator
+from worker.kv.block_manager import BlockManager
+from worker.kv.prefix_cache import PrefixCache
+from worker.kv.prefix_setup import engine_fingerprint
+from worker.kv.sequence import Sequence
 from worker.kv.store import KVStore
 from worker.kv.store_writer import StoreWriter
-from worker.kv.prefix_cache import PrefixCache
-from worker.kv.block_manager import BlockManager
-from worker.kv.prefix_setup import engine_fingerprint
-from shared.sampling import SamplingParams
-from worker.kv.sequence import Sequence
+from worker.sched.generation import BatchGenerator
 from worker.sched.one_request import generate_one, solo_generator
 from worker.sched.tuning_state import SchedulerKnobs, TuningState
 

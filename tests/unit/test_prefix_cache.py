@@ -9,11 +9,11 @@ import sys
 import pytest
 
 from shared.hashing import ZERO_HASH, block_hash, extend_chain, kv_fingerprint
+from shared.sampling import SamplingParams
 from worker.kv.block_manager import BlockManager
 from worker.kv.prefix_cache import PrefixCache
-from shared.sampling import SamplingParams
-from worker.sched.scheduler import ScheduledBatch, Scheduler
 from worker.kv.sequence import Sequence
+from worker.sched.scheduler import ScheduledBatch, Scheduler
 from worker.sched.tuning_state import SchedulerKnobs, TuningState
 
 FP = kv_fingerprint(model="test", kv_dtype="float32")

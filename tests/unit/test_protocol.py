@@ -8,8 +8,20 @@ import orjson
 import pytest
 
 from shared import protocol
-from shared.protocol import (Abort, Drain, Error, Finished, Generate, Heartbeat, Kind, ProtocolError, Register,
-                             TokenChunk, decode, encode)
+from shared.protocol import (
+    Abort,
+    Drain,
+    Error,
+    Finished,
+    Generate,
+    Heartbeat,
+    Kind,
+    ProtocolError,
+    Register,
+    TokenChunk,
+    decode,
+    encode,
+)
 from shared.sampling import SamplingParams
 
 MESSAGES = [

@@ -10,10 +10,10 @@ import pytest
 
 from shared.config import Config
 from shared.errors import ConfigError, ContextLengthError, InvalidRequestError
-from worker.kv.block_manager import BlockManager
 from shared.sampling import SamplingParams
-from worker.sched.scheduler import ScheduledBatch, Scheduler
+from worker.kv.block_manager import BlockManager
 from worker.kv.sequence import Sequence, SequenceStatus
+from worker.sched.scheduler import ScheduledBatch, Scheduler
 from worker.sched.tuning_state import SchedulerKnobs, TuningState
 
 STOP = 0  # the stop token in these tests; sampled tokens are otherwise >= 1

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from shared.errors import ConfigError
-from worker.kv.block_manager import BlockManager
 from shared.sampling import SamplingParams
+from worker.kv.block_manager import BlockManager
 from worker.kv.sequence import Sequence
 from worker.kv.window_slots import WindowSlots
 

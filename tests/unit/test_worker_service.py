@@ -10,9 +10,9 @@ import zmq
 
 from shared import protocol
 from shared.protocol import Abort, Drain, Error, Finished, Generate, Heartbeat, Register, TokenChunk
+from shared.sampling import SamplingParams
 from tests.fakes import EOS, FakeGenerator
 from worker.pulse import Pulse
-from shared.sampling import SamplingParams
 from worker.service import WorkerService
 
 INFO = Register("w", 0, [0], "fake", "/f.gguf", "fake", 256, 259, 1, "h", 1)

@@ -15,15 +15,14 @@ from typing import Callable, Protocol
 import numpy as np
 
 from shared.errors import ReameError
-from worker.kv.block_manager import BlockManager
+from shared.sampling import SamplingParams, validate_params
 from worker.engine.batch import StepChunk
 from worker.engine.paged_kv import PagedKVCache
+from worker.kv.block_manager import BlockManager
 from worker.kv.prefix_cache import PrefixCache
-from shared.sampling import validate_params
-from worker.sched.sampler import Sampler
-from shared.sampling import SamplingParams
-from worker.sched.scheduler import ScheduledBatch, Scheduler
 from worker.kv.sequence import Sequence
+from worker.sched.sampler import Sampler
+from worker.sched.scheduler import ScheduledBatch, Scheduler
 from worker.sched.tuning_state import TuningState
 
 log = logging.getLogger("reame.generation")

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 from typing import Iterator
 
 from shared.sampling import SamplingParams
-from worker.sched.generation import BatchGenerator, BatchEngine, ErrorEvent, FinishEvent, TokenEvent
+from worker.sched.generation import BatchEngine, BatchGenerator, ErrorEvent, FinishEvent, TokenEvent
 from worker.sched.tuning_state import SchedulerKnobs, TuningState
 
 _request_ids = itertools.count()
