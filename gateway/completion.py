@@ -167,7 +167,9 @@ class _Run:
             return out.response
         except ClientStoppedReading as exc:
             log.info("request %s: cancelled: %s", self.request_id, exc)
-            raise  # `complete` releases the jobs: their workers stop generating
+            # `complete` releases the jobs (their workers stop generating). The connection is
+            # already dropped: answering, not raising, spares aiohttp's error log a traceback.
+            return out.response
         except (ConnectionError, asyncio.CancelledError):
             raise  # the client left; `complete` releases the jobs
         except Exception:
