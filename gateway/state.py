@@ -10,7 +10,7 @@ from aiohttp import web
 
 from gateway.choice import Decoder
 from gateway.metrics import Metrics
-from gateway.prompts import PromptEncoder
+from gateway.prompts import EncodeProcesses, PromptEncoder
 from gateway.workers import WorkerPool
 from shared.config import Config
 
@@ -36,7 +36,9 @@ STATE = web.AppKey("state", GatewayState)
 
 
 def build_state(config: Config, tokenizer: Any, template: Any, decoder: Callable[[], Decoder],
-                model_path: Path) -> GatewayState:
+                model_path: Path, encode_processes: EncodeProcesses | None = None) -> GatewayState:
+    """`encode_processes`: where long prompts are tokenized; without them (test doubles) all are
+    tokenized on the gateway's threads. Whoever passes them closes them with `state.prompts.close()`."""
     metrics = Metrics()
     pool = WorkerPool(config.endpoint, metrics, heartbeat_interval=config.server.heartbeat_interval,
                       worker_timeout=config.server.worker_timeout, max_queue=config.gateway.max_queue,
@@ -52,7 +54,7 @@ def build_state(config: Config, tokenizer: Any, template: Any, decoder: Callable
         model_id=model_id, model_aliases=frozenset({model_id, model_path.name, model_path.stem}),
         stop_token_ids=tuple(sorted(end_ids)), hidden_ids=frozenset(end_ids),
         chat_stops=tuple(getattr(template, "stop_strings", ())), created=int(time.time()),
-        prompts=PromptEncoder(tokenizer, template, config.gateway.content_specials))
+        prompts=PromptEncoder(tokenizer, template, config.gateway.content_specials, encode_processes))
 
 
 def load_state(config: Config, model_path: Path) -> GatewayState:
@@ -63,4 +65,5 @@ def load_state(config: Config, model_path: Path) -> GatewayState:
 
     tokenizer = Tokenizer.from_gguf(model_path)
     template = template_for(tokenizer, config)
-    return build_state(config, tokenizer, template, lambda: StreamDecoder(tokenizer), model_path)
+    return build_state(config, tokenizer, template, lambda: StreamDecoder(tokenizer), model_path,
+                       EncodeProcesses(model_path, config))

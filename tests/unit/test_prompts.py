@@ -1,12 +1,18 @@
 """Messages and prompts → token ids (gateway.prompts): special-token text a client writes stays
-plain text, ordinary requests keep exactly llama.cpp's ids, and over-long text is refused untokenized."""
+plain text, ordinary requests keep exactly llama.cpp's ids, over-long text is refused untokenized,
+and long texts are tokenized in other processes with the same ids and errors."""
 from __future__ import annotations
 
+import asyncio
+
+import psutil
 import pytest
 
 from gateway.chat_template import ChatTemplate
-from gateway.prompts import PromptEncoder
+from gateway.errors import ServiceUnavailableError
+from gateway.prompts import PROCESS_NICE, SHORT_TEXT, EncodeProcesses, PromptEncoder
 from gateway.requests import parse_chat
+from shared.config import load_config, override
 from shared.errors import ContextLengthError, InvalidRequestError
 from tests.conftest import REFERENCE_DIR, load_reference
 
@@ -117,3 +123,70 @@ def test_text_that_cannot_fit_is_refused_before_tokenizing():
 
 def test_max_token_bytes_bounds_every_token(tok):
     assert tok.max_token_bytes == max(len(tok.token_bytes(i)) for i in range(tok.vocab_size))
+
+
+# ---- long texts: tokenized in EncodeProcesses ------------------------------------------------------
+
+LONG = "The quick brown fox jumps over the lazy dog, 1234 times.\n" * (SHORT_TEXT // 50)
+
+
+@pytest.fixture(scope="module")
+def processes(smollm2_gguf):
+    """Processes built as the gateway builds them, with content_specials = reject."""
+    config = override(load_config(None), "gateway", content_specials="reject")
+    pool = EncodeProcesses(smollm2_gguf, config)
+    yield pool
+    pool.close()
+
+
+def pool_encoder(tok, processes) -> PromptEncoder:
+    return PromptEncoder(tok, ChatTemplate.for_tokenizer(tok), "reject", processes)
+
+
+def tokenizing_children() -> list[psutil.Process]:
+    return [p for p in psutil.Process().children() if "spawn_main" in " ".join(p.cmdline())]
+
+
+def test_long_texts_get_the_same_ids_in_a_process(smollm, processes):
+    prompts = pool_encoder(smollm, processes)
+    messages = ({"role": "system", "content": "Be brief."}, {"role": "user", "content": LONG})
+    assert len(LONG) > SHORT_TEXT
+    assert asyncio.run(prompts.chat_ids(messages, 8192)) == encoder(smollm).encode_chat(messages)
+    assert asyncio.run(prompts.prompt_ids("<|im_start|>" + LONG, 8192)) == smollm.encode("<|im_start|>" + LONG)
+    assert tokenizing_children(), "the long texts did not go to the processes"
+
+
+def test_errors_cross_from_a_process_as_they_are(smollm, processes):
+    prompts = pool_encoder(smollm, processes)
+    for asked, directly in [
+        (lambda: prompts.prompt_ids(LONG, 100), lambda: prompts.encode_prompt(LONG, 100)),
+        (lambda: prompts.chat_ids(({"role": "user", "content": LONG + INJECTION},), 8192),
+         lambda: prompts.encode_chat(({"role": "user", "content": LONG + INJECTION},), 8192)),
+    ]:
+        with pytest.raises(InvalidRequestError) as remote:
+            asyncio.run(asked())
+        with pytest.raises(InvalidRequestError) as local:
+            directly()
+        assert type(remote.value) is type(local.value)
+        assert remote.value.to_openai() == local.value.to_openai() and remote.value.status == 400
+
+
+def test_a_dead_process_is_a_503_and_the_next_request_is_served(smollm, processes):
+    prompts = pool_encoder(smollm, processes)
+    asyncio.run(prompts.prompt_ids(LONG, 8192))
+    for child in tokenizing_children():
+        child.kill()
+    with pytest.raises(ServiceUnavailableError) as caught:
+        asyncio.run(prompts.prompt_ids(LONG, 8192))
+    assert caught.value.status == 503 and "retried" in caught.value.message
+    assert asyncio.run(prompts.prompt_ids(LONG, 8192)) == smollm.encode(LONG)
+
+
+def test_closing_stops_every_process(smollm2_gguf, smollm):
+    others = set(tokenizing_children())
+    pool = EncodeProcesses(smollm2_gguf, load_config(None))
+    asyncio.run(pool_encoder(smollm, pool).prompt_ids(LONG, 8192))
+    children = [child for child in tokenizing_children() if child not in others]
+    assert children and all(child.nice() == PROCESS_NICE for child in children)
+    pool.close()
+    assert not any(child.is_running() and child.status() != psutil.STATUS_ZOMBIE for child in children)
