@@ -113,6 +113,7 @@ async def serve(config: Config, path: Path) -> None:
         log.info("gateway: stopping; letting requests under way finish")
     finally:
         await runner.cleanup()
+        state.prompts.close()   # its tokenizing processes
 
 
 def main(argv: list[str] | None = None) -> int:
