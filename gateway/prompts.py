@@ -231,7 +231,7 @@ def _lower_priority() -> None:
     harness and `reame serve` start the gateway and the worker in sessions of their own, and a nice-19
     process in the gateway's session still took half the CPU the worker wanted (3.5 s each in one
     stream). A session of its own puts it in its own autogroup, whose nice is set here too. (Under
-    systemd the gateway's cgroup, not nice, sets what its processes may take: see deploy/.)"""
+    systemd the gateway's cgroup, not nice, sets what its processes may take.)"""
     os.nice(PROCESS_NICE)
     try:
         os.setsid()
