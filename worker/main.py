@@ -33,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", help="GGUF path or known model name ([model] model_path)")
     parser.add_argument("--cpus", help="use only these CPUs of the node, e.g. 0-3,8 (reame serve splits nodes so)")
     parser.add_argument("--state-dir", help="runtime directory for the worker socket ([server] state_dir)")
+    parser.add_argument("--store-path", help="the host's prefix store ([prefix_cache] store_path; \"\" = RAM only)")
     return parser
 
 
@@ -40,7 +41,8 @@ def configure(args: argparse.Namespace) -> Config:
     config = load_config(args.config)
     config = override(config, "model", model_path=model_flag(args.model))
     state_dir = str(Path(args.state_dir).expanduser().resolve()) if args.state_dir else None
-    return override(config, "server", state_dir=state_dir)
+    config = override(config, "server", state_dir=state_dir)
+    return override(config, "prefix_cache", store_path=args.store_path)
 
 
 def choose_cpus(node: int, subset: str | None) -> list[int]:

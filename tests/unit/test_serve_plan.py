@@ -46,3 +46,15 @@ def test_flags_override_the_config(tmp_path):
     assert (config.gateway.port, config.serve.workers, config.gateway.api_key) == (9100, 3, "k")
     assert config.model.model_path.endswith("/m.gguf") and config.server.state_dir.startswith("/")
 
+
+
+def test_a_worker_takes_its_store_path_from_the_command_line(tmp_path):
+    """systemd's unit points the store at StateDirectory= (~ is hidden from it by ProtectHome)."""
+    from worker.main import build_parser, configure as configure_worker
+
+    conf = tmp_path / "reame.conf"
+    conf.write_text("[prefix_cache]\nstore_path = ~/store\n")
+    args = build_parser().parse_args(["--config", str(conf), "--store-path", "/var/lib/reame/prefix-store"])
+    assert configure_worker(args).prefix_cache.store_path == "/var/lib/reame/prefix-store"
+    args = build_parser().parse_args(["--config", str(conf)])
+    assert configure_worker(args).prefix_cache.store_path == "~/store"
