@@ -31,12 +31,14 @@ from gateway.errors import OverloadedError, ServiceUnavailableError
 from gateway.metrics import Metrics
 from gateway.router import Candidate, Router
 from shared import protocol
+from shared.config import GatewaySection, ServerSection
 from shared.protocol import Abort, Drain, Error, Finished, Generate, Heartbeat, Register, TokenChunk
 from shared.sampling import SamplingParams
 
 log = logging.getLogger("reame.gateway")
 
 MAX_ATTEMPTS = 3  # runs of one request across workers before it fails
+_SERVER, _GATEWAY = ServerSection(), GatewaySection()  # reame.conf's defaults, the one source
 
 
 @dataclass(frozen=True)
@@ -83,8 +85,9 @@ class WorkerHandle:
 
 
 class WorkerPool:
-    def __init__(self, endpoint: str, metrics: Metrics, *, heartbeat_interval: float = 1.0,
-                 worker_timeout: float = 10.0, max_queue: int = 256, queue_timeout: float = 60.0,
+    def __init__(self, endpoint: str, metrics: Metrics, *, heartbeat_interval: float = _SERVER.heartbeat_interval,
+                 worker_timeout: float = _SERVER.worker_timeout, max_queue: int = _GATEWAY.max_queue,
+                 queue_timeout: float = _GATEWAY.queue_timeout,
                  model_arch: str | None = None, vocab_size: int | None = None,
                  clock: Callable[[], float] = time.monotonic):
         """`model_arch` and `vocab_size` are the tokenizer's (general.architecture, its token count):
