@@ -216,5 +216,6 @@ def test_a_warm_request_waits_for_the_store_without_holding_up_the_step_loop(eng
         finished.update((e.request_id, e) for e in generator.step() if isinstance(e, FinishEvent))
     assert finished["warm"].prefix_tokens == len(SYSTEM + QUESTION_A) // BS * BS
     assert not generator.has_work
-    assert store.stats().entries == len(SYSTEM + QUESTION_A) // BS
+    # The warm prompt's full blocks are committed ("other"'s one full block may be, too).
+    assert store.stats().entries >= len(SYSTEM + QUESTION_A) // BS
     prefix.close()
