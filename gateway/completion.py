@@ -155,7 +155,7 @@ class _Run:
         except ConnectionError as exc:
             if not out.started:
                 raise
-            log.info("request %s: the client left mid-stream (%s)", self.request_id, exc)
+            log.debug("request %s: the client left mid-stream (%s)", self.request_id, exc)
         # The connection is gone in both cases: `complete` releases the jobs (their workers stop
         # generating). Answering, not raising, spares aiohttp's error log a traceback for what is
         # an ordinary event (bench/abuse.py counted 24 in 30 s of clients closing after [DONE]).

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import struct
 
 import orjson
 from aiohttp import web
@@ -57,8 +58,7 @@ class EventStream:
         try:
             await asyncio.wait_for(self.response.write(data), self.write_timeout)
         except asyncio.TimeoutError:
-            if self.request.transport is not None:
-                self.request.transport.abort()  # drop the unread bytes with the connection
+            _reset(self.request)
             raise ClientStoppedReading(f"the client read nothing for {self.write_timeout:g} s") from None
 
 
@@ -82,3 +82,19 @@ def _bound_send_buffer(request: web.Request) -> None:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _STREAM_SEND_BUFFER)
         except OSError:
             pass  # not every transport is a TCP socket (unix sockets, tests); nothing to bound
+
+
+def _reset(request: web.Request) -> None:
+    """Drop the connection at once, with what the kernel still holds for it: a plain close queues
+    its FIN behind the unread bytes, which a client that never reads never receives, so the
+    socket and its 64 KiB would linger as an orphan and the client could not tell it was cut."""
+    transport = request.transport
+    if transport is None:
+        return
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close = RST
+        except OSError:
+            pass
+    transport.abort()
