@@ -156,7 +156,7 @@ def test_a_store_that_cannot_grow_stops_writing_and_serving_goes_on(engine, unca
     generator = _generator(engine, prefix)
     with caplog.at_level("WARNING", logger="reame.kvstore"):
         first, _ = _run(generator, {"a": SYSTEM + QUESTION_A})
-        assert prefix.flush(timeout=30.0)
+        assert prefix.writer.flush(timeout=30.0)
         second, done = _run(generator, {"b": SYSTEM + QUESTION_B})
     assert first["a"] == uncached[0]["a"] and second["b"] == uncached[0]["b"]
     assert done["b"].cached_tokens == 96  # from RAM

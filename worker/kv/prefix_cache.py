@@ -230,10 +230,6 @@ class PrefixCache:
                 out.update(store_bytes=stats.bytes_used, store_evictions=stats.evictions, store_writes=stats.writes)
         return out
 
-    def flush(self, timeout: float) -> bool:
-        """Wait until the store has committed every block handed to it so far."""
-        return self.writer.flush(timeout) if self.writer is not None else True
-
     def store_ticket(self) -> int:
         """A mark after every block handed to the store so far (see `store_reached`)."""
         return self.writer.ticket() if self.writer is not None else 0
