@@ -116,6 +116,27 @@ class ServeSection:
 
 
 @dataclass(frozen=True)
+class TuningSection:
+    """What learns while serving. `adaptive = off` fixes everything at the shipped defaults:
+    kernels and threads as [engine] says, the scheduler knobs as [scheduler] says, no speculation."""
+    adaptive: bool = True  # the master switch (also --adaptive on|off)
+    kernels: str = "adaptive"  # adaptive | fixed: kernel and thread choice measured online
+    state_path: str = "~/.cache/reame/tuning"  # learned kernel tables and the coordinator's strategy
+    profile_interval: float = 5.0  # seconds between a worker's profiles to the coordinator
+    report_interval: float = 1800.0  # seconds between adaptive reports in the log
+
+
+@dataclass(frozen=True)
+class SpeculativeSection:
+    """Drafting tokens seen before (in the prompt, or in an archive of earlier completions) and
+    verifying several in one engine step. Greedy output is unchanged by it."""
+    enabled: str = "auto"  # auto (on while [tuning] adaptive is on) | on | off
+    max_draft: int = 8  # most drafted tokens verified per sequence and step
+    archive_path: str = "~/.cache/reame/spec-archive"  # LMDB n-gram archive shared by a host's workers; "" = none
+    archive_budget: str = "256MiB"
+
+
+@dataclass(frozen=True)
 class Config:
     model: ModelSection = field(default_factory=ModelSection)
     engine: EngineSection = field(default_factory=EngineSection)
@@ -126,6 +147,8 @@ class Config:
     gateway: GatewaySection = field(default_factory=GatewaySection)
     worker: WorkerSection = field(default_factory=WorkerSection)
     serve: ServeSection = field(default_factory=ServeSection)
+    tuning: TuningSection = field(default_factory=TuningSection)
+    speculative: SpeculativeSection = field(default_factory=SpeculativeSection)
     source: str = ""  # the file this was read from ("" = built-in defaults)
 
     def resolve_path(self, value: str) -> Path:
@@ -144,6 +167,16 @@ class Config:
         return str(self.resolve_path(value))
 
     @property
+    def kernel_tuning(self) -> bool:
+        """Whether kernels and threads are chosen by measurement while serving."""
+        return self.tuning.adaptive and self.tuning.kernels == "adaptive"
+
+    @property
+    def speculation(self) -> bool:
+        """Whether workers draft tokens. `--adaptive off` turns it off whatever [speculative] says."""
+        return self.tuning.adaptive and self.speculative.enabled != "off"
+
+    @property
     def endpoint(self) -> str:
         """The ZeroMQ endpoint the gateway binds and workers connect to."""
         if self.server.endpoint:
@@ -160,6 +193,8 @@ _CHOICES = {
     ("logging", "level"): {"debug", "info", "warning", "error"},
     ("prefix_cache", "store_compression"): {"zstd", "none"},
     ("prefix_cache", "store_restore"): {"auto", "always", "never"},
+    ("speculative", "enabled"): {"auto", "on", "off"},
+    ("tuning", "kernels"): {"adaptive", "fixed"},
 }
 
 
@@ -181,7 +216,7 @@ def _convert(section: str, key: str, raw: str, kind: Any) -> Any:
         raise ConfigError(f"reame.conf: [{section}] {key} = {raw!r} is not a valid {kind.__name__}") from None
     if (section, key) == ("engine", "kv_cache_memory"):
         memory_bytes(raw, 1, f"[{section}] {key}")  # syntax only; the share is resolved at start-up
-    if (section, key) == ("prefix_cache", "store_budget"):
+    if (section, key) in (("prefix_cache", "store_budget"), ("speculative", "archive_budget")):
         if raw.endswith("%"):
             raise ConfigError(f"reame.conf: [{section}] {key} = {raw!r}: give a size such as 2GiB (a disk "
                               f"budget is not a share of RAM)")
