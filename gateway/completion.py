@@ -12,6 +12,7 @@ import asyncio
 import logging
 import time
 import uuid
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import orjson
@@ -41,6 +42,8 @@ async def complete(state: GatewayState, request: web.Request, req: CompletionReq
     await state.pool.wait_ready(state.config.gateway.queue_timeout)  # n_ctx is known from here on
     param = "messages" if req.chat else "prompt"
     _check_vocab(state, req, prompts)
+    if req.constraint is not None:
+        req = replace(req, grammar=await state.grammars.compile(req.constraint))
     most = state.config.gateway.max_jobs_per_request
     if len(prompts) * req.n > most:  # one request must not take every place in the queue
         raise InvalidRequestError(f"this request asks for {len(prompts) * req.n} choices ({len(prompts)} prompt(s) × "

@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
+from gateway.structured import Constraint, constraint_of
 from shared.errors import InvalidRequestError
 from shared.sampling import LIMITS, MAX_LOGPROBS, SamplingParams, check
 
@@ -46,13 +47,16 @@ class CompletionRequest:
     top_logprobs: int
     user: str | None
     cache_salt: str | None = None  # only requests with the same salt (and key) share cached prefixes
+    constraint: Constraint | None = None  # response_format / grammar, as asked
+    grammar: str = ""  # the constraint compiled (gateway.structured.GrammarCache); "" = free text
 
     def params(self, max_tokens: int, stop_token_ids: tuple[int, ...], choice: int) -> SamplingParams:
         """Sampling parameters for one choice; choice i of a seeded request uses seed + i."""
         seed = None if self.sampling.seed is None else self.sampling.seed + choice
         # Ask the engine for at least one alternative so the sampled token's own logprob comes back.
         top = max(self.top_logprobs, 1) if self.logprobs else 0
-        return replace(self.sampling, max_tokens=max_tokens, stop_token_ids=stop_token_ids, seed=seed, logprobs=top)
+        return replace(self.sampling, max_tokens=max_tokens, stop_token_ids=stop_token_ids, seed=seed, logprobs=top,
+                       grammar=self.grammar)
 
 
 @dataclass(frozen=True)
@@ -121,7 +125,7 @@ def _common(body: dict, max_n: int, **fields: Any) -> CompletionRequest:
     )
     return CompletionRequest(model=model, sampling=sampling, stop=_stops(body.get("stop")),
                              n=_int(body, "n", 1, 1, max_n), stream=stream, include_usage=include_usage,
-                             user=user, cache_salt=_cache_salt(body), **fields)
+                             user=user, cache_salt=_cache_salt(body), constraint=constraint_of(body), **fields)
 
 
 # ---- field readers: each names the field in its error -------------------------------------------

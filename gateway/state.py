@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -11,6 +11,7 @@ from aiohttp import web
 from gateway.choice import Decoder
 from gateway.metrics import Metrics
 from gateway.prompts import EncodeProcesses, PromptEncoder
+from gateway.structured import GrammarCache
 from gateway.workers import WorkerPool
 from shared.config import Config
 
@@ -30,6 +31,7 @@ class GatewayState:
     chat_stops: tuple[str, ...]  # end-of-turn markers the template writes as text, not as one token
     created: int
     prompts: PromptEncoder  # messages and prompts → token ids, off the event loop
+    grammars: GrammarCache = field(default_factory=GrammarCache)  # response_format / grammar → llguidance
 
 
 STATE = web.AppKey("state", GatewayState)

@@ -32,7 +32,7 @@ import orjson
 
 from shared.sampling import SamplingParams
 
-PROTOCOL_VERSION = 2  # 2: Generate.warm, Finished.prefix_tokens, Heartbeat counters
+PROTOCOL_VERSION = 3  # 2: Generate.warm, Finished.prefix_tokens, Heartbeat counters; 3: params.grammar
 
 
 class Range(NamedTuple):

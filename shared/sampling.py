@@ -29,6 +29,7 @@ class SamplingParams:
     seed: int | None = None  # same seed -> same tokens
     stop_token_ids: tuple[int, ...] = ()
     logprobs: int = 0  # how many top log-probabilities to return per token (0 = none)
+    grammar: str = ""  # llguidance grammar (shared.grammar) every generated token must follow; "" = free
 
     @property
     def greedy(self) -> bool:

@@ -19,8 +19,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models, pre_tokenizers
 
 from shared.errors import TokenizerError
-
-from .vocab import Vocab
+from shared.vocab import Vocab
 
 # Text of the stand-in id (one past the vocabulary) for a byte the vocabulary cannot spell.
 DROPPED_BYTE = "\u0000<reame:dropped-byte>"

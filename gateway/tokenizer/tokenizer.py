@@ -13,14 +13,12 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from shared.errors import InvalidRequestError, TokenizerError
+from shared.vocab import (CONTROL, SPACE_MARK, UNKNOWN, USER_DEFINED, Vocab, end_of_generation_ids, piece_table,
+                          read_vocab)
 
 from .merging import build_merger
 from .pretokenize import PreTokenizer
 from .specials import SpecialSplitter
-from .vocab import (BYTE, CONTROL, END_OF_TURN_TEXTS, NORMAL, UNKNOWN, USER_DEFINED, Vocab,
-                    read_vocab)
-
-SPACE_MARK = "\u2581"   # SentencePiece's visible space "▁"
 MERGE_BATCH = 2048      # words per call into the Rust merger (see Tokenizer._merge)
 
 
@@ -33,7 +31,7 @@ class Tokenizer:
         self._pre = None if self._spm else PreTokenizer(vocab.pre, source=vocab.source)
         self._merger = build_merger(vocab)
         self._ids = {text: i for i, text in enumerate(vocab.tokens)}
-        self._pieces = _piece_table(vocab)
+        self._pieces = piece_table(vocab)
         # Control and unknown tokens render as nothing when special tokens are skipped.
         self._hidden = frozenset(i for i, t in enumerate(vocab.types) if t in (CONTROL, UNKNOWN))
         specials = [(text, i) for i, (text, t) in enumerate(zip(vocab.tokens, vocab.types))
@@ -43,9 +41,7 @@ class Tokenizer:
         self._splitter = SpecialSplitter(specials, always=user_defined)
         self._control_texts = frozenset(text for text, i in specials if vocab.types[i] != USER_DEFINED)
         self._max_token_bytes = max((len(p) for p in self._pieces), default=1)
-        eot = {i for text, i in self._ids.items() if text in END_OF_TURN_TEXTS}
-        eot.update(i for i in (vocab.eos_id, vocab.eot_id) if i is not None)
-        self._eot_ids = frozenset(eot)
+        self._eot_ids = end_of_generation_ids(vocab)
 
     @classmethod
     def from_gguf(cls, path: str | Path) -> Tokenizer:
@@ -237,36 +233,3 @@ def _splice(out: list[int], layout: list[tuple[int, int]], ids: list[int], word_
         while j < len(ids) and word_ids[j] < first_word:
             out.append(ids[j])
             j += 1
-
-
-def _piece_table(vocab: Vocab) -> list[bytes]:
-    """bytes of every token as llama.cpp's token_to_piece(special=True) renders it."""
-    to_byte = {ch: b for b, ch in enumerate(_byte_alphabet())}
-    pieces: list[bytes] = []
-    for text, kind in zip(vocab.tokens, vocab.types):
-        if kind in (CONTROL, UNKNOWN, USER_DEFINED):
-            pieces.append(text.encode())
-        elif kind == NORMAL:
-            if vocab.model == "llama":
-                pieces.append(text.replace(SPACE_MARK, " ").encode())
-            else:
-                pieces.append(bytes(to_byte[ch] for ch in text) if all(ch in to_byte for ch in text)
-                              else text.encode())
-        elif kind == BYTE:
-            pieces.append(bytes([int(text[3:5], 16)]) if text.startswith("<0x") else text.encode())
-        else:
-            pieces.append(b"")      # unused / undefined tokens print nothing, as in llama.cpp
-    return pieces
-
-
-@functools.cache
-def _byte_alphabet() -> list[str]:
-    """GPT-2's printable stand-in for each byte value (index = byte)."""
-    kept = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-    alphabet = {b: chr(b) for b in kept}
-    extra = 0
-    for b in range(256):
-        if b not in alphabet:
-            alphabet[b] = chr(256 + extra)
-            extra += 1
-    return [alphabet[b] for b in range(256)]

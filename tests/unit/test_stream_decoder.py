@@ -6,7 +6,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gateway.tokenizer import StreamDecoder, Tokenizer
-from gateway.tokenizer.vocab import BYTE, CONTROL, NORMAL, Vocab
+from shared.vocab import BYTE, CONTROL, NORMAL, Vocab
 from tests.conftest import load_reference
 
 SETTINGS = settings(max_examples=100, deadline=None,

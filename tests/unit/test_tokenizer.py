@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from gateway.tokenizer import Tokenizer
 from gateway.tokenizer.pretokenize import PreTokenizer
 from gateway.tokenizer.specials import SpecialSplitter
-from gateway.tokenizer.vocab import BYTE, CONTROL, NORMAL, USER_DEFINED, Vocab
+from shared.vocab import BYTE, CONTROL, NORMAL, USER_DEFINED, Vocab
 from shared.errors import InvalidRequestError, TokenizerError
 from tests.conftest import load_reference
 

@@ -14,13 +14,14 @@ from typing import Callable, Protocol
 
 import numpy as np
 
-from shared.errors import ReameError
+from shared.errors import InvalidRequestError, ReameError
 from shared.sampling import SamplingParams, validate_params
 from worker.engine.batch import StepChunk
 from worker.engine.paged_kv import PagedKVCache
 from worker.kv.block_manager import BlockManager
 from worker.kv.prefix_cache import PrefixCache
 from worker.kv.sequence import Sequence
+from worker.sched.constraint import Constraints, GrammarConstraint
 from worker.sched.sampler import Sampler
 from worker.sched.scheduler import ScheduledBatch, Scheduler
 from worker.sched.tuning_state import TuningState
@@ -83,11 +84,13 @@ class BatchGenerator:
 
     blocks: who owns which block of the engine's KV pool (a fresh BlockManager when None; the
     prefix cache's own when one is given, so the two agree on every block).
+    constraints: builds and steps the grammars of requests with `params.grammar`; without it such
+    requests are refused.
     """
 
     def __init__(self, engine: BatchEngine, tuning: TuningState | None = None,
                  clock: Callable[[], float] = time.monotonic, prefix: PrefixCache | None = None,
-                 blocks: BlockManager | None = None):
+                 blocks: BlockManager | None = None, constraints: Constraints | None = None):
         self.engine = engine
         self.prefix = prefix
         if blocks is None:
@@ -98,6 +101,8 @@ class BatchGenerator:
         self.scheduler = Scheduler(blocks, tuning, prefix)
         self.clock = clock
         self._samplers: dict[str, Sampler] = {}
+        self.constraints = constraints
+        self._grammars: dict[str, GrammarConstraint] = {}  # requests whose tokens follow a grammar
         self._top_logits: dict[str, int] = {}  # requests that want raw logits reported (golden tests, CLI)
         self._warm: set[str] = set()  # requests that only fill the prefix caches
         # Finished warm requests whose blocks the store has not committed yet: (ticket, deadline,
@@ -119,11 +124,14 @@ class BatchGenerator:
         cache_namespace: the prefix blocks it may reuse and leave for reuse (shared.hashing)."""
         validate_params(params, self.engine.vocab_size)
         self.engine.validate(prompt_ids, params.max_tokens)
+        grammar = self._compile(params) if params.grammar and not warm else None
         seq = Sequence(request_id, [int(t) for t in prompt_ids], params, self.clock(), cache_namespace)
         self.scheduler.add(seq)
         sampler = Sampler(params, self.engine.vocab_size)
         sampler.observe_prompt(seq.prompt_token_ids)
         self._samplers[request_id] = sampler
+        if grammar is not None:
+            self._grammars[request_id] = grammar
         if warm:
             self._warm.add(request_id)
         if top_logits > 0:
@@ -172,12 +180,19 @@ class BatchGenerator:
         window_table = self.blocks.window_table
         chunks = [StepChunk.of(c.token_ids, c.start, c.seq.block_table, c.samples, window_table(c.seq.block_table))
                   for c in batch.chunks]
+        # Grammar masks depend only on tokens already taken: computed while the engine runs.
+        constrained = [c.seq.seq_id for c in batch.chunks if c.samples and c.seq.seq_id in self._grammars]
+        pending_masks = self.constraints.start([self._grammars[r] for r in constrained]) if constrained else None
         started = time.perf_counter()
         try:
             logits = self.engine.execute(chunks, batch.knobs.attention_chunk)
         except Exception as exc:  # an engine bug fails this step's requests, never the worker
             log.exception("engine step failed (%d sequences)", len(batch))
+            if pending_masks is not None:
+                pending_masks.exception()  # the helper thread must be done with the matchers
             return self._fail(batch, exc)
+        masks = self.constraints.masks(pending_masks) if constrained else None
+        mask_row = {request_id: i for i, request_id in enumerate(constrained)}
         self.last_step = StepStats(len(batch), batch.num_tokens,
                                    sum(1 for c in batch.chunks if c.num_tokens == 1),
                                    time.perf_counter() - started)
@@ -186,20 +201,32 @@ class BatchGenerator:
             self.prefix.observe_step(prompt_tokens, self.last_step.seconds)
         events: list[Event] = []
         sampled: dict[str, int] = {}
+        completed: set[str] = set()  # grammars that admit no further token
         for chunk, row in zip(batch.chunks, logits):
             if not chunk.samples:
                 continue
             seq = chunk.seq
             sampler = self._samplers[seq.seq_id]
             top_logits = _top_logits(row, self._top_logits.get(seq.seq_id, 0))
-            token = sampler.sample(row)
+            i = mask_row.get(seq.seq_id)
+            token = sampler.sample(row, None if i is None else masks[i])
+            if i is not None and token not in seq.params.stop_token_ids:
+                try:
+                    if self._grammars[seq.seq_id].advance(token):
+                        completed.add(seq.seq_id)
+                except ReameError as exc:
+                    log.warning("request %s: %s", seq.seq_id, exc.message)
+                    self.scheduler.abort(seq.seq_id)
+                    self._forget(seq.seq_id)
+                    events.append(ErrorEvent(seq.seq_id, exc))
+                    continue
             sampled[seq.seq_id] = token
             if seq.params.logprobs > 0:
                 logprob, top = sampler.logprobs(row, token, seq.params.logprobs)
                 events.append(TokenEvent(seq.seq_id, token, logprob, top, top_logits))
             else:
                 events.append(TokenEvent(seq.seq_id, token, top_logits=top_logits))
-        for seq in self.scheduler.update(batch, sampled):
+        for seq in self.scheduler.update(batch, sampled, completed):
             warm = seq.seq_id in self._warm
             self._forget(seq.seq_id)
             if warm and self.prefix is not None:
@@ -209,8 +236,17 @@ class BatchGenerator:
                 events.append(self._finish_event(seq))
         return events + warmed
 
+    def _compile(self, params: SamplingParams) -> GrammarConstraint:
+        if self.constraints is None:
+            raise InvalidRequestError("this worker cannot enforce grammars", param="response_format")
+        started = time.perf_counter()
+        grammar = self.constraints.compile(params.grammar, params.stop_token_ids)
+        log.debug("grammar of %d bytes compiled in %.1f ms", len(params.grammar), (time.perf_counter() - started) * 1e3)
+        return grammar
+
     def _forget(self, request_id: str) -> None:
         self._samplers.pop(request_id, None)
+        self._grammars.pop(request_id, None)
         self._warm.discard(request_id)
         self._top_logits.pop(request_id, None)
 

@@ -57,9 +57,15 @@ class Sampler:
 
     # ---- sampling ----------------------------------------------------------------------------
 
-    def sample(self, logits: np.ndarray) -> int:
-        """logits: float32 (vocab_size,). Returns the chosen id and records it."""
+    def sample(self, logits: np.ndarray, mask: np.ndarray | None = None) -> int:
+        """logits: float32 (vocab_size,). Returns the chosen id and records it.
+
+        mask: a grammar's allowed tokens, llguidance's bitmask (int32 words, bit i = token i);
+        the others get -inf after bias and penalties, so no later step can bring them back."""
         x = self._process(logits)
+        if mask is not None:
+            allowed = np.unpackbits(mask.view(np.uint8), count=self.vocab_size, bitorder="little")
+            x[allowed == 0] = -np.inf
         token = int(np.argmax(x)) if self.params.greedy else self._draw(x)  # argmax: ties → lowest id
         self.observe(token)
         return token

@@ -180,11 +180,13 @@ class Scheduler:
             self._in_flight = batch
         return batch
 
-    def update(self, batch: ScheduledBatch, sampled: dict[str, int]) -> list[Sequence]:
+    def update(self, batch: ScheduledBatch, sampled: dict[str, int],
+               completed: frozenset[str] | set[str] = frozenset()) -> list[Sequence]:
         """Advance the batch's sequences by what the engine computed; return those that finished.
 
         sampled maps seq_id -> token for every chunk with samples=True (aborted sequences may be
-        missing). A sampled stop token is appended, then the sequence is FINISHED_STOPPED.
+        missing). A sampled stop token is appended, then the sequence is FINISHED_STOPPED; so is
+        a sequence in `completed` (its grammar admits no further token).
         """
         if batch.is_empty:
             return []
@@ -207,7 +209,7 @@ class Scheduler:
                 continue
             token = sampled[seq.seq_id]
             seq.append_token(token)
-            if token in seq.params.stop_token_ids:
+            if token in seq.params.stop_token_ids or seq.seq_id in completed:
                 self._finish(seq, SequenceStatus.FINISHED_STOPPED)
             elif seq.num_output_tokens >= seq.params.max_tokens:
                 self._finish(seq, SequenceStatus.FINISHED_LENGTH)

@@ -1,10 +1,13 @@
-"""The vocabulary of a GGUF model: its `tokenizer.ggml.*` keys, read once, with llama.cpp's defaults.
+"""The vocabulary of a GGUF model: its `tokenizer.ggml.*` keys, read once, with llama.cpp's defaults,
+and the bytes each token stands for. Shared: the gateway tokenizes with it, the worker builds its
+grammar matcher's token table from it (shared.grammar).
 
 Defaults and overrides follow llama.cpp's `llama_vocab::impl::load` (llama-vocab.cpp), so that a
 file missing a key behaves as it does under llama.cpp.
 """
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +17,8 @@ import numpy as np
 from shared.errors import TokenizerError
 
 log = logging.getLogger(__name__)
+
+SPACE_MARK = "\u2581"   # SentencePiece's visible space "▁"
 
 # GGUF `tokenizer.ggml.token_type` values (llama.h, enum llama_token_type).
 UNDEFINED, NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = range(7)
@@ -137,6 +142,46 @@ def read_vocab(path: str | Path) -> Vocab:
         chat_template=scalar("tokenizer.chat_template"),
         arch=str(scalar("general.architecture", "")), source=name,
     )
+
+
+def end_of_generation_ids(vocab: Vocab) -> frozenset[int]:
+    """Ids that end a turn: EOS, the chat end-of-turn tokens present, and eot_token_id."""
+    ids = {i for i, text in enumerate(vocab.tokens) if text in END_OF_TURN_TEXTS}
+    ids.update(i for i in (vocab.eos_id, vocab.eot_id) if i is not None)
+    return frozenset(ids)
+
+
+def piece_table(vocab: Vocab) -> list[bytes]:
+    """bytes of every token as llama.cpp's token_to_piece(special=True) renders it."""
+    to_byte = {ch: b for b, ch in enumerate(_byte_alphabet())}
+    pieces: list[bytes] = []
+    for text, kind in zip(vocab.tokens, vocab.types):
+        if kind in (CONTROL, UNKNOWN, USER_DEFINED):
+            pieces.append(text.encode())
+        elif kind == NORMAL:
+            if vocab.model == "llama":
+                pieces.append(text.replace(SPACE_MARK, " ").encode())
+            else:
+                pieces.append(bytes(to_byte[ch] for ch in text) if all(ch in to_byte for ch in text)
+                              else text.encode())
+        elif kind == BYTE:
+            pieces.append(bytes([int(text[3:5], 16)]) if text.startswith("<0x") else text.encode())
+        else:
+            pieces.append(b"")      # unused / undefined tokens print nothing, as in llama.cpp
+    return pieces
+
+
+@functools.cache
+def _byte_alphabet() -> list[str]:
+    """GPT-2's printable stand-in for each byte value (index = byte)."""
+    kept = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    alphabet = {b: chr(b) for b in kept}
+    extra = 0
+    for b in range(256):
+        if b not in alphabet:
+            alphabet[b] = chr(256 + extra)
+            extra += 1
+    return [alphabet[b] for b in range(256)]
 
 
 class _Array:
