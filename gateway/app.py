@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from gateway.admin import add_admin_routes
 from gateway.auth import auth_middleware, load_tenants
 from gateway.browsers import browser_middleware
 from gateway.cache_namespace import check_isolation
@@ -25,6 +26,7 @@ def build_app(state: GatewayState) -> web.Application:
     app = web.Application(middlewares=middlewares, client_max_size=state.config.gateway.max_body_bytes)
     app[STATE] = state
     add_routes(app)
+    add_admin_routes(app)
     app.on_response_prepare.append(add_header)
     app.on_response_prepare.append(add_cors_headers)
     app.on_startup.append(_start_pool)
@@ -44,7 +46,9 @@ async def _count_requests(request: web.Request, handler) -> web.StreamResponse:
 
 async def _start_pool(app: web.Application) -> None:
     await app[STATE].pool.start()
+    app[STATE].tuning.start()
 
 
 async def _close_pool(app: web.Application) -> None:
+    await app[STATE].tuning.close()
     await app[STATE].pool.close()

@@ -18,7 +18,7 @@ from gateway.errors import AuthenticationError
 from shared.config import Config
 from shared.errors import ConfigError
 
-OPEN_PATHS = frozenset({"/health", "/openapi.json"})
+OPEN_PATHS = frozenset({"/health", "/openapi.json", "/dashboard"})  # /dashboard: a page without data
 
 
 @dataclass(frozen=True)

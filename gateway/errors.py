@@ -62,6 +62,11 @@ class PayloadTooLargeError(InvalidRequestError):
     code = "request_too_large"
 
 
+class ConflictError(InvalidRequestError):
+    """The request is valid but the server's state forbids it (e.g. freezing with adaptivity off)."""
+    status = 409
+
+
 class OverloadedError(ReameError):
     status = 429
     type = "rate_limit_error"

@@ -1,6 +1,7 @@
 """`reame-gateway`: the OpenAI-compatible HTTP server in front of the workers.
 
     reame-gateway [--config FILE] [--host H] [--port P] [--model PATH|NAME] [--api-key K] [--state-dir DIR]
+                  [--adaptive on|off]
 
 The API key may also come from $REAME_API_KEY (so that it need not appear in `ps`). SIGTERM or
 Ctrl-C stops accepting connections, lets requests under way finish (up to `drain_timeout`),
@@ -18,7 +19,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from shared.config import Config, is_loopback, load_config, model_flag, override
+from shared.config import Config, adaptive_flag, add_adaptive_flag, is_loopback, load_config, model_flag, override
 from shared.errors import ConfigError, ReameError
 from shared.logs import setup_logging
 
@@ -35,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", help="GGUF path or known model name ([model] model_path)")
     parser.add_argument("--api-key", help="require this bearer token ([gateway] api_key; or $REAME_API_KEY)")
     parser.add_argument("--state-dir", help="runtime directory for the worker socket ([server] state_dir)")
+    add_adaptive_flag(parser)
     return parser
 
 
@@ -46,6 +48,7 @@ def configure(args: argparse.Namespace) -> Config:
                       api_key=args.api_key or os.environ.get("REAME_API_KEY") or None)
     state_dir = str(Path(args.state_dir).expanduser().resolve()) if args.state_dir else None
     config = override(config, "server", state_dir=state_dir)
+    config = override(config, "tuning", adaptive=adaptive_flag(args.adaptive))
     check_exposure(config)
     return config
 

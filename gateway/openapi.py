@@ -52,6 +52,7 @@ def openapi_document(config: Config, vocab_size: int | None = None) -> Schema:
             "/openapi.json": {"get": _open_operation("This document", {
                 "200": {"description": "OpenAPI 3.1 document", "content": {"application/json": {
                     "schema": {"type": "object"}}}}})},
+            **_admin_paths(secured),
         },
         "components": {"schemas": _schemas(config.gateway.max_n, vocab_size), "headers": {
             "Retry-After": {"description": "Seconds to wait before retrying", "required": True,
@@ -108,6 +109,39 @@ def _operation(summary: str, ok: Schema, secured: bool) -> Schema:
     else:
         responses["403"] = _error("the Host header is not this server's host, a loopback name or in allowed_hosts")
     return {"summary": summary, "responses": responses}
+
+
+def _admin_paths(secured: bool) -> Schema:
+    """The tuning controls (gateway.admin)."""
+    ok = {"description": "OK", "content": {"application/json": {"schema": {"type": "object"}}}}
+    off = _error("adaptivity is off ([tuning] adaptive = false): nothing to freeze or pin")
+
+    def control(summary: str, body: bool = False) -> Schema:
+        operation = _operation(summary, ok, secured)
+        operation["responses"]["409"] = off
+        if body:
+            operation["requestBody"] = {"required": True, "content": {"application/json": {
+                "schema": {"type": "object", "description": "a strategy as GET /admin/strategy returns it: "
+                           "{\"workers\": {SLOT or \"*\": {\"knobs\": {...}}}, \"frozen\": true}"}}}}
+            operation["responses"]["400"] = _error("not a strategy (the bad part is named)")
+        return operation
+
+    series = _operation("The dashboard's curves since boot", ok, secured)
+    series["parameters"] = [{"name": "bucket", "in": "query", "required": False,
+                             "schema": {"type": "number", "minimum": 1, "maximum": 3600},
+                             "description": "seconds per point (default 5)"}]
+    series["responses"]["400"] = _error("bucket is not a number of seconds in 1..3600")
+    return {
+        "/admin/strategy": {"get": _operation("The tuning strategy: knobs per worker, version, frozen", ok, secured),
+                            "post": control("Pin a strategy (frozen unless it says otherwise)", body=True)},
+        "/admin/strategy/freeze": {"post": control("Stop every adaptive change (knobs and kernels)")},
+        "/admin/strategy/unfreeze": {"post": control("Let adaptive changes resume")},
+        "/admin/report": {"get": _operation("The adaptive report, with the strategy history", ok, secured)},
+        "/admin/series": {"get": series},
+        "/dashboard": {"get": _open_operation("Live charts of throughput, latency, prefix hits and strategy changes",
+                                              {"200": {"description": "a self-contained HTML page", "content": {
+                                                  "text/html": {"schema": {"type": "string"}}}}})},
+    }
 
 
 def _open_operation(summary: str, responses: Schema) -> Schema:

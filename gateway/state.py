@@ -9,6 +9,7 @@ from typing import Any, Callable
 from aiohttp import web
 
 from gateway.choice import Decoder
+from gateway.coordinator.service import TuningService
 from gateway.metrics import Metrics
 from gateway.prompts import EncodeProcesses, PromptEncoder
 from gateway.structured import GrammarCache
@@ -31,6 +32,7 @@ class GatewayState:
     chat_stops: tuple[str, ...]  # end-of-turn markers the template writes as text, not as one token
     created: int
     prompts: PromptEncoder  # messages and prompts → token ids, off the event loop
+    tuning: TuningService  # the tuning coordinator: profiles in, strategies out, the adaptive report
     grammars: GrammarCache = field(default_factory=GrammarCache)  # response_format / grammar → llguidance
 
 
@@ -56,7 +58,8 @@ def build_state(config: Config, tokenizer: Any, template: Any, decoder: Callable
         model_id=model_id, model_aliases=frozenset({model_id, model_path.name, model_path.stem}),
         stop_token_ids=tuple(sorted(end_ids)), hidden_ids=frozenset(end_ids),
         chat_stops=tuple(getattr(template, "stop_strings", ())), created=int(time.time()),
-        prompts=PromptEncoder(tokenizer, template, config.gateway.content_specials, encode_processes))
+        prompts=PromptEncoder(tokenizer, template, config.gateway.content_specials, encode_processes),
+        tuning=TuningService(config, pool))
 
 
 def load_state(config: Config, model_path: Path) -> GatewayState:

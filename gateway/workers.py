@@ -32,7 +32,7 @@ from gateway.metrics import Metrics
 from gateway.router import Candidate, Router
 from shared import protocol
 from shared.config import GatewaySection, ServerSection
-from shared.protocol import Abort, Drain, Error, Finished, Generate, Heartbeat, Register, TokenChunk
+from shared.protocol import Abort, Drain, Error, Finished, Generate, Heartbeat, Profile, Register, Strategy, TokenChunk
 from shared.sampling import SamplingParams
 
 log = logging.getLogger("reame.gateway")
@@ -74,14 +74,19 @@ class WorkerHandle:
     local: bool  # runs on this host, so its pid can be checked
     draining: bool = False
     jobs: dict[str, Job] = field(default_factory=dict)
+    tuned_capacity: int | None = None  # max_batch_size of a strategy the worker confirmed running
 
     @property
     def worker_id(self) -> str:
         return self.info.worker_id
 
     @property
+    def capacity(self) -> int:
+        return self.tuned_capacity or self.info.capacity
+
+    @property
     def has_slot(self) -> bool:
-        return not self.draining and len(self.jobs) < self.info.capacity
+        return not self.draining and len(self.jobs) < self.capacity
 
 
 class WorkerPool:
@@ -116,6 +121,10 @@ class WorkerPool:
         self._refused: set[tuple[str, str]] = set()  # (worker id, reason) already logged
         self._dispatched = 0  # jobs sent to workers so far
         self._served: dict[str, int] = {}  # tenant → the number of its latest dispatched job
+        # The tuning coordinator's hooks (gateway.coordinator.service): profiles in, and what a
+        # worker that registers should run.
+        self.on_profile: Callable[[Profile], None] | None = None
+        self.on_register: Callable[[Register], None] | None = None
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
@@ -174,6 +183,21 @@ class WorkerPool:
         if worker is not None and job.request_id in worker.jobs:
             self._send(worker.identity, Abort(job.request_id))
 
+    def send_strategy(self, worker_id: str, strategy: Strategy) -> bool:
+        """Send a tuning decision to a worker; False when it is not registered (any more)."""
+        worker = self.workers.get(worker_id)
+        if worker is None:
+            return False
+        self._send(worker.identity, strategy)
+        return True
+
+    def set_capacity(self, worker_id: str, capacity: int) -> None:
+        """A worker runs up to `capacity` sequences now (its confirmed max_batch_size)."""
+        worker = self.workers.get(worker_id)
+        if worker is not None and worker.tuned_capacity != capacity:
+            worker.tuned_capacity = capacity
+            self._dispatch()
+
     # ---- messages from workers ---------------------------------------------------------------
 
     async def _receive_loop(self) -> None:
@@ -209,6 +233,10 @@ class WorkerPool:
             else:
                 worker.last_seen = self.clock()
                 self.metrics.observe_heartbeat(message)
+            return
+        if isinstance(message, Profile):
+            if message.worker_id in self.workers and self.on_profile is not None:
+                self.on_profile(message)
             return
         worker = self.workers.get(identity.decode(errors="replace"))
         if worker is None:
@@ -261,6 +289,8 @@ class WorkerPool:
                      info.worker_id, info.numa_node, _cpu_ranges(info.cpus), info.model_name, info.n_ctx)
         self.n_ctx = min(w.info.n_ctx for w in self.workers.values())
         self.model_names.add(info.model_name)
+        if self.on_register is not None:
+            self.on_register(info)
         self._update_gauges()
         self._dispatch()
 
@@ -336,7 +366,7 @@ class WorkerPool:
             if not free:
                 break
             job = self._next_job()
-            candidates = [Candidate(w.worker_id, len(w.jobs), w.info.capacity) for w in free]
+            candidates = [Candidate(w.worker_id, len(w.jobs), w.capacity) for w in free]
             worker = self.workers[self.router.choose(candidates, job.key)]
             worker.jobs[job.request_id] = job
             job.worker_id = worker.worker_id

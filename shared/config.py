@@ -315,6 +315,18 @@ def model_flag(value: str | None) -> str | None:
     return str(Path(os.path.expanduser(value)).resolve())
 
 
+def add_adaptive_flag(parser) -> None:
+    """`--adaptive on|off`, the same on reame serve, reame-gateway and reame-worker."""
+    parser.add_argument("--adaptive", choices=("on", "off"),
+                        help="learn while serving (kernels, scheduler knobs, speculation) or keep "
+                             "reame.conf's values fixed ([tuning] adaptive)")
+
+
+def adaptive_flag(value: str | None) -> bool | None:
+    """--adaptive's value as [tuning] adaptive (None: the flag was not given)."""
+    return None if value is None else value == "on"
+
+
 def override(config: Config, section: str, **changes: Any) -> Config:
     """A copy of `config` with some keys of one section replaced (command-line flags)."""
     changes = {k: v for k, v in changes.items() if v is not None}

@@ -17,6 +17,9 @@ its blocks to the host store, and answers Finished (with `prefix_tokens`), no to
 Abort may cross a Finished in flight; the worker answers an Abort it can act on with
 Finished(finish_reason="abort"). Drain (worker → gateway) stops new work being routed to the
 worker; Drain(done=True) says it is leaving now and that any request it still had is lost.
+Tuning: every `[tuning] profile_interval` a worker's pulse thread sends a Profile of the window
+since the last one; the tuning coordinator answers, when it decides a change, with a Strategy
+(versioned scheduler knobs) that the worker's loop applies between two steps.
 """
 from __future__ import annotations
 
@@ -32,7 +35,7 @@ import orjson
 
 from shared.sampling import SamplingParams
 
-PROTOCOL_VERSION = 3  # 2: Generate.warm, Finished.prefix_tokens, Heartbeat counters; 3: params.grammar
+PROTOCOL_VERSION = 4  # 2: Generate.warm, Finished.prefix_tokens, Heartbeat counters; 3: params.grammar; 4: Profile, Strategy
 
 
 class Range(NamedTuple):
@@ -55,6 +58,8 @@ class Kind(IntEnum):
     ERROR = 6
     ABORT = 7
     DRAIN = 8
+    PROFILE = 9
+    STRATEGY = 10
 
 
 @dataclass(frozen=True)
@@ -155,12 +160,71 @@ class Drain:
     done: bool = False  # False: finishing in-flight work; True: leaving now
 
 
-Message = Union[Register, Heartbeat, Generate, TokenChunk, Finished, Error, Abort, Drain]
+@dataclass(frozen=True)
+class Profile:
+    """Worker → gateway: its traffic and its steps over the last `seconds` (rates, distributions
+    and counts are of that window; `prefix_*` and `kv_*` come from the worker's counters).
+    Percentiles are 0 when the window saw nothing to measure."""
+    worker_id: str
+    seconds: float  # the window's length
+    knobs_version: Count  # the Strategy version in force at the window's end (0: the defaults)
+    arrivals: Count = 0  # requests accepted
+    finished: Count = 0
+    prompt_tokens_p50: float = 0.0
+    prompt_tokens_p95: float = 0.0
+    output_tokens_p50: float = 0.0  # generated tokens of the requests that finished
+    output_tokens_p95: float = 0.0
+    burstiness: float = 0.0  # coefficient of variation of the gaps between arrivals (1: Poisson)
+    queue_wait_ms_p50: float = 0.0  # arrival → first scheduled step
+    queue_wait_ms_p95: float = 0.0
+    ttft_ms_p95: float = 0.0  # arrival → first token, inside the worker
+    latency_ms_p95: float = 0.0  # arrival → finish
+    steps: Count = 0
+    busy_seconds: float = 0.0  # wall time spent in steps
+    batch_size_mean: float = 0.0  # sequences per step
+    prefill_tokens: Count = 0  # prompt tokens fed
+    output_tokens: Count = 0  # tokens generated
+    step_ms_prefill: float = 0.0  # mean engine time of steps that feed prompt chunks
+    step_ms_decode: float = 0.0  # mean engine time of decode-only steps
+    step_ms_overhead: float = 0.0  # mean time per step outside the engine (scheduling, sampling)
+    decoders_waiting_on_prefill: float = 0.0  # mean decode rows in steps that also prefill
+    waiting_mean: float = 0.0  # requests queued in the worker, sampled each step
+    preemptions: Count = 0
+    kv_blocks: Count = 0
+    kv_blocks_used_max: Count = 0
+    kv_block_tokens: Count = 0
+    prefix_query_tokens: Count = 0
+    prefix_hit_tokens: Count = 0  # RAM and store together
+    prefix_hit_tokens_store: Count = 0
+    store_evictions: Count = 0
+    cpus: list[Count] = field(default_factory=list)  # the CPUs the worker may run on
+    cpu_busy: float = 0.0  # share of those CPUs' time this worker used
+    cpu_others: float = 0.0  # share used by other processes (neighbours)
+    cpu_steal: float = 0.0  # share taken by the hypervisor
+    sources: dict[str, dict[str, float | str]] = field(default_factory=dict)  # kernels, speculation, ...
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """Gateway (tuning coordinator) → worker: the scheduler knobs from the next step on.
+
+    A version not newer than the one in force is ignored, so late or repeated ones are harmless."""
+    version: Positive
+    reason: str
+    max_batch_size: Positive
+    token_budget: Positive
+    prefill_chunk: Positive
+    attention_chunk: Positive
+    batching_window_ms: float
+    frozen: bool = False  # an operator froze the strategy: whatever else learns (kernels) stops too
+
+
+Message = Union[Register, Heartbeat, Generate, TokenChunk, Finished, Error, Abort, Drain, Profile, Strategy]
 
 _KIND_OF: dict[type, Kind] = {
     Register: Kind.REGISTER, Heartbeat: Kind.HEARTBEAT, Generate: Kind.GENERATE,
     TokenChunk: Kind.TOKEN_CHUNK, Finished: Kind.FINISHED, Error: Kind.ERROR,
-    Abort: Kind.ABORT, Drain: Kind.DRAIN,
+    Abort: Kind.ABORT, Drain: Kind.DRAIN, Profile: Kind.PROFILE, Strategy: Kind.STRATEGY,
 }
 _CLASS_OF: dict[int, type] = {int(kind): cls for cls, kind in _KIND_OF.items()}
 

@@ -1,6 +1,7 @@
 """`reame-worker --numa-node N`: one engine process, pinned to one NUMA node's CPUs.
 
     reame-worker [--config FILE] --numa-node N [--model PATH|NAME] [--cpus LIST] [--state-dir DIR]
+                 [--adaptive on|off]
 
 Start-up order matters: the CPU affinity and numba's thread settings must be in place before
 numba is imported (its thread pool is sized once), and the model is loaded and warmed before
@@ -18,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from shared.config import Config, load_config, model_flag, override
+from shared.config import Config, adaptive_flag, add_adaptive_flag, load_config, model_flag, override
 from shared.errors import ConfigError, ReameError
 from shared.logs import setup_logging
 from worker.numa import node_cpus, parse_cpulist
@@ -34,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--cpus", help="use only these CPUs of the node, e.g. 0-3,8 (reame serve splits nodes so)")
     parser.add_argument("--state-dir", help="runtime directory for the worker socket ([server] state_dir)")
     parser.add_argument("--store-path", help="the host's prefix store ([prefix_cache] store_path; \"\" = RAM only)")
+    add_adaptive_flag(parser)
     return parser
 
 
@@ -42,7 +44,9 @@ def configure(args: argparse.Namespace) -> Config:
     config = override(config, "model", model_path=model_flag(args.model))
     state_dir = str(Path(args.state_dir).expanduser().resolve()) if args.state_dir else None
     config = override(config, "server", state_dir=state_dir)
-    return override(config, "prefix_cache", store_path=args.store_path)
+    config = override(config, "tuning", adaptive=adaptive_flag(args.adaptive))
+    config = override(config, "prefix_cache", store_path=args.store_path)
+    return config
 
 
 def choose_cpus(node: int, subset: str | None) -> list[int]:
@@ -121,6 +125,7 @@ def serve(config: Config, node: int, cpus: list[int], engine, path: Path) -> Non
     from shared.protocol import Error, Register, encode
     from worker.kv.block_manager import BlockManager
     from worker.kv.prefix_setup import build_prefix_cache
+    from worker.profiler import ProfileCollector
     from worker.pulse import Pulse
     from worker.sched.constraint import Constraints
     from worker.sched.generation import BatchGenerator
@@ -142,11 +147,24 @@ def serve(config: Config, node: int, cpus: list[int], engine, path: Path) -> Non
     prefix = build_prefix_cache(config, engine, blocks)
     # The grammar token table is built at the first constrained request (~0.3 s for 49k tokens).
     constraints = Constraints.from_gguf(str(path), engine.vocab_size, knobs.max_batch_size)
-    generator = BatchGenerator(engine, TuningState(knobs), prefix=prefix, blocks=blocks, constraints=constraints)
-    log.info("batching: %s", ", ".join(f"{k}={v}" for k, v in knobs.as_dict().items()))
-    service = WorkerService(generator, sock, info, drain_timeout=config.worker.drain_timeout)
+    tuning = TuningState(knobs)
+    generator = BatchGenerator(engine, tuning, prefix=prefix, blocks=blocks, constraints=constraints)
+    log.info("batching: %s (adaptive %s)", ", ".join(f"{k}={v}" for k, v in knobs.as_dict().items()),
+             "on" if config.tuning.adaptive else "off")
+    # Profiles are sent with adaptivity off too (the report and the dashboard show them); only the
+    # coordinator's decisions are off then.
+    profiler = ProfileCollector(worker_id, cpus)
+    service = WorkerService(generator, sock, info, drain_timeout=config.worker.drain_timeout, tuning=tuning,
+                            profiler=profiler, adaptive=config.tuning.adaptive)
+
+    def profile():
+        counters = generator.heartbeat_counters()
+        counters["kv_block_tokens"] = engine.kv.block_size
+        return profiler.profile(tuning.version, counters, generator.preemptions)
+
     pulse = Pulse(context, config.endpoint, service, config.server.heartbeat_interval,
-                  counters=generator.heartbeat_counters)
+                  counters=generator.heartbeat_counters, profile=profile,
+                  profile_interval=config.tuning.profile_interval)
 
     def on_signal(signum, _frame) -> None:
         if service.drain_requested:

@@ -7,7 +7,8 @@ native calls release the GIL often enough for it to run. (ZeroMQ sockets must no
 between threads, hence the second socket, whose routing id is the worker id + "#pulse".)
 
 Each beat also carries the worker's prefix-cache counters, read from this thread: `counters`
-must be safe to call while the engine steps (reading ints is).
+must be safe to call while the engine steps (reading ints is). Every `profile_interval` the same
+socket carries the worker's Profile (worker.profiler) for the tuning coordinator.
 """
 from __future__ import annotations
 
@@ -19,14 +20,15 @@ from typing import Callable
 import zmq
 
 from shared import protocol
-from shared.protocol import HEARTBEAT_COUNTERS, Heartbeat
+from shared.protocol import HEARTBEAT_COUNTERS, Heartbeat, Profile
 
 log = logging.getLogger("reame.worker")
 
 
 class Pulse(threading.Thread):
     def __init__(self, context: zmq.Context, endpoint: str, service, interval: float,
-                 counters: Callable[[], dict[str, int]] | None = None):
+                 counters: Callable[[], dict[str, int]] | None = None,
+                 profile: Callable[[], Profile] | None = None, profile_interval: float = 5.0):
         super().__init__(name="reame-pulse", daemon=True)
         self.context = context
         self.endpoint = endpoint
@@ -34,6 +36,9 @@ class Pulse(threading.Thread):
         self.interval = interval
         self.counters = counters  # Heartbeat counter field → cumulative value
         self._counters_failed = False
+        self.profile = profile  # the profile of the window since the last call
+        self.profile_interval = profile_interval
+        self._profile_failed = False
         self._stopping = threading.Event()
 
     def stop(self) -> None:
@@ -46,11 +51,15 @@ class Pulse(threading.Thread):
         sock.setsockopt(zmq.IDENTITY, f"{worker_id}#pulse".encode())
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(self.endpoint)
+        next_profile = time.monotonic() + self.profile_interval
         try:
             while not self._stopping.is_set():
                 active, queued = self.service.load()
                 beat = Heartbeat(worker_id, active=active, queued=queued, **self._read_counters())
                 sock.send(protocol.encode(beat))
+                if self.profile is not None and time.monotonic() >= next_profile:
+                    next_profile = time.monotonic() + self.profile_interval
+                    self._send_profile(sock)
                 self._listen(sock, time.monotonic() + self.interval)
         finally:
             sock.close()
@@ -67,6 +76,17 @@ class Pulse(threading.Thread):
                 self._counters_failed = True
                 log.exception("pulse: reading the counters failed; heartbeats go without them")
             return {}
+
+    def _send_profile(self, sock: zmq.Socket) -> None:
+        try:
+            profile = self.profile()
+        except Exception:
+            # Like a broken counter: profiles stop, heartbeats (and serving) go on.
+            if not self._profile_failed:
+                self._profile_failed = True
+                log.exception("pulse: building the profile failed; no profiles are sent")
+            return
+        sock.send(protocol.encode(profile))
 
     def _listen(self, sock: zmq.Socket, until: float) -> None:
         """Wait out the interval, answering the gateway's "who are you?" by asking the loop to register."""

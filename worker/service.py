@@ -4,7 +4,8 @@ Generation is synchronous CPU work, so the loop interleaves: read every waiting 
 (Generate, Abort, Heartbeat), then run one step of the generator (worker.sched.generation), which
 advances every running request by one chunk. A request that arrives joins the next step; an
 Abort takes effect before it. Heartbeats come from worker.pulse, a thread that keeps beating
-through long steps.
+through long steps. A Strategy from the tuning coordinator is applied here too, between two steps,
+and each step is recorded for the worker's profile (worker.profiler) when one is kept.
 """
 from __future__ import annotations
 
@@ -15,10 +16,12 @@ from typing import Callable, Protocol
 import zmq
 
 from shared import protocol
-from shared.errors import InvalidRequestError, ReameError
-from shared.protocol import Abort, Drain, Error, Finished, Generate, Heartbeat, Register, TokenChunk
+from shared.errors import ConfigError, InvalidRequestError, ReameError
+from shared.protocol import Abort, Drain, Error, Finished, Generate, Heartbeat, Register, Strategy, TokenChunk
 from shared.sampling import SamplingParams
+from worker.profiler import ProfileCollector
 from worker.sched.generation import Event, FinishEvent, TokenEvent
+from worker.sched.tuning_state import SchedulerKnobs, TuningState
 
 log = logging.getLogger("reame.worker")
 
@@ -44,8 +47,14 @@ class GeneratorLike(Protocol):
 
 class WorkerService:
     def __init__(self, generator: GeneratorLike, socket: zmq.Socket, info: Register, *, drain_timeout: float = 120.0,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, tuning: TuningState | None = None,
+                 profiler: ProfileCollector | None = None, adaptive: bool = True):
+        """tuning: where a coordinator's Strategy lands (None: Strategies are ignored); adaptive
+        False ignores them too ([tuning] adaptive = false: the knobs stay as reame.conf says)."""
         self.generator = generator
+        self.tuning = tuning
+        self.profiler = profiler
+        self.adaptive = adaptive
         self.socket = socket
         self.info = info
         self.drain_timeout = drain_timeout
@@ -88,11 +97,21 @@ class WorkerService:
                     self._fail_all()
                     break
             if self.generator.has_work:
-                self._emit(self.generator.step())
+                self._emit(self._step())
         if self.stop_requested:
             self._fail_all()
         self._send(Drain(self.info.worker_id, done=True))
         log.info("worker %s: leaving", self.info.worker_id)
+
+    def _step(self) -> list[Event]:
+        if self.profiler is None:
+            return self.generator.step()
+        started = time.perf_counter()
+        events = self.generator.step()
+        generator = self.generator
+        self.profiler.stepped(generator.last_step, time.perf_counter() - started, events, generator.load()[1],
+                              [s.seq_id for s in generator.scheduler.running], generator.blocks.num_used_blocks)
+        return events
 
     def _poll_ms(self) -> int:
         """How long to wait for messages: not at all while there is work, until the batching
@@ -130,17 +149,38 @@ class WorkerService:
             self._accept(message)
         elif isinstance(message, Abort):
             finished = self.generator.abort(message.request_id)
+            if self.profiler is not None:
+                self.profiler.forget(message.request_id)
             if finished is not None:
                 self._emit([finished])
         elif isinstance(message, Heartbeat):
             if not message.registered:  # a gateway that restarted does not know us yet
                 self.register_requested = True
+        elif isinstance(message, Strategy):
+            self._apply(message)
         elif isinstance(message, Error) and message.fatal:
             # The gateway refused us (a model its tokenizer does not fit): waiting would not change that.
             log.error("worker %s: %s; leaving", self.info.worker_id, message.message)
             self.stop_requested = True
         else:
             log.warning("worker %s: unexpected %s", self.info.worker_id, type(message).__name__)
+
+    def _apply(self, strategy: Strategy) -> None:
+        """Adopt the coordinator's knobs from the next step on; a bad or stale one changes nothing."""
+        if self.tuning is None or not self.adaptive:
+            log.debug("worker %s: ignored strategy %d (adaptivity is off)", self.info.worker_id, strategy.version)
+            return
+        try:
+            knobs = SchedulerKnobs(max_batch_size=strategy.max_batch_size, token_budget=strategy.token_budget,
+                                   prefill_chunk=strategy.prefill_chunk, attention_chunk=strategy.attention_chunk,
+                                   batching_window_ms=strategy.batching_window_ms)
+            adopted = self.tuning.apply(knobs, strategy.version, strategy.reason)
+        except ConfigError as exc:
+            log.warning("worker %s: refused strategy %d: %s", self.info.worker_id, strategy.version, exc.message)
+            return
+        if adopted:
+            log.info("worker %s: strategy %d (%s): %s", self.info.worker_id, strategy.version, strategy.reason,
+                     ", ".join(f"{k}={v}" for k, v in knobs.as_dict().items()))
 
     def _accept(self, request: Generate) -> None:
         # Validated on arrival, so a bad request fails at once, not after the requests ahead of it.
@@ -151,6 +191,8 @@ class WorkerService:
         except ReameError as exc:
             self._send_error(request.request_id, exc)
             return
+        if self.profiler is not None:
+            self.profiler.arrived(request.request_id, len(request.prompt_ids))
         log.debug("request %s: queued (%d prompt tokens, max %d%s)", request.request_id,
                   len(request.prompt_ids), request.params.max_tokens, ", warm only" if request.warm else "")
 

@@ -1,7 +1,7 @@
 """`reame serve`: the gateway and its workers from one command.
 
     reame serve [--config FILE] [--model PATH|NAME] [--host H] [--port P] [--workers N]
-                [--api-key K] [--state-dir DIR]
+                [--api-key K] [--state-dir DIR] [--adaptive on|off]
 
 Pulls the model if it is a known one and missing, starts `reame-gateway` and one `reame-worker`
 per NUMA node (or `workers` of them, sharing the nodes' CPUs), prints the URL once the gateway
@@ -20,7 +20,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from shared.config import Config, load_config, model_flag, override
+from shared.config import Config, adaptive_flag, add_adaptive_flag, load_config, model_flag, override
 from shared.errors import ConfigError
 from shared.logs import setup_logging
 
@@ -37,6 +37,7 @@ def add_parser(sub) -> None:
     p.add_argument("--workers", type=int, help="worker processes; 0 = one per NUMA node ([serve] workers)")
     p.add_argument("--api-key", help="require this bearer token ([gateway] api_key)")
     p.add_argument("--state-dir", help="runtime directory ([server] state_dir)")
+    add_adaptive_flag(p)
     p.set_defaults(handler=run)
 
 
@@ -48,6 +49,7 @@ def configure(args: argparse.Namespace) -> Config:
     config = override(config, "gateway", host=args.host, port=args.port,
                       api_key=args.api_key or os.environ.get("REAME_API_KEY") or None)
     config = override(config, "serve", workers=args.workers)
+    config = override(config, "tuning", adaptive=adaptive_flag(args.adaptive))
     state_dir = str(Path(args.state_dir).expanduser().resolve()) if args.state_dir else None
     config = override(config, "server", state_dir=state_dir)
     from gateway.main import check_exposure
@@ -82,7 +84,8 @@ def build_children(config: Config, model: Path):
     from reame.supervisor import Child
     from worker.numa import list_nodes, node_cpus
 
-    common = ["--model", str(model), "--state-dir", str(config.resolve_path(config.server.state_dir))]
+    common = ["--model", str(model), "--state-dir", str(config.resolve_path(config.server.state_dir)),
+              "--adaptive", "on" if config.tuning.adaptive else "off"]
     if config.source:
         common += ["--config", config.source]
     env = {"REAME_API_KEY": config.gateway.api_key} if config.gateway.api_key else {}

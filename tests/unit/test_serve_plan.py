@@ -41,10 +41,30 @@ def test_flags_override_the_config(tmp_path):
     conf = tmp_path / "reame.conf"
     conf.write_text("[gateway]\nport = 9000\n[serve]\nworkers = 3\n")
     args = argparse.Namespace(config=str(conf), model="m.gguf", host=None, port=9100, workers=None,
-                              api_key="k", state_dir="rel")
+                              api_key="k", state_dir="rel", adaptive="off")
     config = configure(args)
     assert (config.gateway.port, config.serve.workers, config.gateway.api_key) == (9100, 3, "k")
     assert config.model.model_path.endswith("/m.gguf") and config.server.state_dir.startswith("/")
+    assert not config.tuning.adaptive and not config.speculation
+
+
+def test_adaptive_flag_reaches_every_process(tmp_path):
+    """--adaptive on|off on reame serve, reame-gateway and reame-worker sets [tuning] adaptive;
+    reame serve hands its value to its children."""
+    from gateway.main import build_parser as gateway_parser, configure as configure_gateway
+    from reame.commands.serve import build_children
+    from worker.main import build_parser as worker_parser, configure as configure_worker
+
+    conf = tmp_path / "reame.conf"
+    conf.write_text("[tuning]\nadaptive = true\n")
+    assert not configure_gateway(gateway_parser().parse_args(["--config", str(conf), "--adaptive", "off"])).tuning.adaptive
+    assert not configure_worker(worker_parser().parse_args(["--config", str(conf), "--adaptive", "off"])).tuning.adaptive
+    assert configure_worker(worker_parser().parse_args(["--config", str(conf)])).tuning.adaptive
+    args = argparse.Namespace(config=str(conf), model="m.gguf", host=None, port=None, workers=1,
+                              api_key=None, state_dir=None, adaptive="off")
+    gateway, workers = build_children(configure(args), tmp_path / "m.gguf")
+    for child in [gateway, *workers]:
+        assert child.argv[child.argv.index("--adaptive") + 1] == "off"
 
 
 

@@ -1,0 +1,94 @@
+"""The operator's routes: the tuning strategy (read, freeze, import), the adaptive report, and
+the dashboard. All need the API key when one is set (gateway.auth), except the dashboard page
+itself, which holds no data: it asks for the key and sends it with each of its requests.
+
+    GET  /admin/strategy           the knobs per worker, the version, frozen or not
+    POST /admin/strategy           pin a strategy (`reame strategy import FILE`)
+    POST /admin/strategy/freeze    no more changes, knobs or kernels; /unfreeze lets them resume
+    GET  /admin/report             the adaptive report as JSON, with the strategy history
+    GET  /admin/series?bucket=S    the dashboard's curves (one point per S seconds)
+    GET  /dashboard                a self-contained page plotting the curves live
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import orjson
+from aiohttp import web
+
+from gateway.errors import ConflictError
+from gateway.state import STATE
+from shared.errors import ConfigError, InvalidRequestError
+
+DASHBOARD = Path(__file__).with_name("dashboard.html")
+MAX_STRATEGY_BYTES = 1 << 20
+
+
+async def get_strategy(request: web.Request) -> web.Response:
+    return _json(request.app[STATE].tuning.strategy())
+
+
+async def put_strategy(request: web.Request) -> web.Response:
+    tuning = request.app[STATE].tuning
+    if request.content_length is not None and request.content_length > MAX_STRATEGY_BYTES:
+        raise InvalidRequestError(f"a strategy is at most {MAX_STRATEGY_BYTES} bytes")
+    try:
+        doc = orjson.loads(await request.read())
+    except orjson.JSONDecodeError as exc:
+        raise InvalidRequestError(f"the strategy is not valid JSON: {exc}") from None
+    try:
+        tuning.import_strategy(doc)
+    except ConfigError as exc:
+        raise (ConflictError if "adaptivity is off" in exc.message else InvalidRequestError)(exc.message) from None
+    return _json(tuning.strategy())
+
+
+async def freeze(request: web.Request) -> web.Response:
+    return _set_frozen(request, True)
+
+
+async def unfreeze(request: web.Request) -> web.Response:
+    return _set_frozen(request, False)
+
+
+def _set_frozen(request: web.Request, frozen: bool) -> web.Response:
+    tuning = request.app[STATE].tuning
+    try:
+        tuning.set_frozen(frozen)
+    except ConfigError as exc:
+        raise ConflictError(exc.message) from None
+    return _json(tuning.strategy())
+
+
+async def report(request: web.Request) -> web.Response:
+    return _json(request.app[STATE].tuning.report_json())
+
+
+async def series(request: web.Request) -> web.Response:
+    raw = request.query.get("bucket", "5")
+    try:
+        bucket = float(raw)
+    except ValueError:
+        bucket = 0.0
+    if not 1.0 <= bucket <= 3600.0:
+        raise InvalidRequestError(f"bucket must be seconds in 1..3600, got {raw!r}", param="bucket")
+    return _json(request.app[STATE].tuning.series(bucket))
+
+
+async def dashboard(request: web.Request) -> web.Response:
+    return web.Response(body=DASHBOARD.read_bytes(), content_type="text/html", charset="utf-8",
+                        headers={"Cache-Control": "no-store"})
+
+
+def add_admin_routes(app: web.Application) -> None:
+    app.router.add_get("/admin/strategy", get_strategy)
+    app.router.add_post("/admin/strategy", put_strategy)
+    app.router.add_post("/admin/strategy/freeze", freeze)
+    app.router.add_post("/admin/strategy/unfreeze", unfreeze)
+    app.router.add_get("/admin/report", report)
+    app.router.add_get("/admin/series", series)
+    app.router.add_get("/dashboard", dashboard)
+
+
+def _json(body: object) -> web.Response:
+    return web.Response(body=orjson.dumps(body), content_type="application/json")

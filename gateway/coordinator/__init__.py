@@ -1,0 +1,6 @@
+"""The tuning coordinator: workers' profiles in, per-worker scheduler knobs out.
+
+knobs (what is decided), policy (pure rules on one profile), coordinator (hysteresis, trials,
+reverts, freeze; pure, time passed in), store (the strategy on disk), report (the adaptive
+report), service (the asyncio glue to the worker pool inside the gateway).
+"""

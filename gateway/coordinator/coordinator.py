@@ -1,0 +1,315 @@
+"""Per-worker strategies from the workers' profiles: which policy to act on, when, and whether
+what it did helped. Pure: no sockets, no files; time is passed in, so tests drive it with
+synthetic profiles.
+
+A worker's life under the coordinator:
+1. Each profile runs the policies (policy.py). A proposal is acted on only when the same one
+   (policy and resulting knobs) comes out of CONFIRM consecutive profiles: one odd window
+   changes nothing (hysteresis).
+2. A change is a new version of that worker's knobs, sent to it and applied between two steps.
+   Its effect is then measured on the goal metric of its policy: the mean over the MEASURE
+   profiles with traffic before the change against MEASURE after it (the first profile under
+   the new version is skipped: part of its window ran the old knobs).
+3. A change whose goal got worse by more than TOLERANCE (or that lost more than THROUGHPUT_GUARD
+   of the tokens per busy second, whatever its goal) is reverted, and its policy is not tried
+   again on that worker for TABU_S: no oscillation between two values.
+No decision while a change is being measured, while frozen, or with adaptivity off.
+
+Workers are keyed by slot (host, NUMA node and CPUs, not the process id), so a worker that
+restarts gets its slot's strategy back.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from gateway.coordinator.knobs import Knobs
+from gateway.coordinator.policy import METRICS, THROUGHPUT, Proposal, propose
+from shared.errors import ConfigError
+from shared.protocol import Profile, Strategy
+
+log = logging.getLogger("reame.coordinator")
+
+CONFIRM = 2
+MEASURE = 3
+TOLERANCE = 0.05
+THROUGHPUT_GUARD = 0.25
+TABU_S = 600.0
+HISTORY = 500  # decisions kept (and persisted)
+
+
+@dataclass
+class Decision:
+    """One change of one worker's knobs, as the report and /admin/report show it."""
+    version: int
+    slot: str
+    at: float  # wall-clock seconds
+    kind: str  # change | revert | import | freeze | unfreeze
+    policy: str
+    reason: str
+    before: dict[str, float]
+    after: dict[str, float]
+    goal: str = ""
+    effect: dict[str, float] = field(default_factory=dict)  # goal before/after and the relative change
+    outcome: str = "applied"  # measuring | kept | reverted | applied
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass(frozen=True)
+class Outgoing:
+    worker_id: str
+    strategy: Strategy
+
+
+@dataclass
+class _Trial:
+    decision: Decision
+    previous: Knobs
+    before: list[Profile]
+    after: list[Profile] = field(default_factory=list)
+    skipped_first: bool = False
+
+
+@dataclass
+class _Slot:
+    knobs: Knobs
+    version: int = 0
+    worker_id: str = ""
+    streak: tuple[str, Knobs] | None = None
+    streak_count: int = 0
+    recent: deque = field(default_factory=lambda: deque(maxlen=MEASURE))  # profiles with traffic
+    trial: _Trial | None = None
+    blocked: dict[str, float] = field(default_factory=dict)  # policy → monotonic time it may fire again
+
+
+def slot_of(worker_id: str, cpus: list[int]) -> str:
+    """"host/node0/1234" on CPUs 0,1 → "host/node0/cpus0-1": stable across the worker's restarts."""
+    base = worker_id.rsplit("/", 1)[0] if worker_id.count("/") >= 2 else worker_id
+    if not cpus:
+        return base
+    return f"{base}/cpus{min(cpus)}-{max(cpus)}" if len(cpus) > 1 else f"{base}/cpus{cpus[0]}"
+
+
+class Coordinator:
+    def __init__(self, defaults: Knobs, *, adaptive: bool = True, wall: Callable[[], float] = time.time):
+        self.defaults = defaults
+        self.adaptive = adaptive
+        self.frozen = False
+        self.version = 0  # the newest version handed out (versions are global, so never reused)
+        self.slots: dict[str, _Slot] = {}
+        self.history: list[Decision] = []
+        self.wall = wall
+
+    # ---- workers -------------------------------------------------------------------------------
+
+    def strategy_for(self, worker_id: str, cpus: list[int]) -> Strategy | None:
+        """What a worker that (re)registers should run; None: its defaults (nothing decided for it)."""
+        slot = self._slot(worker_id, cpus)
+        if not self.adaptive or slot.version == 0:
+            return None
+        return slot.knobs.strategy(slot.version, "resumed", self.frozen)
+
+    def observe(self, profile: Profile, now: float) -> list[Outgoing]:
+        """Take one profile; return the strategies to send (none, mostly)."""
+        slot = self._slot(profile.worker_id, profile.cpus)
+        if profile.knobs_version > self.version:  # a worker older than our persisted state
+            self.version = profile.knobs_version
+        if not self.adaptive:
+            return []
+        if profile.knobs_version < slot.version:
+            # The worker restarted, or a Strategy was lost: send what it should run.
+            return [Outgoing(slot.worker_id, slot.knobs.strategy(slot.version, "resent", self.frozen))]
+        if self.frozen:
+            return []
+        busy = profile.steps > 0
+        if slot.trial is not None:
+            if busy and profile.knobs_version == slot.version:
+                return self._measure(slot, profile, now)
+            return []
+        if busy:
+            slot.recent.append(profile)
+        proposals = [p for p in propose(profile, slot.knobs, self.defaults)
+                     if slot.blocked.get(p.policy, 0.0) <= now]
+        if not proposals:
+            slot.streak, slot.streak_count = None, 0
+            return []
+        first = proposals[0]
+        key = (first.policy, first.knobs)
+        slot.streak_count = slot.streak_count + 1 if slot.streak == key else 1
+        slot.streak = key
+        if slot.streak_count < CONFIRM or len(slot.recent) < 1:
+            return []
+        slot.streak, slot.streak_count = None, 0
+        return [self._change(slot, first)]
+
+    # ---- operator controls ---------------------------------------------------------------------
+
+    def set_frozen(self, frozen: bool) -> list[Outgoing]:
+        """Freeze (or thaw) every worker's strategy; the workers hear it so whatever else learns
+        there (kernel choice) stops too. A change being measured is kept as it is."""
+        if frozen == self.frozen:
+            return []
+        self.frozen = frozen
+        kind = "freeze" if frozen else "unfreeze"
+        out = []
+        for name, slot in self.slots.items():
+            if slot.trial is not None:
+                slot.trial.decision.outcome = "kept (frozen while measured)"
+                slot.trial = None
+            if not slot.worker_id:
+                continue
+            self.version += 1
+            slot.version = self.version
+            self._record(Decision(self.version, name, self.wall(), kind, "operator", f"strategy {kind}",
+                                  slot.knobs.as_dict(), slot.knobs.as_dict()))
+            out.append(Outgoing(slot.worker_id, slot.knobs.strategy(slot.version, kind, frozen)))
+        log.info("coordinator: strategy %s (%d workers told)", "frozen" if frozen else "unfrozen", len(out))
+        return out
+
+    def export(self) -> dict[str, Any]:
+        """The strategy as JSON: knobs per slot, the version counter, freeze, and the history."""
+        return {"version": self.version, "frozen": self.frozen, "adaptive": self.adaptive,
+                "defaults": self.defaults.as_dict(),
+                "workers": {name: {"version": slot.version, "knobs": slot.knobs.as_dict()}
+                            for name, slot in self.slots.items() if slot.version},
+                "history": [d.as_dict() for d in self.history]}
+
+    def restore(self, doc: dict[str, Any]) -> None:
+        """Resume a persisted strategy (export()'s output); ConfigError when it is malformed."""
+        version = doc.get("version", 0)
+        if not isinstance(version, int) or version < 0:
+            raise ConfigError(f"strategy: bad version {version!r}")
+        self.version = max(self.version, version)
+        self.frozen = bool(doc.get("frozen", False))
+        for name, entry in _workers(doc).items():
+            slot = self.slots.setdefault(name, _Slot(self.defaults))
+            slot.knobs = Knobs.from_dict(entry.get("knobs"), f"strategy workers[{name!r}]")
+            slot.version = int(entry.get("version", 0)) if isinstance(entry.get("version"), int) else 0
+        history = doc.get("history", [])
+        if isinstance(history, list):
+            self.history = [Decision(**d) for d in history[-HISTORY:] if isinstance(d, dict) and _is_decision(d)]
+
+    def import_strategy(self, doc: dict[str, Any]) -> list[Outgoing]:
+        """Pin an exported strategy: each slot it names (or every slot, for "*") takes its knobs
+        now, under a new version. It is frozen, so nothing learns it away, unless the document
+        says "frozen": false."""
+        if not self.adaptive:
+            raise ConfigError("adaptivity is off ([tuning] adaptive = false): the knobs stay as reame.conf says")
+        workers = _workers(doc)
+        if not workers:
+            raise ConfigError("strategy: no workers to import (expected {\"workers\": {SLOT: {\"knobs\": {...}}}})")
+        chosen = {name: Knobs.from_dict(entry.get("knobs"), f"strategy workers[{name!r}]")
+                  for name, entry in workers.items()}
+        frozen = doc.get("frozen", True)
+        if not isinstance(frozen, bool):
+            raise ConfigError("strategy: frozen must be true or false")
+        targets = set(self.slots) | (set(chosen) - {"*"})
+        out = []
+        for name in sorted(targets):
+            knobs = chosen.get(name, chosen.get("*"))
+            if knobs is None:
+                continue
+            slot = self.slots.setdefault(name, _Slot(self.defaults))
+            slot.trial = None
+            self.version += 1
+            decision = Decision(self.version, name, self.wall(), "import", "operator", "imported strategy",
+                                slot.knobs.as_dict(), knobs.as_dict())
+            slot.knobs, slot.version = knobs, self.version
+            self._record(decision)
+            if slot.worker_id:
+                out.append(Outgoing(slot.worker_id, knobs.strategy(slot.version, "imported", frozen)))
+        self.frozen = frozen
+        return out
+
+    # ---- changes and their measurement ---------------------------------------------------------
+
+    def _change(self, slot: _Slot, proposal: Proposal) -> Outgoing:
+        self.version += 1
+        name = self._name_of(slot)
+        decision = Decision(self.version, name, self.wall(), "change", proposal.policy, proposal.reason,
+                            slot.knobs.as_dict(), proposal.knobs.as_dict(), goal=proposal.goal, outcome="measuring")
+        slot.trial = _Trial(decision, slot.knobs, list(slot.recent))
+        log.info("coordinator: %s v%d: %s (%s), because %s; measuring %s", name, self.version,
+                 proposal.knobs.describe(slot.knobs), proposal.policy, proposal.reason, proposal.goal)
+        slot.knobs, slot.version = proposal.knobs, self.version
+        self._record(decision)
+        return Outgoing(slot.worker_id, slot.knobs.strategy(slot.version, f"{proposal.policy}: {proposal.reason}"))
+
+    def _measure(self, slot: _Slot, profile: Profile, now: float) -> list[Outgoing]:
+        trial = slot.trial
+        if not trial.skipped_first:
+            trial.skipped_first = True
+            return []
+        trial.after.append(profile)
+        if len(trial.after) < MEASURE:
+            return []
+        slot.trial = None
+        slot.recent.clear()
+        slot.recent.extend(trial.after)
+        decision = trial.decision
+        goal = METRICS[decision.goal]
+        before, after = _mean(goal.read, trial.before), _mean(goal.read, trial.after)
+        change = (after - before) / before if before else 0.0
+        better = change if goal.higher_is_better else -change
+        tput_before, tput_after = _mean(METRICS[THROUGHPUT].read, trial.before), _mean(METRICS[THROUGHPUT].read, trial.after)
+        tput_change = (tput_after - tput_before) / tput_before if tput_before else 0.0
+        decision.effect = {"before": round(before, 3), "after": round(after, 3), "change": round(change, 4),
+                           "throughput_change": round(tput_change, 4)}
+        negative = better < -TOLERANCE or tput_change < -THROUGHPUT_GUARD
+        name = self._name_of(slot)
+        if not negative:
+            decision.outcome = "kept"
+            log.info("coordinator: %s v%d kept: %s %.3g → %.3g (%+.0f%%), tokens per busy second %+.0f%%", name,
+                     decision.version, goal.name, before, after, 100 * change, 100 * tput_change)
+            return []
+        decision.outcome = "reverted"
+        slot.blocked[decision.policy] = now + TABU_S
+        self.version += 1
+        revert = Decision(self.version, name, self.wall(), "revert", decision.policy,
+                          f"v{decision.version} made {goal.name} {100 * change:+.0f}% (tokens per busy second "
+                          f"{100 * tput_change:+.0f}%)", slot.knobs.as_dict(), trial.previous.as_dict(),
+                          goal=decision.goal, effect=dict(decision.effect))
+        log.info("coordinator: %s v%d reverted by v%d: %s; %r not tried again for %.0f s", name,
+                 decision.version, self.version, revert.reason, decision.policy, TABU_S)
+        slot.knobs, slot.version = trial.previous, self.version
+        self._record(revert)
+        return [Outgoing(slot.worker_id, slot.knobs.strategy(slot.version, f"revert: {revert.reason}"))]
+
+    # ---- bookkeeping ---------------------------------------------------------------------------
+
+    def _slot(self, worker_id: str, cpus: list[int]) -> _Slot:
+        name = slot_of(worker_id, cpus)
+        slot = self.slots.get(name)
+        if slot is None:
+            slot = self.slots[name] = _Slot(self.defaults)
+        slot.worker_id = worker_id
+        return slot
+
+    def _name_of(self, slot: _Slot) -> str:
+        return next(name for name, s in self.slots.items() if s is slot)
+
+    def _record(self, decision: Decision) -> None:
+        self.history.append(decision)
+        del self.history[:-HISTORY]
+
+
+def _mean(read: Callable[[Profile], float], profiles: list[Profile]) -> float:
+    return sum(read(p) for p in profiles) / len(profiles) if profiles else 0.0
+
+
+def _workers(doc: Any) -> dict[str, dict]:
+    if not isinstance(doc, dict):
+        raise ConfigError("strategy: expected a JSON object")
+    workers = doc.get("workers", {})
+    if not isinstance(workers, dict) or not all(isinstance(v, dict) for v in workers.values()):
+        raise ConfigError("strategy: workers must map slot names to {\"knobs\": {...}}")
+    return workers
+
+
+def _is_decision(data: dict) -> bool:
+    return set(data) == set(Decision.__dataclass_fields__)

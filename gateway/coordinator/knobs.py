@@ -1,0 +1,64 @@
+"""The scheduler knobs as the coordinator decides them (the worker's twin is
+worker.sched.tuning_state.SchedulerKnobs; the gateway may not import the worker)."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any
+
+from shared.config import Config
+from shared.errors import ConfigError
+from shared.protocol import Strategy
+
+
+@dataclass(frozen=True)
+class Knobs:
+    max_batch_size: int  # sequences in one engine step
+    token_budget: int  # prompt-chunk + decode tokens in one step
+    prefill_chunk: int  # most prompt tokens one sequence feeds per step
+    attention_chunk: int  # keys per online-softmax chunk
+    batching_window_ms: float  # how long a lone arrival may wait for company
+
+    @classmethod
+    def from_config(cls, config: Config) -> "Knobs":
+        """The shipped defaults: what a worker runs without a coordinator."""
+        s = config.scheduler
+        return cls(s.max_batch_size, s.token_budget, config.engine.prefill_chunk, s.attention_chunk,
+                   float(s.batching_window_ms))
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = "knobs") -> "Knobs":
+        """From JSON (a persisted or imported strategy); ConfigError naming what is wrong."""
+        if not isinstance(data, dict):
+            raise ConfigError(f"{where}: expected an object of knobs")
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - names)
+        missing = sorted(names - set(data))
+        if unknown or missing:
+            raise ConfigError(f"{where}: unknown knobs {unknown}" if unknown else f"{where}: missing knobs {missing}")
+        for name in names - {"batching_window_ms"}:
+            value = data[name]
+            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 1 << 20:
+                raise ConfigError(f"{where}.{name}: expected an integer in 1..{1 << 20}, got {value!r}")
+        window = data["batching_window_ms"]
+        if not isinstance(window, (int, float)) or isinstance(window, bool) or not 0 <= window <= 1000:
+            raise ConfigError(f"{where}.batching_window_ms: expected a number in 0..1000, got {window!r}")
+        return cls(**{**data, "batching_window_ms": float(window)})
+
+    def as_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+    def with_(self, **changes: Any) -> "Knobs":
+        return replace(self, **changes)
+
+    def strategy(self, version: int, reason: str, frozen: bool = False) -> Strategy:
+        return Strategy(version=version, reason=reason, max_batch_size=self.max_batch_size,
+                        token_budget=self.token_budget, prefill_chunk=self.prefill_chunk,
+                        attention_chunk=self.attention_chunk, batching_window_ms=self.batching_window_ms,
+                        frozen=frozen)
+
+    def describe(self, before: "Knobs | None" = None) -> str:
+        """"max_batch_size 8→16, batching_window_ms 2→4" (only what changed), or every knob."""
+        if before is None:
+            return ", ".join(f"{k}={v:g}" for k, v in self.as_dict().items())
+        old = before.as_dict()
+        return ", ".join(f"{k} {old[k]:g}→{v:g}" for k, v in self.as_dict().items() if old[k] != v)

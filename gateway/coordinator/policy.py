@@ -1,0 +1,149 @@
+"""The policies: one worker's profile and knobs in, proposed knob changes out. Pure functions.
+
+Each policy names the knob it moves, the value, why (in numbers from the profile), and the goal by
+which its effect is judged afterwards (coordinator.py reverts a change whose goal got worse):
+- memory: more sequences than the KV pool holds at the sizes seen (preemptions) → fewer.
+- bursts: arrivals come in bursts → a shorter batching window (a burst fills a batch anyway;
+  the window only delays the lone requests between bursts).
+- short requests: many short requests queueing behind a full batch → larger batches, and a wider
+  window so lone arrivals meet company.
+- long generations: long outputs with a full batch → smaller batches, for the tail latency of
+  each token.
+- long prompts: prompts longer than a chunk while decoders wait in the same steps → smaller
+  prefill chunks (and a budget of one chunk plus every decoder), so decoders are not stalled.
+Steps are doublings and halvings within fixed bounds, so the knobs take few distinct values and
+the coordinator's hysteresis settles on one of them.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+from gateway.coordinator.knobs import Knobs
+from shared.protocol import Profile
+
+
+@dataclass(frozen=True)
+class Metric:
+    """What a change is judged by, measured on the profiles before and after it."""
+    name: str
+    read: Callable[[Profile], float]
+    higher_is_better: bool
+
+
+METRICS = {m.name: m for m in (
+    Metric("tokens per busy second", lambda p: p.output_tokens / p.busy_seconds if p.busy_seconds else 0.0, True),
+    Metric("step ms", lambda p: 1000 * p.busy_seconds / p.steps if p.steps else 0.0, False),
+    Metric("prefill step ms", lambda p: p.step_ms_prefill, False),
+    Metric("queue wait p95 ms", lambda p: p.queue_wait_ms_p95, False),
+)}
+THROUGHPUT, STEP_MS, PREFILL_STEP_MS, QUEUE_WAIT = METRICS
+
+# Bounds of what the policies may choose. Upper batch bound: twice the shipped default (the
+# window-KV pool of sliding-window models is sized for that many sequences).
+BATCH_GROWTH = 2
+MIN_BATCH = 2
+MAX_WINDOW_MS = 8.0
+MIN_WINDOW_MS = 0.5
+MIN_PREFILL_CHUNK = 64
+
+# When a policy fires (measured per profile window).
+SHORT_OUTPUT_TOKENS = 96  # a generation this short (p50) is a short request
+BUSY_ARRIVALS_PER_S = 0.5
+FULL_BATCH = 0.75  # mean batch size / max_batch_size above which the batch counts as full
+LONG_OUTPUT_TOKENS = 256
+BURSTY = 2.0  # coefficient of variation of arrival gaps (Poisson: 1)
+MIN_ARRIVALS_FOR_BURSTS = 8
+
+
+@dataclass(frozen=True)
+class Proposal:
+    policy: str
+    knobs: Knobs  # the knobs after the change
+    goal: str  # a METRICS name
+    reason: str
+
+
+def propose(profile: Profile, knobs: Knobs, defaults: Knobs) -> list[Proposal]:
+    """Every policy that fires on this profile, most urgent first (memory before the rest)."""
+    if profile.steps == 0 and profile.arrivals == 0:
+        return []  # an idle window says nothing about traffic
+    found = [p for rule in (_memory, _bursts, _short_requests, _long_generations, _long_prompts)
+             if (p := rule(profile, knobs, defaults)) is not None and p.knobs != knobs]
+    return found
+
+
+def memory_cap(profile: Profile) -> int | None:
+    """How many sequences of the sizes seen (p95 prompt + p95 output) the KV pool holds."""
+    if not profile.kv_blocks or not profile.kv_block_tokens:
+        return None
+    tokens = profile.prompt_tokens_p95 + profile.output_tokens_p95
+    if tokens <= 0:
+        return None
+    per_sequence = math.ceil(tokens / profile.kv_block_tokens)
+    return max(1, profile.kv_blocks // per_sequence)
+
+
+def _memory(profile: Profile, knobs: Knobs, defaults: Knobs) -> Proposal | None:
+    cap = memory_cap(profile)
+    if cap is None or profile.preemptions == 0 or knobs.max_batch_size <= cap:
+        return None
+    size = max(1, cap)
+    return Proposal("memory", knobs.with_(max_batch_size=size), THROUGHPUT,
+                    f"{profile.preemptions} preemptions: the KV pool ({profile.kv_blocks} blocks) holds {cap} "
+                    f"sequences of {profile.prompt_tokens_p95:.0f}+{profile.output_tokens_p95:.0f} tokens")
+
+
+def _bursts(profile: Profile, knobs: Knobs, defaults: Knobs) -> Proposal | None:
+    if (profile.arrivals < MIN_ARRIVALS_FOR_BURSTS or profile.burstiness < BURSTY
+            or knobs.batching_window_ms <= MIN_WINDOW_MS):
+        return None
+    window = max(MIN_WINDOW_MS, knobs.batching_window_ms / 2)
+    return Proposal("bursts", knobs.with_(batching_window_ms=window), QUEUE_WAIT,
+                    f"arrivals come in bursts (gap variation {profile.burstiness:.1f}, Poisson 1): "
+                    f"a shorter window only delays the lone ones")
+
+
+def _short_requests(profile: Profile, knobs: Knobs, defaults: Knobs) -> Proposal | None:
+    rate = profile.arrivals / profile.seconds
+    full = profile.batch_size_mean >= FULL_BATCH * knobs.max_batch_size
+    if (rate < BUSY_ARRIVALS_PER_S or profile.finished == 0 or profile.output_tokens_p50 > SHORT_OUTPUT_TOKENS
+            or not (full and profile.waiting_mean >= 1)):
+        return None
+    cap = memory_cap(profile)
+    limit = min(defaults.max_batch_size * BATCH_GROWTH, cap if cap is not None else 1 << 30)
+    size = min(limit, knobs.max_batch_size * 2)
+    changes = {"max_batch_size": size, "token_budget": max(knobs.token_budget, size + knobs.prefill_chunk)}
+    if profile.burstiness < BURSTY:  # bursts want the opposite; _bursts has it
+        changes["batching_window_ms"] = min(MAX_WINDOW_MS, max(knobs.batching_window_ms * 2, 1.0))
+    if size <= knobs.max_batch_size and changes.get("batching_window_ms", knobs.batching_window_ms) \
+            == knobs.batching_window_ms:
+        return None
+    return Proposal("short requests", knobs.with_(**changes), THROUGHPUT,
+                    f"{rate:.1f} requests/s of {profile.output_tokens_p50:.0f} output tokens (p50) wait "
+                    f"behind a full batch ({profile.batch_size_mean:.1f} of {knobs.max_batch_size}, "
+                    f"{profile.waiting_mean:.1f} queued)")
+
+
+def _long_generations(profile: Profile, knobs: Knobs, defaults: Knobs) -> Proposal | None:
+    full = profile.batch_size_mean >= FULL_BATCH * knobs.max_batch_size
+    if profile.output_tokens_p50 < LONG_OUTPUT_TOKENS or not full or knobs.max_batch_size <= MIN_BATCH:
+        return None
+    size = max(MIN_BATCH, (knobs.max_batch_size * 3) // 4)
+    return Proposal("long generations", knobs.with_(max_batch_size=size), STEP_MS,
+                    f"generations of {profile.output_tokens_p50:.0f} tokens (p50) fill the batch "
+                    f"({profile.batch_size_mean:.1f} of {knobs.max_batch_size}): smaller batches for "
+                    f"per-token tail latency")
+
+
+def _long_prompts(profile: Profile, knobs: Knobs, defaults: Knobs) -> Proposal | None:
+    if (profile.prompt_tokens_p50 < knobs.prefill_chunk or profile.decoders_waiting_on_prefill < 1
+            or knobs.prefill_chunk <= MIN_PREFILL_CHUNK):
+        return None
+    chunk = max(MIN_PREFILL_CHUNK, knobs.prefill_chunk // 2)
+    return Proposal("long prompts", knobs.with_(prefill_chunk=chunk, token_budget=chunk + knobs.max_batch_size),
+                    PREFILL_STEP_MS,
+                    f"prompts of {profile.prompt_tokens_p50:.0f} tokens (p50) stall "
+                    f"{profile.decoders_waiting_on_prefill:.1f} decoders per prefill step "
+                    f"({profile.step_ms_prefill:.0f} ms vs {profile.step_ms_decode:.0f} ms a decode step)")

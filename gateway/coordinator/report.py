@@ -1,0 +1,163 @@
+"""The adaptive report: what the workers' profiles say now against what they said at boot.
+
+Every profile becomes a sample; a window's throughput is the output tokens of the samples that
+ended in it over its length (all workers together), its p95 latency the finished-weighted mean of
+the workers' p95s. "Boot" is the first window with traffic. The report also says whether the
+curve has plateaued: no strategy change for the last PLATEAU_WINDOWS windows and their
+throughputs within PLATEAU_SPREAD of their mean.
+
+    [reame] adaptive report @ 30m
+      prefix cache hit-rate: 0.62 (+0.18 vs boot)
+      chosen gemm kernel:   <variant>
+      effective throughput: 118.4 tok/s (+41% vs boot)
+      p95 latency:          312 ms (-27% vs boot)
+      profiling:            converged (...)
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from gateway.coordinator.coordinator import Decision
+from shared.protocol import Profile
+
+PLATEAU_WINDOWS = 3
+PLATEAU_SPREAD = 0.05
+MAX_SAMPLES = 100_000  # ~6 days of one worker's 5-second profiles
+
+
+@dataclass(frozen=True)
+class Sample:
+    at: float  # seconds since boot when the profile arrived
+    seconds: float
+    output_tokens: int
+    finished: int
+    latency_ms_p95: float
+    ttft_ms_p95: float
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
+    kernel: str
+
+
+@dataclass(frozen=True)
+class Summary:
+    start: float
+    end: float
+    throughput: float  # output tokens per second
+    latency_ms_p95: float
+    ttft_ms_p95: float
+    hit_rate: float
+    finished: int
+    kernel: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in self.__dict__.items()}
+
+
+class AdaptiveReport:
+    def __init__(self, boot: float, window_s: float):
+        self.boot = boot  # monotonic time the gateway started
+        self.window_s = window_s
+        self.samples: deque[Sample] = deque(maxlen=MAX_SAMPLES)
+        self.first_traffic: float | None = None
+
+    def add(self, profile: Profile, now: float) -> None:
+        at = now - self.boot
+        kernels = profile.sources.get("kernels", {})
+        kernel = kernels.get("gemm", "") if isinstance(kernels.get("gemm", ""), str) else ""
+        self.samples.append(Sample(at, profile.seconds, profile.output_tokens, profile.finished,
+                                   profile.latency_ms_p95, profile.ttft_ms_p95, profile.prefix_query_tokens,
+                                   profile.prefix_hit_tokens, kernel))
+        if self.first_traffic is None and profile.output_tokens:
+            self.first_traffic = max(0.0, at - profile.seconds)
+
+    def summary(self, start: float, end: float) -> Summary:
+        chosen = [s for s in self.samples if start < s.at <= end]
+        length = max(end - start, 1e-9)
+        finished = sum(s.finished for s in chosen)
+        weight = sum(s.finished for s in chosen if s.latency_ms_p95)
+        latency = sum(s.latency_ms_p95 * s.finished for s in chosen) / weight if weight else 0.0
+        ttft = sum(s.ttft_ms_p95 * s.finished for s in chosen) / weight if weight else 0.0
+        queried = sum(s.prefix_query_tokens for s in chosen)
+        hits = sum(s.prefix_hit_tokens for s in chosen)
+        kernel = next((s.kernel for s in reversed(chosen) if s.kernel), "")
+        return Summary(start, end, sum(s.output_tokens for s in chosen) / length, latency, ttft,
+                       hits / queried if queried else 0.0, finished, kernel)
+
+    def boot_summary(self) -> Summary | None:
+        if self.first_traffic is None:
+            return None
+        return self.summary(self.first_traffic, self.first_traffic + self.window_s)
+
+    def now_summary(self, at: float) -> Summary:
+        return self.summary(max(0.0, at - self.window_s), at)
+
+    def series(self, at: float, bucket_s: float) -> list[Summary]:
+        """One summary per bucket from boot to `at` (the dashboard's curves)."""
+        count = min(int(at // bucket_s) + 1, 2000)
+        first = max(0.0, at - count * bucket_s)
+        return [self.summary(first + i * bucket_s, first + (i + 1) * bucket_s) for i in range(count)]
+
+    def plateau(self, at: float, history: list[Decision], boot_wall: float) -> tuple[bool, str]:
+        """(converged, why): the last PLATEAU_WINDOWS windows flat and no change among them."""
+        span = PLATEAU_WINDOWS * self.window_s
+        if self.first_traffic is None or at - self.first_traffic < span:
+            return False, "still profiling (too little traffic yet to judge)"
+        recent_changes = [d for d in history if d.kind in ("change", "revert") and d.at - boot_wall > at - span]
+        if recent_changes:
+            return False, f"still learning ({len(recent_changes)} changes in the last {_elapsed(span)})"
+        values = [self.summary(at - (i + 1) * self.window_s, at - i * self.window_s).throughput
+                  for i in range(PLATEAU_WINDOWS)]
+        mean = sum(values) / len(values)
+        if mean <= 0:
+            return False, "idle"
+        spread = max(abs(v - mean) for v in values) / mean
+        if spread > PLATEAU_SPREAD:
+            return False, f"throughput still moving (±{100 * spread:.0f}% over the last {_elapsed(span)})"
+        return True, (f"converged: no strategy change and throughput within ±{100 * spread:.0f}% "
+                      f"over the last {_elapsed(span)}")
+
+    def lines(self, at: float, history: list[Decision], boot_wall: float) -> list[str]:
+        now, boot = self.now_summary(at), self.boot_summary()
+        changes = [d for d in history if d.kind == "change"]
+        reverted = sum(1 for d in changes if d.outcome == "reverted")
+        _, plateau = self.plateau(at, history, boot_wall)
+        return [
+            f"[reame] adaptive report @ {_elapsed(at)}",
+            f"  prefix cache hit-rate: {now.hit_rate:.2f} ({_delta_abs(now.hit_rate, boot and boot.hit_rate)} vs boot)",
+            f"  chosen gemm kernel:   {now.kernel or (boot and boot.kernel) or 'fixed ([engine] kernels)'}",
+            f"  effective throughput: {now.throughput:.1f} tok/s ({_delta_rel(now.throughput, boot and boot.throughput)}"
+            " vs boot)",
+            f"  p95 latency:          {now.latency_ms_p95:.0f} ms ({_delta_rel(now.latency_ms_p95, boot and boot.latency_ms_p95)}"
+            " vs boot)",
+            f"  strategy:             {len(changes)} changes, {reverted} reverted; {plateau}",
+        ]
+
+    def as_json(self, at: float, history: list[Decision], boot_wall: float) -> dict[str, Any]:
+        boot = self.boot_summary()
+        converged, why = self.plateau(at, history, boot_wall)
+        return {"uptime_s": round(at, 1), "window_s": self.window_s,
+                "boot": boot.as_dict() if boot else None, "now": self.now_summary(at).as_dict(),
+                "converged": converged, "plateau": why, "text": "\n".join(self.lines(at, history, boot_wall))}
+
+
+def _delta_abs(now: float, boot: float | None) -> str:
+    return "n/a" if boot is None else f"{now - boot:+.2f}"
+
+
+def _delta_rel(now: float, boot: float | None) -> str:
+    if not boot:
+        return "n/a"
+    return f"{100 * (now - boot) / boot:+.0f}%"
+
+
+def _elapsed(seconds: float) -> str:
+    """30m, 1h05m, 45s."""
+    seconds = int(round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    minutes = seconds // 60
+    if minutes < 60:
+        return f"{minutes}m"
+    return f"{minutes // 60}h{minutes % 60:02d}m"

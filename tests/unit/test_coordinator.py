@@ -1,0 +1,194 @@
+"""The tuning coordinator on synthetic profiles: each policy, hysteresis, measured reverts,
+freeze, adaptivity off, and a strategy that survives a restart."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from gateway.coordinator import policy
+from gateway.coordinator.coordinator import CONFIRM, MEASURE, Coordinator, slot_of
+from gateway.coordinator.knobs import Knobs
+from gateway.coordinator.store import StrategyStore
+from shared.config import Config
+from shared.errors import ConfigError
+from shared.protocol import Profile
+
+DEFAULTS = Knobs.from_config(Config())  # 8 sequences, budget 512, chunk 512, attention 512, window 2 ms
+WORKER = "host/node0/123"
+
+
+def profile(**fields) -> Profile:
+    """A busy, unremarkable window: nothing in it should make any policy fire."""
+    base = dict(worker_id=WORKER, seconds=5.0, knobs_version=0, arrivals=10, finished=10,
+                prompt_tokens_p50=100, prompt_tokens_p95=200, output_tokens_p50=150, output_tokens_p95=200,
+                burstiness=1.0, queue_wait_ms_p50=5, queue_wait_ms_p95=20, steps=500, busy_seconds=4.0,
+                batch_size_mean=3.0, prefill_tokens=1000, output_tokens=1500, step_ms_prefill=20,
+                step_ms_decode=8, decoders_waiting_on_prefill=0.0, waiting_mean=0.0, kv_blocks=4096,
+                kv_block_tokens=16, cpus=[0, 1])
+    base.update(fields)
+    return Profile(**base)
+
+
+SHORT = dict(arrivals=40, output_tokens_p50=32, batch_size_mean=7.5, waiting_mean=4.0)  # many short, queueing
+LONG_GEN = dict(output_tokens_p50=400, output_tokens_p95=600, batch_size_mean=7.0)
+BURSTY = dict(arrivals=30, burstiness=3.5)
+LONG_PROMPTS = dict(prompt_tokens_p50=1500, prompt_tokens_p95=2000, decoders_waiting_on_prefill=3.0,
+                    step_ms_prefill=400)
+
+
+# ---- the policies, one profile each --------------------------------------------------------------
+
+def test_an_unremarkable_profile_proposes_nothing():
+    assert policy.propose(profile(), DEFAULTS, DEFAULTS) == []
+    assert policy.propose(profile(steps=0, arrivals=0), DEFAULTS, DEFAULTS) == []
+
+
+def test_many_short_requests_get_larger_batches_and_a_wider_window():
+    [p] = policy.propose(profile(**SHORT), DEFAULTS, DEFAULTS)
+    assert p.policy == "short requests" and p.goal == policy.THROUGHPUT
+    assert p.knobs.max_batch_size == 16 and p.knobs.batching_window_ms == 4.0
+    assert p.knobs.token_budget >= 16 + p.knobs.prefill_chunk  # every decoder fits beside a prompt chunk
+    at_limit = DEFAULTS.with_(max_batch_size=16, batching_window_ms=policy.MAX_WINDOW_MS)
+    assert policy.propose(profile(**{**SHORT, "batch_size_mean": 15.0}), at_limit, DEFAULTS) == []
+
+
+def test_long_generations_get_smaller_batches():
+    [p] = policy.propose(profile(**LONG_GEN), DEFAULTS, DEFAULTS)
+    assert p.policy == "long generations" and p.knobs.max_batch_size == 6 and p.goal == policy.STEP_MS
+
+
+def test_bursts_get_a_shorter_window_and_never_a_wider_one():
+    [p] = policy.propose(profile(**BURSTY), DEFAULTS, DEFAULTS)
+    assert p.policy == "bursts" and p.knobs.batching_window_ms == 1.0
+    proposals = policy.propose(profile(**SHORT, burstiness=3.5), DEFAULTS, DEFAULTS)
+    assert [q.policy for q in proposals] == ["bursts", "short requests"]
+    assert proposals[1].knobs.batching_window_ms == DEFAULTS.batching_window_ms  # larger batch, same window
+
+
+def test_long_prompts_with_waiting_decoders_get_smaller_prefill_chunks():
+    [p] = policy.propose(profile(**LONG_PROMPTS), DEFAULTS, DEFAULTS)
+    assert p.policy == "long prompts" and p.knobs.prefill_chunk == 256
+    assert p.knobs.token_budget == 256 + DEFAULTS.max_batch_size
+    assert policy.propose(profile(**{**LONG_PROMPTS, "decoders_waiting_on_prefill": 0.0}), DEFAULTS, DEFAULTS) == []
+
+
+def test_batches_stay_within_what_the_kv_pool_holds():
+    # 100 blocks of 16 tokens; sequences of 200 + 200 tokens need 25: the pool holds 4.
+    tight = dict(kv_blocks=100, preemptions=3)
+    [p] = policy.propose(profile(**tight), DEFAULTS, DEFAULTS)
+    assert p.policy == "memory" and p.knobs.max_batch_size == 4
+    [grow] = policy.propose(profile(**SHORT, kv_blocks=300), DEFAULTS, DEFAULTS)
+    assert grow.knobs.max_batch_size == 12  # not 16: 300 // 25
+
+
+# ---- the coordinator: hysteresis, measurement, reverts ---------------------------------------------
+
+def feed(coordinator: Coordinator, n: int, start: float = 0.0, **fields) -> list:
+    """n profiles 5 s apart, each reporting the version the worker runs now (it applies at once)."""
+    out = []
+    for i in range(n):
+        slot = coordinator.slots.get(slot_of(WORKER, [0, 1]))
+        version = slot.version if slot else 0
+        out += coordinator.observe(profile(knobs_version=version, **fields), start + 5 * i)
+    return out
+
+
+def test_one_odd_window_changes_nothing():
+    coordinator = Coordinator(DEFAULTS)
+    assert feed(coordinator, 1, **SHORT) == []
+    assert feed(coordinator, 1) == []  # the streak is broken
+    assert feed(coordinator, CONFIRM - 1, **SHORT) == []
+    [out] = feed(coordinator, 1, **SHORT)
+    assert out.worker_id == WORKER and out.strategy.max_batch_size == 16 and out.strategy.version == 1
+    assert coordinator.history[-1].kind == "change" and coordinator.history[-1].outcome == "measuring"
+
+
+def test_a_change_that_helps_is_kept_and_the_knobs_converge():
+    coordinator = Coordinator(DEFAULTS)
+    sent = feed(coordinator, CONFIRM, **SHORT)
+    assert len(sent) == 1
+    # Bigger batches: more tokens per busy second. Nothing is decided while it is measured.
+    assert feed(coordinator, MEASURE + 1, **{**SHORT, "output_tokens": 2500, "batch_size_mean": 12.0}) == []
+    assert coordinator.history[0].outcome == "kept"
+    assert coordinator.history[0].effect["change"] == pytest.approx(2500 / 1500 - 1, abs=1e-3)
+    # The same traffic keeps coming: the window widens to its bound, then nothing more changes.
+    for _ in range(10):
+        feed(coordinator, CONFIRM + MEASURE + 1, **{**SHORT, "output_tokens": 2500, "batch_size_mean": 15.5})
+    knobs = coordinator.slots[slot_of(WORKER, [0, 1])].knobs
+    assert knobs.max_batch_size == 16 and knobs.batching_window_ms == policy.MAX_WINDOW_MS
+    changes = len(coordinator.history)
+    assert feed(coordinator, 20, **{**SHORT, "output_tokens": 2500, "batch_size_mean": 15.5}) == []
+    assert len(coordinator.history) == changes
+
+
+def test_a_change_that_hurts_is_reverted_and_not_tried_again():
+    coordinator = Coordinator(DEFAULTS)
+    feed(coordinator, CONFIRM, **SHORT)
+    [revert] = feed(coordinator, MEASURE + 1, **{**SHORT, "output_tokens": 1000})  # a third fewer tokens
+    assert revert.strategy.max_batch_size == DEFAULTS.max_batch_size and revert.strategy.version == 2
+    change, undo = coordinator.history
+    assert change.outcome == "reverted" and undo.kind == "revert" and undo.after == DEFAULTS.as_dict()
+    assert change.effect["change"] < -0.3
+    # The same evidence again: no oscillation back to 16.
+    assert feed(coordinator, 30, start=100, **SHORT) == []
+
+
+def test_frozen_means_no_change_and_workers_are_told():
+    coordinator = Coordinator(DEFAULTS)
+    feed(coordinator, 1)  # the worker is known
+    [told] = coordinator.set_frozen(True)
+    assert told.strategy.frozen and told.strategy.max_batch_size == DEFAULTS.max_batch_size
+    assert feed(coordinator, 20, **SHORT) == [] and feed(coordinator, 20, **LONG_GEN) == []
+    assert all(d.kind == "freeze" for d in coordinator.history)
+    [thawed] = coordinator.set_frozen(False)
+    assert not thawed.strategy.frozen
+    assert len(feed(coordinator, CONFIRM, **SHORT)) == 1
+
+
+def test_adaptive_off_decides_nothing_at_all():
+    coordinator = Coordinator(DEFAULTS, adaptive=False)
+    for fields in (SHORT, LONG_GEN, BURSTY, LONG_PROMPTS, dict(kv_blocks=100, preemptions=3)):
+        assert feed(coordinator, 30, **fields) == []
+    assert coordinator.history == [] and coordinator.strategy_for(WORKER, [0, 1]) is None
+    with pytest.raises(ConfigError):
+        coordinator.import_strategy({"workers": {"*": {"knobs": DEFAULTS.as_dict()}}})
+
+
+def test_a_restarted_coordinator_resumes_the_persisted_strategy(tmp_path):
+    first = Coordinator(DEFAULTS)
+    feed(first, CONFIRM, **SHORT)
+    feed(first, MEASURE + 1, **{**SHORT, "output_tokens": 2500})
+    StrategyStore(tmp_path).save(first.export())
+
+    second = Coordinator(DEFAULTS)
+    second.restore(StrategyStore(tmp_path).load())
+    strategy = second.strategy_for("host/node0/999", [0, 1])  # the worker restarted too: a new pid
+    assert strategy is not None and strategy.version == 1 and strategy.max_batch_size == 16
+    assert [d.outcome for d in second.history] == ["kept"]
+    # A worker still running v1 is left alone; one that runs less is sent v1 again.
+    assert second.observe(profile(worker_id="host/node0/999", knobs_version=1), 0.0) == []
+    [resent] = second.observe(profile(worker_id="host/node0/999", knobs_version=0), 5.0)
+    assert resent.strategy.version == 1
+    # New decisions never reuse a version the workers may have seen.
+    feed(second, 1)
+    assert second.version >= 1
+
+
+def test_import_pins_a_strategy_frozen():
+    coordinator = Coordinator(DEFAULTS)
+    feed(coordinator, 1)
+    pinned = DEFAULTS.with_(max_batch_size=4, batching_window_ms=1.0)
+    [out] = coordinator.import_strategy({"workers": {"*": {"knobs": pinned.as_dict()}}})
+    assert out.strategy.frozen and out.strategy.max_batch_size == 4 and coordinator.frozen
+    assert feed(coordinator, 10, **SHORT) == []
+    with pytest.raises(ConfigError, match="max_batch_size"):
+        coordinator.import_strategy({"workers": {"*": {"knobs": {**pinned.as_dict(), "max_batch_size": 0}}}})
+    with pytest.raises(ConfigError, match="unknown knobs"):
+        coordinator.import_strategy({"workers": {"*": {"knobs": {**pinned.as_dict(), "turbo": 1}}}})
+
+
+def test_slots_outlive_process_ids():
+    assert slot_of("h/node0/1", [0, 1]) == slot_of("h/node0/2", [0, 1]) == "h/node0/cpus0-1"
+    assert slot_of("h/node0/1", [2, 3]) != slot_of("h/node0/1", [0, 1])
+    assert dataclasses.replace(DEFAULTS).describe(DEFAULTS.with_(max_batch_size=4)) == "max_batch_size 4→8"
