@@ -3,7 +3,7 @@ the dashboard. All need the API key when one is set (gateway.auth), except the d
 itself, which holds no data: it asks for the key and sends it with each of its requests.
 
     GET  /admin/strategy           the knobs per worker, the version, frozen or not
-    POST /admin/strategy           pin a strategy (`reame strategy import FILE`)
+    POST /admin/strategy           pin a strategy, frozen (`reame strategy import FILE`)
     POST /admin/strategy/freeze    no more changes, knobs or kernels; /unfreeze lets them resume
     GET  /admin/report             the adaptive report as JSON, with the strategy history
     GET  /admin/series?bucket=S    the dashboard's curves (one point per S seconds)

@@ -122,8 +122,9 @@ def _admin_paths(secured: bool) -> Schema:
         if body:
             operation["requestBody"] = {"required": True, "content": {"application/json": {
                 "schema": {"type": "object", "description": "a strategy as GET /admin/strategy returns it: "
-                           "{\"workers\": {SLOT or \"*\": {\"knobs\": {...}}}, \"frozen\": true}"}}}}
+                           "{\"workers\": {SLOT or \"*\": {\"knobs\": {...}}}}"}}}}
             operation["responses"]["400"] = _error("not a strategy (the bad part is named)")
+            operation["responses"]["415"] = _error("the request body is not JSON (Content-Type must be application/json)")
         return operation
 
     series = _operation("The dashboard's curves since boot", ok, secured)
@@ -133,7 +134,7 @@ def _admin_paths(secured: bool) -> Schema:
     series["responses"]["400"] = _error("bucket is not a number of seconds in 1..3600")
     return {
         "/admin/strategy": {"get": _operation("The tuning strategy: knobs per worker, version, frozen", ok, secured),
-                            "post": control("Pin a strategy (frozen unless it says otherwise)", body=True)},
+                            "post": control("Pin a strategy (and freeze it)", body=True)},
         "/admin/strategy/freeze": {"post": control("Stop every adaptive change (knobs and kernels)")},
         "/admin/strategy/unfreeze": {"post": control("Let adaptive changes resume")},
         "/admin/report": {"get": _operation("The adaptive report, with the strategy history", ok, secured)},

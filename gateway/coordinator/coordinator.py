@@ -36,7 +36,7 @@ log = logging.getLogger("reame.coordinator")
 CONFIRM = 2
 MEASURE = 3
 TOLERANCE = 0.05
-THROUGHPUT_GUARD = 0.25
+THROUGHPUT_GUARD = 0.10
 TABU_S = 600.0
 HISTORY = 500  # decisions kept (and persisted)
 
@@ -196,8 +196,9 @@ class Coordinator:
 
     def import_strategy(self, doc: dict[str, Any]) -> list[Outgoing]:
         """Pin an exported strategy: each slot it names (or every slot, for "*") takes its knobs
-        now, under a new version. It is frozen, so nothing learns it away, unless the document
-        says "frozen": false."""
+        now, under a new version, and the strategy is frozen so nothing learns it away
+        (`unfreeze` lets learning resume from it). The document's own "frozen" is not read: it
+        says how the exporting server was, not what the operator wants now."""
         if not self.adaptive:
             raise ConfigError("adaptivity is off ([tuning] adaptive = false): the knobs stay as reame.conf says")
         workers = _workers(doc)
@@ -205,9 +206,7 @@ class Coordinator:
             raise ConfigError("strategy: no workers to import (expected {\"workers\": {SLOT: {\"knobs\": {...}}}})")
         chosen = {name: Knobs.from_dict(entry.get("knobs"), f"strategy workers[{name!r}]")
                   for name, entry in workers.items()}
-        frozen = doc.get("frozen", True)
-        if not isinstance(frozen, bool):
-            raise ConfigError("strategy: frozen must be true or false")
+        frozen = True
         targets = set(self.slots) | (set(chosen) - {"*"})
         out = []
         for name in sorted(targets):

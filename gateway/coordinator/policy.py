@@ -5,11 +5,11 @@ which its effect is judged afterwards (coordinator.py reverts a change whose goa
 - memory: more sequences than the KV pool holds at the sizes seen (preemptions) → fewer.
 - bursts: arrivals come in bursts → a shorter batching window (a burst fills a batch anyway;
   the window only delays the lone requests between bursts).
-- short requests: many short requests queueing behind a full batch → larger batches, and a wider
+- short requests: many short requests filling the batch → larger batches, and a wider
   window so lone arrivals meet company.
 - long generations: long outputs with a full batch → smaller batches, for the tail latency of
   each token.
-- long prompts: prompts longer than a chunk while decoders wait in the same steps → smaller
+- long prompts: prompts feeding more than a chunk (after prefix hits) while decoders wait in the same steps → smaller
   prefill chunks (and a budget of one chunk plus every decoder), so decoders are not stalled.
 Steps are doublings and halvings within fixed bounds, so the knobs take few distinct values and
 the coordinator's hysteresis settles on one of them.
@@ -107,9 +107,10 @@ def _bursts(profile: Profile, knobs: Knobs, defaults: Knobs) -> Proposal | None:
 
 def _short_requests(profile: Profile, knobs: Knobs, defaults: Knobs) -> Proposal | None:
     rate = profile.arrivals / profile.seconds
+    # Requests beyond a worker's batch wait in the gateway's queue, not the worker's: a full batch
+    # is the sign of them.
     full = profile.batch_size_mean >= FULL_BATCH * knobs.max_batch_size
-    if (rate < BUSY_ARRIVALS_PER_S or profile.finished == 0 or profile.output_tokens_p50 > SHORT_OUTPUT_TOKENS
-            or not (full and profile.waiting_mean >= 1)):
+    if rate < BUSY_ARRIVALS_PER_S or profile.finished == 0 or profile.output_tokens_p50 > SHORT_OUTPUT_TOKENS or not full:
         return None
     cap = memory_cap(profile)
     limit = min(defaults.max_batch_size * BATCH_GROWTH, cap if cap is not None else 1 << 30)
@@ -121,9 +122,8 @@ def _short_requests(profile: Profile, knobs: Knobs, defaults: Knobs) -> Proposal
             == knobs.batching_window_ms:
         return None
     return Proposal("short requests", knobs.with_(**changes), THROUGHPUT,
-                    f"{rate:.1f} requests/s of {profile.output_tokens_p50:.0f} output tokens (p50) wait "
-                    f"behind a full batch ({profile.batch_size_mean:.1f} of {knobs.max_batch_size}, "
-                    f"{profile.waiting_mean:.1f} queued)")
+                    f"{rate:.1f} requests/s of {profile.output_tokens_p50:.0f} output tokens (p50) fill "
+                    f"the batch ({profile.batch_size_mean:.1f} of {knobs.max_batch_size})")
 
 
 def _long_generations(profile: Profile, knobs: Knobs, defaults: Knobs) -> Proposal | None:
@@ -138,12 +138,13 @@ def _long_generations(profile: Profile, knobs: Knobs, defaults: Knobs) -> Propos
 
 
 def _long_prompts(profile: Profile, knobs: Knobs, defaults: Knobs) -> Proposal | None:
-    if (profile.prompt_tokens_p50 < knobs.prefill_chunk or profile.decoders_waiting_on_prefill < 1
-            or knobs.prefill_chunk <= MIN_PREFILL_CHUNK):
+    # What is fed, not what is sent: a prompt whose prefix the cache holds prefills only the rest.
+    fed = profile.prefill_tokens / profile.arrivals if profile.arrivals else 0.0
+    if fed < knobs.prefill_chunk or profile.decoders_waiting_on_prefill < 1 or knobs.prefill_chunk <= MIN_PREFILL_CHUNK:
         return None
     chunk = max(MIN_PREFILL_CHUNK, knobs.prefill_chunk // 2)
     return Proposal("long prompts", knobs.with_(prefill_chunk=chunk, token_budget=chunk + knobs.max_batch_size),
                     PREFILL_STEP_MS,
-                    f"prompts of {profile.prompt_tokens_p50:.0f} tokens (p50) stall "
+                    f"prompts feeding {fed:.0f} uncached tokens each (mean) stall "
                     f"{profile.decoders_waiting_on_prefill:.1f} decoders per prefill step "
                     f"({profile.step_ms_prefill:.0f} ms vs {profile.step_ms_decode:.0f} ms a decode step)")

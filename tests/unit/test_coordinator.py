@@ -33,8 +33,8 @@ def profile(**fields) -> Profile:
 SHORT = dict(arrivals=40, output_tokens_p50=32, batch_size_mean=7.5, waiting_mean=4.0)  # many short, queueing
 LONG_GEN = dict(output_tokens_p50=400, output_tokens_p95=600, batch_size_mean=7.0)
 BURSTY = dict(arrivals=30, burstiness=3.5)
-LONG_PROMPTS = dict(prompt_tokens_p50=1500, prompt_tokens_p95=2000, decoders_waiting_on_prefill=3.0,
-                    step_ms_prefill=400)
+LONG_PROMPTS = dict(prompt_tokens_p50=1500, prompt_tokens_p95=2000, prefill_tokens=15000,
+                    decoders_waiting_on_prefill=3.0, step_ms_prefill=400)
 
 
 # ---- the policies, one profile each --------------------------------------------------------------
@@ -71,6 +71,8 @@ def test_long_prompts_with_waiting_decoders_get_smaller_prefill_chunks():
     assert p.policy == "long prompts" and p.knobs.prefill_chunk == 256
     assert p.knobs.token_budget == 256 + DEFAULTS.max_batch_size
     assert policy.propose(profile(**{**LONG_PROMPTS, "decoders_waiting_on_prefill": 0.0}), DEFAULTS, DEFAULTS) == []
+    # The same prompts, mostly found in the prefix cache: what is left to feed is short.
+    assert policy.propose(profile(**{**LONG_PROMPTS, "prefill_tokens": 2000}), DEFAULTS, DEFAULTS) == []
 
 
 def test_batches_stay_within_what_the_kv_pool_holds():

@@ -1,0 +1,76 @@
+"""`reame strategy export FILE` and `reame strategy import FILE`: pin a known-good tuning strategy.
+
+Both talk to a running gateway's /admin/strategy (the URL from reame.conf's [gateway] host and
+port, or --url; the API key from --api-key, $REAME_API_KEY or reame.conf). An imported strategy
+is frozen, so nothing learns it away; `POST /admin/strategy/unfreeze` lets learning resume from it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from shared.config import load_config
+from shared.errors import ConfigError, ReameError
+
+TIMEOUT_S = 10.0
+
+
+def add_parser(sub) -> None:
+    parser = sub.add_parser("strategy", help="export or import the tuning strategy of a running server",
+                            description="Save the scheduler knobs the tuning coordinator chose, or pin saved ones.")
+    actions = parser.add_subparsers(dest="strategy_action", metavar="ACTION")
+    actions.required = True
+    for name, handler, help_text in (("export", _export, "write the running strategy to FILE (JSON)"),
+                                     ("import", _import, "pin the strategy in FILE (frozen)")):
+        action = actions.add_parser(name, help=help_text)
+        action.add_argument("file", metavar="FILE")
+        action.add_argument("--url", help="the gateway (default: http://[gateway] host:port from reame.conf)")
+        action.add_argument("--api-key", help="the gateway's API key (default: $REAME_API_KEY, then reame.conf)")
+        action.set_defaults(handler=handler)
+
+
+def _export(args: argparse.Namespace) -> int:
+    doc = _call(args, "GET", None)
+    Path(args.file).write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+    print(f"strategy v{doc.get('version', 0)} ({len(doc.get('workers', {}))} workers"
+          f"{', frozen' if doc.get('frozen') else ''}) written to {args.file}")
+    return 0
+
+
+def _import(args: argparse.Namespace) -> int:
+    try:
+        body = Path(args.file).read_bytes()
+        json.loads(body)
+    except OSError as exc:
+        raise ConfigError(f"{args.file}: {exc.strerror or exc}") from None
+    except ValueError as exc:
+        raise ConfigError(f"{args.file} is not JSON: {exc}") from None
+    doc = _call(args, "POST", body)
+    print(f"strategy v{doc.get('version', 0)} in force{' (frozen)' if doc.get('frozen') else ''}")
+    return 0
+
+
+def _call(args: argparse.Namespace, method: str, body: bytes | None) -> dict:
+    config = load_config(args.config)
+    url = (args.url or f"http://{config.gateway.host}:{config.gateway.port}").rstrip("/") + "/admin/strategy"
+    key = args.api_key or os.environ.get("REAME_API_KEY") or config.gateway.api_key
+    request = urllib.request.Request(url, data=body, method=method)
+    request.add_header("Content-Type", "application/json")
+    if key:
+        request.add_header("Authorization", f"Bearer {key}")
+    try:
+        with urllib.request.urlopen(request, timeout=TIMEOUT_S) as response:
+            return json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        try:
+            message = json.loads(exc.read())["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = exc.reason
+        raise ReameError(f"{url}: {exc.code} {message}") from None
+    except (urllib.error.URLError, OSError) as exc:
+        raise ReameError(f"cannot reach {url}: {getattr(exc, 'reason', exc)}") from None
+

@@ -1,0 +1,71 @@
+"""The adaptive report on a synthetic history: its exact shape, deltas against boot, the plateau
+statement, and lines in the log at the configured interval."""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from gateway.coordinator.coordinator import Decision
+from gateway.coordinator.report import AdaptiveReport
+from gateway.coordinator.service import TuningService
+from tests.fakes import fake_config
+from tests.unit.test_coordinator import profile
+
+BOOT_WALL = 1_000_000.0
+
+
+def history_of(report: AdaptiveReport, minutes: int, slow_minutes: int = 1) -> None:
+    """One 5-second profile of one worker at a time: 100 tok/s, p95 400 ms, hit-rate 0.40 for
+    `slow_minutes`, then 150 tok/s, 300 ms, 0.70."""
+    for i in range(1, minutes * 12 + 1):
+        slow = i <= slow_minutes * 12
+        report.add(profile(output_tokens=500 if slow else 750, latency_ms_p95=400 if slow else 300, finished=10,
+                           prefix_query_tokens=1000, prefix_hit_tokens=400 if slow else 700,
+                           sources={"kernels": {"gemm": "q4_1_i8_avx2"}}), now=5.0 * i)
+
+
+def test_report_lines_have_the_issues_shape_and_deltas_against_boot():
+    report = AdaptiveReport(boot=0.0, window_s=60.0)
+    history_of(report, minutes=30)
+    lines = report.lines(1800.0, [], BOOT_WALL)
+    assert lines[:5] == [
+        "[reame] adaptive report @ 30m",
+        "  prefix cache hit-rate: 0.70 (+0.30 vs boot)",
+        "  chosen gemm kernel:   q4_1_i8_avx2",
+        "  effective throughput: 150.0 tok/s (+50% vs boot)",
+        "  p95 latency:          300 ms (-25% vs boot)",
+    ]
+    assert lines[5].startswith("  strategy:             0 changes, 0 reverted; converged:")
+
+
+def test_the_report_says_when_it_is_still_learning():
+    report = AdaptiveReport(boot=0.0, window_s=60.0)
+    history_of(report, minutes=10)
+    change = Decision(3, "h/node0/cpus0-1", BOOT_WALL + 590.0, "change", "short requests", "...", {}, {},
+                      outcome="kept")
+    lines = report.lines(600.0, [change], BOOT_WALL)
+    assert lines[-1] == "  strategy:             1 changes, 0 reverted; still learning (1 changes in the last 3m)"
+    early = AdaptiveReport(boot=0.0, window_s=60.0)
+    history_of(early, minutes=1)
+    assert early.lines(60.0, [], BOOT_WALL)[3] == "  effective throughput: 100.0 tok/s (+0% vs boot)"
+    assert "too little traffic" in early.lines(60.0, [], BOOT_WALL)[-1]
+    idle = AdaptiveReport(boot=0.0, window_s=60.0)
+    assert idle.lines(30.0, [], BOOT_WALL)[1] == "  prefix cache hit-rate: 0.00 (n/a vs boot)"
+
+
+def test_report_lines_reach_the_log_at_the_configured_interval(tmp_path, caplog):
+    config = fake_config(tmp_path, f"[tuning]\nreport_interval = 0.2\nstate_path = {tmp_path}\n")
+
+    class Pool:
+        on_profile = on_register = None
+
+    async def run() -> None:
+        service = TuningService(config, Pool())
+        service.start()
+        await asyncio.sleep(0.5)
+        await service.close()
+
+    with caplog.at_level(logging.INFO, logger="reame.coordinator"):
+        asyncio.run(run())
+    headers = [r.getMessage() for r in caplog.records if r.getMessage().startswith("[reame] adaptive report @ ")]
+    assert len(headers) == 2  # at 0.2 s and 0.4 s
