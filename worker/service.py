@@ -55,6 +55,8 @@ class WorkerService:
         self.tuning = tuning
         self.profiler = profiler
         self.adaptive = adaptive
+        self.frozen = False  # an operator froze the strategy: nothing here may learn until unfrozen
+        self._freeze_listeners: list[Callable[[bool], None]] = []
         self.socket = socket
         self.info = info
         self.drain_timeout = drain_timeout
@@ -74,6 +76,11 @@ class WorkerService:
 
     def request_register(self) -> None:
         self.register_requested = True
+
+    def on_freeze(self, listener: Callable[[bool], None]) -> None:
+        """Call listener(frozen) when a Strategy freezes or unfreezes learning (the kernel tuner
+        stops exploring while frozen). Called from the serve loop, between steps."""
+        self._freeze_listeners.append(listener)
 
     def load(self) -> tuple[int, int]:
         """(running, queued), for heartbeats."""
@@ -178,9 +185,17 @@ class WorkerService:
         except ConfigError as exc:
             log.warning("worker %s: refused strategy %d: %s", self.info.worker_id, strategy.version, exc.message)
             return
-        if adopted:
-            log.info("worker %s: strategy %d (%s): %s", self.info.worker_id, strategy.version, strategy.reason,
-                     ", ".join(f"{k}={v}" for k, v in knobs.as_dict().items()))
+        if not adopted:
+            return
+        log.info("worker %s: strategy %d (%s): %s", self.info.worker_id, strategy.version, strategy.reason,
+                 ", ".join(f"{k}={v}" for k, v in knobs.as_dict().items()))
+        if strategy.frozen != self.frozen:
+            self.frozen = strategy.frozen
+            for listener in self._freeze_listeners:
+                try:
+                    listener(self.frozen)
+                except Exception:  # a listener's bug must not stop the serve loop
+                    log.exception("worker %s: a freeze listener failed", self.info.worker_id)
 
     def _accept(self, request: Generate) -> None:
         # Validated on arrival, so a bad request fails at once, not after the requests ahead of it.

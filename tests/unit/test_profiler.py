@@ -86,3 +86,14 @@ def test_with_adaptivity_off_a_worker_keeps_its_knobs():
     service = WorkerService(FakeGenerator(), ScriptedSocket(), INFO, tuning=tuning, adaptive=False)
     service._handle(Strategy(2, "short requests", 16, 528, 512, 512, 4.0))
     assert tuning.version == 0 and tuning.current() == SchedulerKnobs()
+
+
+def test_freeze_and_unfreeze_reach_the_listeners_once_each():
+    tuning = TuningState(SchedulerKnobs())
+    service = WorkerService(FakeGenerator(), ScriptedSocket(), INFO, tuning=tuning)
+    heard = []
+    service.on_freeze(heard.append)
+    service._handle(Strategy(1, "freeze", 8, 512, 512, 512, 2.0, frozen=True))
+    service._handle(Strategy(1, "freeze", 8, 512, 512, 512, 2.0, frozen=True))  # repeated: ignored
+    service._handle(Strategy(2, "unfreeze", 8, 512, 512, 512, 2.0))
+    assert heard == [True, False] and not service.frozen
