@@ -20,6 +20,8 @@ from pathlib import Path
 from aiohttp import web
 
 from shared.config import Config, adaptive_flag, add_adaptive_flag, is_loopback, load_config, model_flag, override
+from shared.curve import check_transport, exposed_tcp, server_keys
+from shared.curve import enabled as curve_enabled
 from shared.errors import ConfigError, ReameError
 from shared.logs import setup_logging
 
@@ -65,11 +67,12 @@ def check_exposure(config: Config) -> list[str]:
         if not config.gateway.authenticated:
             warnings.append(f"listening on {host} without an api_key: anyone who can reach port "
                             f"{config.gateway.port} may use this server (set [gateway] api_key or $REAME_API_KEY)")
-    endpoint = config.endpoint
-    if endpoint.startswith("tcp://") and not is_loopback(endpoint[len("tcp://"):].rsplit(":", 1)[0]):
-        # ZeroMQ has no authentication: whoever reaches it can register as a worker and see prompts.
-        warnings.append(f"workers connect over {endpoint}, which other machines can reach; keep it on a "
-                        "private network")
+    check_transport(config)
+    server_keys(config)  # the key files are checked before the model loads
+    if exposed_tcp(config.endpoint) and not curve_enabled(config):
+        # Allowed by insecure_tcp: whoever reaches the port can register as a worker and see prompts.
+        warnings.append(f"workers connect over {config.endpoint} without CURVE (insecure_tcp = true): "
+                        "anyone who reaches it may join as a worker; keep it on a private network")
     return warnings
 
 

@@ -15,6 +15,7 @@ from gateway.prompts import EncodeProcesses, PromptEncoder
 from gateway.structured import GrammarCache
 from gateway.workers import WorkerPool
 from shared.config import Config
+from shared.curve import server_keys
 
 
 @dataclass
@@ -46,7 +47,7 @@ def build_state(config: Config, tokenizer: Any, template: Any, decoder: Callable
     metrics = Metrics()
     pool = WorkerPool(config.endpoint, metrics, heartbeat_interval=config.server.heartbeat_interval,
                       worker_timeout=config.server.worker_timeout, max_queue=config.gateway.max_queue,
-                      queue_timeout=config.gateway.queue_timeout,
+                      queue_timeout=config.gateway.queue_timeout, curve=server_keys(config),
                       # A worker of another model would turn these token ids into other text.
                       model_arch=getattr(tokenizer, "arch", None), vocab_size=tokenizer.vocab_size)
     end_ids = set(tokenizer.eot_ids)

@@ -30,8 +30,10 @@ import zmq.asyncio
 from gateway.errors import OverloadedError, ServiceUnavailableError
 from gateway.metrics import Metrics
 from gateway.router import Candidate, Router
+from gateway.worker_auth import WorkerAuthenticator
 from shared import protocol
 from shared.config import GatewaySection, ServerSection
+from shared.curve import ServerKeys, secure_server
 from shared.protocol import Abort, Drain, Error, Finished, Generate, Heartbeat, Profile, Register, Strategy, TokenChunk
 from shared.sampling import SamplingParams
 
@@ -94,9 +96,10 @@ class WorkerPool:
                  worker_timeout: float = _SERVER.worker_timeout, max_queue: int = _GATEWAY.max_queue,
                  queue_timeout: float = _GATEWAY.queue_timeout,
                  model_arch: str | None = None, vocab_size: int | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, curve: ServerKeys | None = None):
         """`model_arch` and `vocab_size` are the tokenizer's (general.architecture, its token count):
-        a worker whose model differs is refused, as its token ids would mean other text."""
+        a worker whose model differs is refused, as its token ids would mean other text. With
+        `curve`, workers connect over CURVE and only those with an authorized key get in."""
         self.endpoint = endpoint
         self.model_arch = model_arch
         self.vocab_size = vocab_size
@@ -117,6 +120,8 @@ class WorkerPool:
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted worker may reuse its id
+        self.curve = curve
+        self.authenticator = WorkerAuthenticator(self._context, curve.authorized_dir) if curve else None
         self._tasks: list[asyncio.Task] = []
         self._refused: set[tuple[str, str]] = set()  # (worker id, reason) already logged
         self._dispatched = 0  # jobs sent to workers so far
@@ -129,6 +134,9 @@ class WorkerPool:
     # ---- lifecycle ---------------------------------------------------------------------------
 
     async def start(self) -> None:
+        if self.curve is not None:
+            self.authenticator.start()  # before the bind: libzmq lets everyone in while no handler answers
+            secure_server(self._socket, self.curve)
         if self.endpoint.startswith("ipc://") and not self.endpoint.startswith("ipc://@"):  # @: abstract, no file
             _bind_private(self._socket, Path(self.endpoint[len("ipc://"):]))
         else:
@@ -140,6 +148,8 @@ class WorkerPool:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.authenticator is not None:
+            await self.authenticator.close()
         self._socket.close(linger=0)
         self._context.term()
 

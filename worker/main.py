@@ -19,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+from shared import curve
 from shared.config import Config, adaptive_flag, add_adaptive_flag, load_config, model_flag, override
 from shared.errors import ConfigError, ReameError
 from shared.logs import setup_logging
@@ -46,6 +47,8 @@ def configure(args: argparse.Namespace) -> Config:
     config = override(config, "server", state_dir=state_dir)
     config = override(config, "tuning", adaptive=adaptive_flag(args.adaptive))
     config = override(config, "prefix_cache", store_path=args.store_path)
+    curve.check_transport(config)
+    curve.client_keys(config)  # the key files are checked before the model loads
     return config
 
 
@@ -139,6 +142,10 @@ def serve(config: Config, node: int, cpus: list[int], engine, path: Path) -> Non
                     model_path=str(path), arch=engine.arch, n_ctx=engine.n_ctx, vocab_size=engine.vocab_size,
                     capacity=knobs.max_batch_size, host=host, pid=os.getpid())
     context = zmq.Context()
+    keys = curve.client_keys(config)
+    if keys is not None:
+        curve.secure_clients(context, keys)  # the pulse's socket too
+        log.info("worker %s: CURVE key %s", worker_id, keys.public.decode())
     sock = context.socket(zmq.DEALER)
     sock.setsockopt(zmq.IDENTITY, worker_id.encode())
     sock.setsockopt(zmq.LINGER, 2000)  # long enough for the goodbye to reach the gateway

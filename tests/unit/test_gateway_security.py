@@ -108,9 +108,11 @@ def test_other_addresses_need_allow_remote_and_warn_without_a_key():
     assert check_exposure(conf("host = 10.1.2.3\nallow_remote = true\napi_key = k")) == []
 
 
-def test_a_tcp_worker_endpoint_beyond_loopback_warns():
+def test_a_tcp_worker_endpoint_beyond_loopback_needs_curve_or_insecure_tcp():
     assert check_exposure(conf(server="endpoint = tcp://127.0.0.1:5557")) == []
-    warnings = check_exposure(conf(server="endpoint = tcp://0.0.0.0:5557"))
+    with pytest.raises(ConfigError, match="insecure_tcp"):
+        check_exposure(conf(server="endpoint = tcp://0.0.0.0:5557"))
+    warnings = check_exposure(conf(server="endpoint = tcp://0.0.0.0:5557\ninsecure_tcp = true"))
     assert len(warnings) == 1 and "tcp://0.0.0.0:5557" in warnings[0]
 
 

@@ -1,0 +1,153 @@
+"""ZeroMQ CURVE between the gateway and its workers: key files, and what each side needs of them.
+
+Over `tcp://` the workers' socket is open to whoever reaches the port: a stranger could register
+as a worker and be sent prompts. With CURVE every connection is encrypted, the gateway proves it
+holds its secret key, and a worker is let in only if its public key is in the gateway's directory
+of authorized keys (checked by gateway.worker_auth at each handshake).
+
+Keys are ZeroMQ certificate files (`reame keys generate` writes them): NAME.key holds the public
+key, NAME.key_secret both. reame.conf's [server] names them:
+  curve_gateway_key      the gateway's: its .key_secret on the gateway's host, .key on workers' hosts
+  curve_worker_key       this host's workers' .key_secret
+  curve_authorized_keys  the gateway's directory of the workers' .key files
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import zmq
+import zmq.auth
+
+from shared.config import Config, is_loopback
+from shared.errors import ConfigError
+
+ZAP_DOMAIN = "reame"  # the ZAP domain of the workers' socket
+
+
+@dataclass(frozen=True)
+class ServerKeys:
+    """What the gateway needs: its key pair and the directory of authorized worker keys."""
+    public: bytes
+    secret: bytes
+    authorized_dir: Path
+
+
+@dataclass(frozen=True)
+class ClientKeys:
+    """What a worker needs: the gateway's public key (to know it talks to the gateway) and its own pair."""
+    server_public: bytes
+    public: bytes
+    secret: bytes
+
+
+def generate(directory: Path, name: str, *, overwrite: bool = False) -> tuple[Path, Path]:
+    """Write NAME.key (public) and NAME.key_secret (readable by the owner only); their paths."""
+    if not name or "/" in name or name.startswith("."):
+        raise ConfigError(f"key name {name!r}: give a plain file name such as 'gateway' or 'worker-host2'")
+    public, secret = directory / f"{name}.key", directory / f"{name}.key_secret"
+    existing = [str(p) for p in (public, secret) if p.exists()]
+    if existing and not overwrite:
+        raise ConfigError(f"{', '.join(existing)} already exist (a worker or gateway may be using them); "
+                          "pass --force to replace them")
+    directory.mkdir(parents=True, exist_ok=True)
+    old_umask = os.umask(0o077)  # the secret file is never readable by others, not even briefly
+    try:
+        for path in (public, secret):
+            path.unlink(missing_ok=True)
+        zmq.auth.create_certificates(str(directory), name)
+    finally:
+        os.umask(old_umask)
+    public.chmod(0o644)
+    return public, secret
+
+
+def load_key(path: Path, *, need_secret: bool, what: str) -> tuple[bytes, bytes | None]:
+    """(public, secret) from a certificate file; ConfigError naming the setting when unusable."""
+    try:
+        public, secret = zmq.auth.load_certificate(str(path))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{what} = {path}: cannot read a ZeroMQ key from it ({exc})") from None
+    if need_secret and not secret:
+        raise ConfigError(f"{what} = {path} holds no secret key: name the .key_secret file here")
+    return public, secret
+
+
+def authorized_keys(directory: Path) -> dict[bytes, str]:
+    """The public keys of the .key files in `directory` → their file names."""
+    keys = {}
+    for path in sorted(directory.glob("*.key")):
+        try:
+            public, _ = zmq.auth.load_certificate(str(path))
+        except (OSError, ValueError):
+            continue  # gateway.worker_auth reports the unreadable files
+        keys[public] = path.name
+    return keys
+
+
+def enabled(config: Config) -> bool:
+    return bool(config.server.curve_gateway_key)
+
+
+def server_keys(config: Config) -> ServerKeys | None:
+    """The gateway's CURVE keys, or None when CURVE is off."""
+    if not enabled(config):
+        return None
+    server = config.server
+    public, secret = load_key(config.resolve_path(server.curve_gateway_key), need_secret=True,
+                              what="[server] curve_gateway_key")
+    if not server.curve_authorized_keys:
+        raise ConfigError("[server] curve_gateway_key is set but curve_authorized_keys is not: name the "
+                          "directory of the workers' public keys (.key files)")
+    directory = config.resolve_path(server.curve_authorized_keys)
+    if not directory.is_dir():
+        raise ConfigError(f"[server] curve_authorized_keys = {directory}: not a directory")
+    return ServerKeys(public, secret, directory)
+
+
+def client_keys(config: Config) -> ClientKeys | None:
+    """A worker's CURVE keys, or None when CURVE is off."""
+    if not enabled(config):
+        return None
+    server_public, _ = load_key(config.resolve_path(config.server.curve_gateway_key), need_secret=False,
+                                what="[server] curve_gateway_key")
+    if not config.server.curve_worker_key:
+        raise ConfigError("[server] curve_gateway_key is set but curve_worker_key is not: name this host's "
+                          "worker key (.key_secret, from `reame keys generate`)")
+    public, secret = load_key(config.resolve_path(config.server.curve_worker_key), need_secret=True,
+                              what="[server] curve_worker_key")
+    return ClientKeys(server_public, public, secret)
+
+
+def secure_server(sock: zmq.Socket, keys: ServerKeys) -> None:
+    """Make `sock` a CURVE server whose peers are checked by the ZAP handler (set before bind)."""
+    sock.curve_server = True
+    sock.curve_publickey = keys.public
+    sock.curve_secretkey = keys.secret
+    sock.zap_domain = ZAP_DOMAIN.encode()
+
+
+def secure_clients(context: zmq.Context, keys: ClientKeys) -> None:
+    """Every socket `context` makes from now on connects as a CURVE client with these keys."""
+    context.curve_serverkey = keys.server_public
+    context.curve_publickey = keys.public
+    context.curve_secretkey = keys.secret
+
+
+def exposed_tcp(endpoint: str) -> bool:
+    """A tcp:// endpoint other machines can reach (anything but a loopback address)."""
+    if not endpoint.startswith("tcp://"):
+        return False
+    host = endpoint[len("tcp://"):].rsplit(":", 1)[0]
+    return not is_loopback(host)
+
+
+def check_transport(config: Config) -> None:
+    """Refuse a workers' endpoint that other machines can reach without CURVE, unless reame.conf
+    says `insecure_tcp = true`: prompts and answers would cross the network in the clear, and
+    anyone who reached the port could join as a worker."""
+    if exposed_tcp(config.endpoint) and not enabled(config) and not config.server.insecure_tcp:
+        raise ConfigError(f"[server] endpoint = {config.endpoint} is reachable from other machines without "
+                          "authentication: set curve_gateway_key, curve_worker_key and curve_authorized_keys "
+                          "(`reame keys generate`), or insecure_tcp = true on a network you trust")
