@@ -201,6 +201,7 @@ class Profile:
     cpu_busy: float = 0.0  # share of those CPUs' time this worker used
     cpu_others: float = 0.0  # share used by other processes (neighbours)
     cpu_steal: float = 0.0  # share taken by the hypervisor
+    threads: Count = 0  # threads of the engine's parallel kernels now
     sources: dict[str, dict[str, float | str]] = field(default_factory=dict)  # kernels, speculation, ...
 
 
@@ -217,6 +218,7 @@ class Strategy:
     attention_chunk: Positive
     batching_window_ms: float
     frozen: bool = False  # an operator froze the strategy: whatever else learns (kernels) stops too
+    threads: Count = 0  # threads of the engine's parallel kernels (0: as the worker started)
 
 
 Message = Union[Register, Heartbeat, Generate, TokenChunk, Finished, Error, Abort, Drain, Profile, Strategy]

@@ -162,12 +162,13 @@ def serve(config: Config, node: int, cpus: list[int], engine, path: Path) -> Non
     # coordinator's decisions are off then.
     profiler = ProfileCollector(worker_id, cpus)
     service = WorkerService(generator, sock, info, drain_timeout=config.worker.drain_timeout, tuning=tuning,
-                            profiler=profiler, adaptive=config.tuning.adaptive)
+                            profiler=profiler, adaptive=config.tuning.adaptive, set_threads=_set_threads,
+                            threads=config.engine.threads)
 
     def profile():
         counters = generator.heartbeat_counters()
         counters["kv_block_tokens"] = engine.kv.block_size
-        return profiler.profile(tuning.version, counters, generator.preemptions)
+        return profiler.profile(tuning.version, counters, generator.preemptions, service.threads)
 
     pulse = Pulse(context, config.endpoint, service, config.server.heartbeat_interval,
                   counters=generator.heartbeat_counters, profile=profile,
@@ -197,6 +198,16 @@ def serve(config: Config, node: int, cpus: list[int], engine, path: Path) -> Non
             prefix.close()
         sock.close()
         context.term()
+
+
+def _set_threads(wanted: int) -> int:
+    """Threads of the engine's parallel (numba) kernels launched from this thread, the serve loop's;
+    at most the pool numba started with (NUMBA_NUM_THREADS, set in pin())."""
+    import numba
+
+    threads = max(1, min(wanted, numba.config.NUMBA_NUM_THREADS))
+    numba.set_num_threads(threads)
+    return threads
 
 
 def main(argv: list[str] | None = None) -> int:

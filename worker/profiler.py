@@ -133,7 +133,7 @@ class ProfileCollector:
 
     # ---- the pulse thread's side -------------------------------------------------------------
 
-    def profile(self, knobs_version: int, counters: dict[str, int], preemptions: int) -> Profile:
+    def profile(self, knobs_version: int, counters: dict[str, int], preemptions: int, threads: int = 0) -> Profile:
         """The profile of the window that ends now; a new window starts."""
         now = self.clock()
         with self._lock:
@@ -163,7 +163,8 @@ class ProfileCollector:
             prefix_query_tokens=max(0, delta.get("prefix_query_tokens", 0)), prefix_hit_tokens=max(0, hits),
             prefix_hit_tokens_store=max(0, delta.get("prefix_hit_tokens_store", 0)),
             store_evictions=max(0, delta.get("store_evictions", 0)),
-            cpus=self.cpus, cpu_busy=busy, cpu_others=others, cpu_steal=steal, sources=self._read_sources())
+            cpus=self.cpus, cpu_busy=busy, cpu_others=others, cpu_steal=steal, threads=threads,
+            sources=self._read_sources())
 
     def _read_sources(self) -> dict[str, dict[str, SourceValue]]:
         sections = {}

@@ -48,14 +48,19 @@ class GeneratorLike(Protocol):
 class WorkerService:
     def __init__(self, generator: GeneratorLike, socket: zmq.Socket, info: Register, *, drain_timeout: float = 120.0,
                  clock: Callable[[], float] = time.monotonic, tuning: TuningState | None = None,
-                 profiler: ProfileCollector | None = None, adaptive: bool = True):
+                 profiler: ProfileCollector | None = None, adaptive: bool = True,
+                 set_threads: Callable[[int], int] | None = None, threads: int = 0):
         """tuning: where a coordinator's Strategy lands (None: Strategies are ignored); adaptive
-        False ignores them too ([tuning] adaptive = false: the knobs stay as reame.conf says)."""
+        False ignores them too ([tuning] adaptive = false: the knobs stay as reame.conf says).
+        set_threads(n): use n threads in the engine's parallel kernels from the next step on;
+        returns the number now in use (`threads`, the one at start)."""
         self.generator = generator
         self.tuning = tuning
         self.profiler = profiler
         self.adaptive = adaptive
         self.frozen = False  # an operator froze the strategy: nothing here may learn until unfrozen
+        self.set_threads = set_threads
+        self.threads = threads
         self._freeze_listeners: list[Callable[[bool], None]] = []
         self.socket = socket
         self.info = info
@@ -187,8 +192,10 @@ class WorkerService:
             return
         if not adopted:
             return
-        log.info("worker %s: strategy %d (%s): %s", self.info.worker_id, strategy.version, strategy.reason,
-                 ", ".join(f"{k}={v}" for k, v in knobs.as_dict().items()))
+        if strategy.threads and strategy.threads != self.threads and self.set_threads is not None:
+            self.threads = self.set_threads(strategy.threads)
+        log.info("worker %s: strategy %d (%s): %s, threads=%d", self.info.worker_id, strategy.version,
+                 strategy.reason, ", ".join(f"{k}={v}" for k, v in knobs.as_dict().items()), self.threads)
         if strategy.frozen != self.frozen:
             self.frozen = strategy.frozen
             for listener in self._freeze_listeners:

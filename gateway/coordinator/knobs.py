@@ -17,13 +17,14 @@ class Knobs:
     prefill_chunk: int  # most prompt tokens one sequence feeds per step
     attention_chunk: int  # keys per online-softmax chunk
     batching_window_ms: float  # how long a lone arrival may wait for company
+    threads: int = 0  # threads of the engine's parallel kernels (0: every CPU of the worker)
 
     @classmethod
     def from_config(cls, config: Config) -> "Knobs":
         """The shipped defaults: what a worker runs without a coordinator."""
         s = config.scheduler
         return cls(s.max_batch_size, s.token_budget, config.engine.prefill_chunk, s.attention_chunk,
-                   float(s.batching_window_ms))
+                   float(s.batching_window_ms), config.engine.threads)
 
     @classmethod
     def from_dict(cls, data: Any, where: str = "knobs") -> "Knobs":
@@ -32,17 +33,20 @@ class Knobs:
             raise ConfigError(f"{where}: expected an object of knobs")
         names = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - names)
-        missing = sorted(names - set(data))
+        missing = sorted(names - set(data) - {"threads"})  # threads came later: optional
         if unknown or missing:
             raise ConfigError(f"{where}: unknown knobs {unknown}" if unknown else f"{where}: missing knobs {missing}")
-        for name in names - {"batching_window_ms"}:
+        threads = data.get("threads", 0)
+        if not isinstance(threads, int) or isinstance(threads, bool) or not 0 <= threads <= 1024:
+            raise ConfigError(f"{where}.threads: expected an integer in 0..1024, got {threads!r}")
+        for name in names - {"batching_window_ms", "threads"}:
             value = data[name]
             if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 1 << 20:
                 raise ConfigError(f"{where}.{name}: expected an integer in 1..{1 << 20}, got {value!r}")
         window = data["batching_window_ms"]
         if not isinstance(window, (int, float)) or isinstance(window, bool) or not 0 <= window <= 1000:
             raise ConfigError(f"{where}.batching_window_ms: expected a number in 0..1000, got {window!r}")
-        return cls(**{**data, "batching_window_ms": float(window)})
+        return cls(**{**data, "batching_window_ms": float(window), "threads": threads})
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)
@@ -54,7 +58,7 @@ class Knobs:
         return Strategy(version=version, reason=reason, max_batch_size=self.max_batch_size,
                         token_budget=self.token_budget, prefill_chunk=self.prefill_chunk,
                         attention_chunk=self.attention_chunk, batching_window_ms=self.batching_window_ms,
-                        frozen=frozen)
+                        frozen=frozen, threads=self.threads)
 
     def describe(self, before: "Knobs | None" = None) -> str:
         """"max_batch_size 8→16, batching_window_ms 2→4" (only what changed), or every knob."""

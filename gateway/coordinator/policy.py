@@ -9,6 +9,9 @@ which its effect is judged afterwards (coordinator.py reverts a change whose goa
   window so lone arrivals meet company.
 - long generations: long outputs with a full batch → smaller batches, for the tail latency of
   each token.
+- neighbours: other processes take much of the worker's CPUs → one thread fewer (a parallel
+  kernel waits for its slowest thread, and a thread whose CPU is taken stalls all of them); back
+  to every CPU once they are quiet again.
 - long prompts: prompts feeding more than a chunk (after prefix hits) while decoders wait in the same steps → smaller
   prefill chunks (and a budget of one chunk plus every decoder), so decoders are not stalled.
 Steps are doublings and halvings within fixed bounds, so the knobs take few distinct values and
@@ -54,6 +57,8 @@ BUSY_ARRIVALS_PER_S = 0.5
 FULL_BATCH = 0.75  # mean batch size / max_batch_size above which the batch counts as full
 LONG_OUTPUT_TOKENS = 256
 BURSTY = 2.0  # coefficient of variation of arrival gaps (Poisson: 1)
+BUSY_NEIGHBOURS = 0.5  # share of the worker's CPU time other processes used
+QUIET_NEIGHBOURS = 0.15
 MIN_ARRIVALS_FOR_BURSTS = 8
 
 
@@ -69,7 +74,7 @@ def propose(profile: Profile, knobs: Knobs, defaults: Knobs) -> list[Proposal]:
     """Every policy that fires on this profile, most urgent first (memory before the rest)."""
     if profile.steps == 0 and profile.arrivals == 0:
         return []  # an idle window says nothing about traffic
-    found = [p for rule in (_memory, _bursts, _short_requests, _long_generations, _long_prompts)
+    found = [p for rule in (_memory, _neighbours, _bursts, _short_requests, _long_generations, _long_prompts)
              if (p := rule(profile, knobs, defaults)) is not None and p.knobs != knobs]
     return found
 
@@ -93,6 +98,21 @@ def _memory(profile: Profile, knobs: Knobs, defaults: Knobs) -> Proposal | None:
     return Proposal("memory", knobs.with_(max_batch_size=size), THROUGHPUT,
                     f"{profile.preemptions} preemptions: the KV pool ({profile.kv_blocks} blocks) holds {cap} "
                     f"sequences of {profile.prompt_tokens_p95:.0f}+{profile.output_tokens_p95:.0f} tokens")
+
+
+def _neighbours(profile: Profile, knobs: Knobs, defaults: Knobs) -> Proposal | None:
+    if not profile.cpus or profile.steps == 0:
+        return None
+    everyone = len(profile.cpus)
+    threads = profile.threads or knobs.threads or everyone
+    if profile.cpu_others >= BUSY_NEIGHBOURS and threads > 1:
+        return Proposal("neighbours", knobs.with_(threads=threads - 1), THROUGHPUT,
+                        f"other processes used {100 * profile.cpu_others:.0f}% of this worker's {everyone} CPUs "
+                        f"(steal {100 * profile.cpu_steal:.0f}%): fewer threads wait less for a descheduled one")
+    if profile.cpu_others <= QUIET_NEIGHBOURS and threads < everyone:
+        return Proposal("neighbours", knobs.with_(threads=everyone), THROUGHPUT,
+                        f"other processes used only {100 * profile.cpu_others:.0f}% of this worker's CPUs")
+    return None
 
 
 def _bursts(profile: Profile, knobs: Knobs, defaults: Knobs) -> Proposal | None:

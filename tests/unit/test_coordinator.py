@@ -194,3 +194,12 @@ def test_slots_outlive_process_ids():
     assert slot_of("h/node0/1", [0, 1]) == slot_of("h/node0/2", [0, 1]) == "h/node0/cpus0-1"
     assert slot_of("h/node0/1", [2, 3]) != slot_of("h/node0/1", [0, 1])
     assert dataclasses.replace(DEFAULTS).describe(DEFAULTS.with_(max_batch_size=4)) == "max_batch_size 4→8"
+
+
+def test_busy_neighbours_get_one_thread_fewer_and_quiet_ones_every_cpu_back():
+    [fewer] = policy.propose(profile(cpu_others=0.7, threads=2), DEFAULTS, DEFAULTS)
+    assert fewer.policy == "neighbours" and fewer.knobs.threads == 1 and fewer.goal == policy.THROUGHPUT
+    assert policy.propose(profile(cpu_others=0.7, threads=1), DEFAULTS.with_(threads=1), DEFAULTS) == []
+    [back] = policy.propose(profile(cpu_others=0.05, threads=1), DEFAULTS.with_(threads=1), DEFAULTS)
+    assert back.knobs.threads == 2  # the worker's CPUs
+    assert policy.propose(profile(cpu_others=0.3, threads=1), DEFAULTS.with_(threads=1), DEFAULTS) == []  # between: stay

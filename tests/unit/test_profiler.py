@@ -97,3 +97,12 @@ def test_freeze_and_unfreeze_reach_the_listeners_once_each():
     service._handle(Strategy(1, "freeze", 8, 512, 512, 512, 2.0, frozen=True))  # repeated: ignored
     service._handle(Strategy(2, "unfreeze", 8, 512, 512, 512, 2.0))
     assert heard == [True, False] and not service.frozen
+
+
+def test_a_strategy_sets_the_engine_threads():
+    calls = []
+    service = WorkerService(FakeGenerator(), ScriptedSocket(), INFO, tuning=TuningState(SchedulerKnobs()),
+                            set_threads=lambda n: calls.append(n) or n, threads=2)
+    service._handle(Strategy(1, "neighbours", 8, 512, 512, 512, 2.0, threads=1))
+    service._handle(Strategy(2, "short requests", 16, 528, 512, 512, 2.0, threads=1))  # unchanged: no call
+    assert calls == [1] and service.threads == 1
