@@ -21,9 +21,9 @@ BATCH = 2  # requests a test worker runs at once (small, so tests can fill the g
 
 
 def write_config(directory: Path, model: Path, port: int, gateway: dict | None = None,
-                 store: Path | None = None, prefix_cache: dict | None = None) -> Path:
-    """A reame.conf for tests; `gateway` and `prefix_cache` add keys to those sections. The prefix
-    store is the test's own (`store`, else one in `directory`)."""
+                 store: Path | None = None, prefix_cache: dict | None = None, scheduler: dict | None = None) -> Path:
+    """A reame.conf for tests; `gateway`, `prefix_cache` and `scheduler` add keys to those sections.
+    The prefix store is the test's own (`store`, else one in `directory`)."""
     sections = {
         "server": {"heartbeat_interval": 0.2, "worker_timeout": 5},
         "gateway": {"api_key": API_KEY, "max_queue": 4, "queue_timeout": 60, "max_body_bytes": 65536,
@@ -40,7 +40,7 @@ def write_config(directory: Path, model: Path, port: int, gateway: dict | None =
             # (0.09 logits) that flips, as it does in llama.cpp, which answers "L'Étoile, ..." there.
             "matmul_activations": "float32",
         },
-        "scheduler": {"max_batch_size": BATCH},
+        "scheduler": {"max_batch_size": BATCH, **(scheduler or {})},
     }
     sections["prefix_cache"] = {**({"store_path": store} if store is not None else {}), **(prefix_cache or {})}
     return harness.write_config(directory, model, port, sections)
@@ -88,9 +88,10 @@ def wait_idle(server: Server, timeout: float = 10) -> None:
 
 @contextmanager
 def gateway_and_worker(directory: Path, model: Path, gateway: dict | None = None, store: Path | None = None,
-                       prefix_cache: dict | None = None):
+                       prefix_cache: dict | None = None, scheduler: dict | None = None):
     """A real gateway and one worker on a free port, ready; stopped on exit."""
     port = free_port()
-    config = write_config(directory, model, port, gateway=gateway, store=store, prefix_cache=prefix_cache)
+    config = write_config(directory, model, port, gateway=gateway, store=store, prefix_cache=prefix_cache,
+                          scheduler=scheduler)
     with harness.gateway_and_worker("e2e", directory, config, port) as server:
         yield server
