@@ -56,6 +56,7 @@ class WorkerService:
         returns the number now in use (`threads`, the one at start)."""
         self.generator = generator
         self.tuning = tuning
+        self._started = tuning.current() if tuning is not None else None  # what the engine was sized for
         self.profiler = profiler
         self.adaptive = adaptive
         self.frozen = False  # an operator froze the strategy: nothing here may learn until unfrozen
@@ -182,10 +183,18 @@ class WorkerService:
         if self.tuning is None or not self.adaptive:
             log.debug("worker %s: ignored strategy %d (adaptivity is off)", self.info.worker_id, strategy.version)
             return
+        if self._started is None:  # a TuningState given after construction: still its start values
+            self._started = self.tuning.current()
+        started = self._started
         try:
             knobs = SchedulerKnobs(max_batch_size=strategy.max_batch_size, token_budget=strategy.token_budget,
                                    prefill_chunk=strategy.prefill_chunk, attention_chunk=strategy.attention_chunk,
                                    batching_window_ms=strategy.batching_window_ms)
+            # The engine sized its window-KV pool for these at start-up.
+            if knobs.prefill_chunk > started.prefill_chunk or knobs.max_batch_size > 2 * started.max_batch_size:
+                raise ConfigError(f"prefill_chunk {knobs.prefill_chunk} (at most {started.prefill_chunk}) or "
+                                  f"max_batch_size {knobs.max_batch_size} (at most {2 * started.max_batch_size}) "
+                                  "beyond what the engine was sized for")
             adopted = self.tuning.apply(knobs, strategy.version, strategy.reason)
         except ConfigError as exc:
             log.warning("worker %s: refused strategy %d: %s", self.info.worker_id, strategy.version, exc.message)

@@ -206,6 +206,8 @@ class Coordinator:
             raise ConfigError("strategy: no workers to import (expected {\"workers\": {SLOT: {\"knobs\": {...}}}})")
         chosen = {name: Knobs.from_dict(entry.get("knobs"), f"strategy workers[{name!r}]")
                   for name, entry in workers.items()}
+        for name, knobs in chosen.items():
+            knobs.check_within(self.defaults, f"strategy workers[{name!r}]")
         frozen = True
         targets = set(self.slots) | (set(chosen) - {"*"})
         out = []

@@ -9,6 +9,8 @@ from shared.config import Config
 from shared.errors import ConfigError
 from shared.protocol import Strategy
 
+MAX_BATCH_GROWTH = 2  # the window-KV pool of sliding-window models holds twice the configured batch
+
 
 @dataclass(frozen=True)
 class Knobs:
@@ -47,6 +49,16 @@ class Knobs:
         if not isinstance(window, (int, float)) or isinstance(window, bool) or not 0 <= window <= 1000:
             raise ConfigError(f"{where}.batching_window_ms: expected a number in 0..1000, got {window!r}")
         return cls(**{**data, "batching_window_ms": float(window), "threads": threads})
+
+    def check_within(self, started: "Knobs", where: str = "knobs") -> None:
+        """ConfigError unless a worker started with `started` can take these: its engine sized the
+        window-KV pool for prefill_chunk and twice max_batch_size at start-up."""
+        if self.prefill_chunk > started.prefill_chunk:
+            raise ConfigError(f"{where}.prefill_chunk: at most {started.prefill_chunk} (the workers' "
+                              f"[engine] prefill_chunk), got {self.prefill_chunk}")
+        if self.max_batch_size > MAX_BATCH_GROWTH * started.max_batch_size:
+            raise ConfigError(f"{where}.max_batch_size: at most {MAX_BATCH_GROWTH * started.max_batch_size} "
+                              f"(twice the workers' [scheduler] max_batch_size), got {self.max_batch_size}")
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)

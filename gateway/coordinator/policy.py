@@ -23,7 +23,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
-from gateway.coordinator.knobs import Knobs
+from gateway.coordinator.knobs import MAX_BATCH_GROWTH, Knobs
 from shared.protocol import Profile
 
 
@@ -43,9 +43,7 @@ METRICS = {m.name: m for m in (
 )}
 THROUGHPUT, STEP_MS, PREFILL_STEP_MS, QUEUE_WAIT = METRICS
 
-# Bounds of what the policies may choose. Upper batch bound: twice the shipped default (the
-# window-KV pool of sliding-window models is sized for that many sequences).
-BATCH_GROWTH = 2
+# Bounds of what the policies may choose (the batch: knobs.MAX_BATCH_GROWTH times reame.conf's).
 MIN_BATCH = 2
 MAX_WINDOW_MS = 8.0
 MIN_WINDOW_MS = 0.5
@@ -133,7 +131,7 @@ def _short_requests(profile: Profile, knobs: Knobs, defaults: Knobs) -> Proposal
     if rate < BUSY_ARRIVALS_PER_S or profile.finished == 0 or profile.output_tokens_p50 > SHORT_OUTPUT_TOKENS or not full:
         return None
     cap = memory_cap(profile)
-    limit = min(defaults.max_batch_size * BATCH_GROWTH, cap if cap is not None else 1 << 30)
+    limit = min(defaults.max_batch_size * MAX_BATCH_GROWTH, cap if cap is not None else 1 << 30)
     size = min(limit, knobs.max_batch_size * 2)
     changes = {"max_batch_size": size, "token_budget": max(knobs.token_budget, size + knobs.prefill_chunk)}
     if profile.burstiness < BURSTY:  # bursts want the opposite; _bursts has it

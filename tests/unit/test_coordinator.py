@@ -186,6 +186,10 @@ def test_import_pins_a_strategy_frozen():
     assert feed(coordinator, 10, **SHORT) == []
     with pytest.raises(ConfigError, match="max_batch_size"):
         coordinator.import_strategy({"workers": {"*": {"knobs": {**pinned.as_dict(), "max_batch_size": 0}}}})
+    with pytest.raises(ConfigError, match="prefill_chunk: at most 512"):
+        coordinator.import_strategy({"workers": {"*": {"knobs": {**pinned.as_dict(), "prefill_chunk": 1024}}}})
+    with pytest.raises(ConfigError, match="max_batch_size: at most 16"):
+        coordinator.import_strategy({"workers": {"*": {"knobs": {**pinned.as_dict(), "max_batch_size": 17}}}})
     with pytest.raises(ConfigError, match="unknown knobs"):
         coordinator.import_strategy({"workers": {"*": {"knobs": {**pinned.as_dict(), "turbo": 1}}}})
 

@@ -78,6 +78,8 @@ def test_a_strategy_applies_between_steps_and_a_stale_one_is_ignored():
     service._handle(Strategy(1, "late", 4, 512, 512, 512, 2.0))
     assert tuning.current().max_batch_size == 16
     service._handle(Strategy(3, "bad", 4, 512, 512, 512, 5000.0))  # refused by SchedulerKnobs: nothing changes
+    service._handle(Strategy(4, "too big", 8, 2048, 1024, 512, 2.0))  # a prefill chunk the engine is not sized for
+    service._handle(Strategy(5, "too many", 17, 512, 512, 512, 2.0))  # over twice the configured batch
     assert tuning.version == 2
 
 
