@@ -265,8 +265,9 @@ class Coordinator:
         name = self._name_of(slot)
         if not negative:
             decision.outcome = "kept"
-            log.info("coordinator: %s v%d kept: %s %.3g → %.3g (%+.0f%%), tokens per busy second %+.0f%%", name,
-                     decision.version, goal.name, before, after, 100 * change, 100 * tput_change)
+            log.info("coordinator: %s v%d kept: %s %.3g → %.3g (%+.0f%%)%s", name, decision.version, goal.name,
+                     before, after, 100 * change,
+                     "" if goal.name == THROUGHPUT else f", tokens per busy second {100 * tput_change:+.0f}%")
             return []
         decision.outcome = "reverted"
         slot.blocked[decision.policy] = now + TABU_S
