@@ -48,6 +48,7 @@ def build_state(config: Config, tokenizer: Any, template: Any, decoder: Callable
     pool = WorkerPool(config.endpoint, metrics, heartbeat_interval=config.server.heartbeat_interval,
                       worker_timeout=config.server.worker_timeout, max_queue=config.gateway.max_queue,
                       queue_timeout=config.gateway.queue_timeout, curve=server_keys(config),
+                      routing=config.gateway.routing,
                       # A worker of another model would turn these token ids into other text.
                       model_arch=getattr(tokenizer, "arch", None), vocab_size=tokenizer.vocab_size)
     end_ids = set(tokenizer.eot_ids)

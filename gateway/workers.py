@@ -96,7 +96,8 @@ class WorkerPool:
                  worker_timeout: float = _SERVER.worker_timeout, max_queue: int = _GATEWAY.max_queue,
                  queue_timeout: float = _GATEWAY.queue_timeout,
                  model_arch: str | None = None, vocab_size: int | None = None,
-                 clock: Callable[[], float] = time.monotonic, curve: ServerKeys | None = None):
+                 clock: Callable[[], float] = time.monotonic, curve: ServerKeys | None = None,
+                 routing: str = _GATEWAY.routing):
         """`model_arch` and `vocab_size` are the tokenizer's (general.architecture, its token count):
         a worker whose model differs is refused, as its token ids would mean other text. With
         `curve`, workers connect over CURVE and only those with an authorized key get in."""
@@ -109,7 +110,7 @@ class WorkerPool:
         self.queue_timeout = queue_timeout
         self.sweep_interval = min(0.25, heartbeat_interval / 2)
         self.clock = clock
-        self.router = Router()
+        self.router = Router(affinity=routing == "affinity")
         self.workers: dict[str, WorkerHandle] = {}  # by worker id, which is also its socket's routing id
         self.queue: deque[Job] = deque()
         self.n_ctx = 0  # of the registered model; kept when workers leave
@@ -376,7 +377,7 @@ class WorkerPool:
             if not free:
                 break
             job = self._next_job()
-            candidates = [Candidate(w.worker_id, len(w.jobs), w.capacity) for w in free]
+            candidates = [Candidate(w.worker_id, len(w.jobs), w.capacity, w.info.host) for w in free]
             worker = self.workers[self.router.choose(candidates, job.key)]
             worker.jobs[job.request_id] = job
             job.worker_id = worker.worker_id

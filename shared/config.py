@@ -100,6 +100,7 @@ class GatewaySection:
     content_specials: str = "text"  # text | reject: special-token text inside chat messages
     allowed_hosts: str = ""  # Host names accepted besides `host` and loopback names, comma-separated
     cors_origins: str = ""  # browser origins allowed to call the API, comma-separated; "" = CORS off
+    routing: str = "affinity"  # affinity (prefix, then host, then load) | least_loaded
 
 
     @property
@@ -195,6 +196,7 @@ _CHOICES = {
     ("engine", "matmul_activations"): {"auto", "float32", "int8"},
     ("engine", "window_kv"): {"bounded", "full"},
     ("gateway", "content_specials"): {"text", "reject"},
+    ("gateway", "routing"): {"affinity", "least_loaded"},
     ("logging", "level"): {"debug", "info", "warning", "error"},
     ("prefix_cache", "store_compression"): {"zstd", "none"},
     ("prefix_cache", "store_restore"): {"auto", "always", "never"},
