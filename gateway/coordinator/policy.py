@@ -36,7 +36,10 @@ class Metric:
 
 
 METRICS = {m.name: m for m in (
-    Metric("tokens per busy second", lambda p: p.output_tokens / p.busy_seconds if p.busy_seconds else 0.0, True),
+    # Prompt and generated tokens together: output tokens alone fall whenever a window holds more
+    # prefill (a burst of new prompts), whatever the knobs did.
+    Metric("tokens per busy second",
+           lambda p: (p.prefill_tokens + p.output_tokens) / p.busy_seconds if p.busy_seconds else 0.0, True),
     Metric("step ms", lambda p: 1000 * p.busy_seconds / p.steps if p.steps else 0.0, False),
     Metric("prefill step ms", lambda p: p.step_ms_prefill, False),
     Metric("queue wait p95 ms", lambda p: p.queue_wait_ms_p95, False),

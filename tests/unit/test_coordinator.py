@@ -113,7 +113,7 @@ def test_a_change_that_helps_is_kept_and_the_knobs_converge():
     # Bigger batches: more tokens per busy second. Nothing is decided while it is measured.
     assert feed(coordinator, MEASURE + 1, **{**SHORT, "output_tokens": 2500, "batch_size_mean": 12.0}) == []
     assert coordinator.history[0].outcome == "kept"
-    assert coordinator.history[0].effect["change"] == pytest.approx(2500 / 1500 - 1, abs=1e-3)
+    assert coordinator.history[0].effect["change"] == pytest.approx((1000 + 2500) / (1000 + 1500) - 1, abs=1e-3)
     # The same traffic keeps coming: the window widens to its bound, then nothing more changes.
     for _ in range(10):
         feed(coordinator, CONFIRM + MEASURE + 1, **{**SHORT, "output_tokens": 2500, "batch_size_mean": 15.5})
@@ -131,9 +131,18 @@ def test_a_change_that_hurts_is_reverted_and_not_tried_again():
     assert revert.strategy.max_batch_size == DEFAULTS.max_batch_size and revert.strategy.version == 2
     change, undo = coordinator.history
     assert change.outcome == "reverted" and undo.kind == "revert" and undo.after == DEFAULTS.as_dict()
-    assert change.effect["change"] < -0.3
+    assert change.effect["change"] == pytest.approx((1000 + 1000) / (1000 + 1500) - 1, abs=1e-3)
     # The same evidence again: no oscillation back to 16.
     assert feed(coordinator, 30, start=100, **SHORT) == []
+
+
+def test_more_prefill_after_a_change_is_not_mistaken_for_a_loss():
+    """A burst of new prompts after a change shifts tokens from output to prefill; the engine did
+    as much work per busy second, so the change stays."""
+    coordinator = Coordinator(DEFAULTS)
+    feed(coordinator, CONFIRM, **SHORT)
+    assert feed(coordinator, MEASURE + 1, **{**SHORT, "prefill_tokens": 2000, "output_tokens": 500}) == []
+    assert coordinator.history[0].outcome == "kept"
 
 
 def test_frozen_means_no_change_and_workers_are_told():
