@@ -27,6 +27,7 @@ from gateway.request_id import current_request_id
 from gateway.requests import CompletionRequest
 from gateway.router import prefix_key
 from gateway.sse import ClientStoppedReading, EventStream
+from gateway.tools import ToolCall, ToolCallParser, family_of
 from gateway.workers import Job, Restarted
 from shared.errors import ContextLengthError, InvalidRequestError, ReameError
 from shared.protocol import Error, Finished, TokenChunk
@@ -135,6 +136,12 @@ class _Run:
         self.model = req.model or state.model_id
         self._first_token = True
         self._last_token: dict[Job, float] = {}
+        tools = req.tools if req.chat and req.tools is not None and req.tools.active else None
+        family = family_of(getattr(state.template, "source", ""))
+        names = frozenset(t.name for t in tools.tools) if tools is not None else frozenset()
+        # Replies that may hold tool calls are parsed as they come (gateway.tools).
+        self.parsers = {job: ToolCallParser(family, names) for job in jobs} if tools is not None else {}
+        self.calls_sent: dict[Job, int] = {}
 
     def _new_choice(self, job: Job) -> Choice:
         return Choice(job.index, self.state.decoder, self.stops, self.state.hidden_ids)
@@ -147,6 +154,18 @@ class _Run:
         body = responses.completion(self.req.chat, self.id, self.created, self.model, self._ordered(),
                                     self._usage(), self.state.tokenizer.token_bytes,
                                     self.req.logprobs, self.req.top_logprobs)
+        if self.parsers:
+            by_index = {job.index: parser for job, parser in self.parsers.items()}
+            for choice in body["choices"]:
+                parser = by_index[choice["index"]]
+                content, calls = parser.feed(choice["message"]["content"])
+                rest, more = parser.finish()
+                calls += more
+                if calls:
+                    choice["message"]["content"] = (content + rest) or None
+                    choice["message"]["tool_calls"] = [call.as_openai() for call in calls]
+                    if choice["finish_reason"] == "stop":
+                        choice["finish_reason"] = "tool_calls"
         return web.Response(body=orjson.dumps(body), content_type="application/json")
 
     async def stream(self, request: web.Request) -> web.StreamResponse:
@@ -174,6 +193,9 @@ class _Run:
                     for choice in self._ordered():  # OpenAI's first chunk per choice carries the role
                         await out.send(self._chunk([responses.role_delta(choice.index)]))
                 for job, delta in batch:
+                    if job in self.parsers:
+                        await self._send_with_tools(out, job, delta)
+                        continue
                     await out.send(self._chunk([responses.delta_choice(
                         self.req.chat, job.index, delta.text, delta.entries, delta.finish_reason,
                         self.state.tokenizer.token_bytes, self.req.logprobs, self.req.top_logprobs)]))
@@ -192,6 +214,34 @@ class _Run:
             await out.send(responses.chunk(self.req.chat, self.id, self.created, self.model, [],
                                            self._usage(), with_usage=True))
         await out.done()
+
+    async def _send_with_tools(self, out: EventStream, job: Job, delta: Delta) -> None:
+        """A delta of a reply that may call tools: its content as usual, each completed call as
+        OpenAI streams one (index, id and name first, then the arguments), and finish_reason
+        "tool_calls" when the reply made calls."""
+        parser = self.parsers[job]
+        content, calls = parser.feed(delta.text)
+        if delta.finish_reason is not None:
+            rest, more = parser.finish()
+            content, calls = content + rest, calls + more
+        token_bytes, logprobs, top = self.state.tokenizer.token_bytes, self.req.logprobs, self.req.top_logprobs
+        if content or delta.entries:
+            await out.send(self._chunk([responses.delta_choice(True, job.index, content, delta.entries, None,
+                                                               token_bytes, logprobs, top)]))
+        for call in calls:
+            await self._send_call(out, job, call)
+        if delta.finish_reason is not None:
+            reason = "tool_calls" if delta.finish_reason == "stop" and self.calls_sent.get(job) else delta.finish_reason
+            await out.send(self._chunk([responses.delta_choice(True, job.index, "", [], reason,
+                                                               token_bytes, logprobs, top)]))
+
+    async def _send_call(self, out: EventStream, job: Job, call: ToolCall) -> None:
+        index = self.calls_sent.get(job, 0)
+        self.calls_sent[job] = index + 1
+        head = {"index": index, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
+        for part in (head, {"index": index, "function": {"arguments": call.arguments}}):
+            await out.send(self._chunk([{"index": job.index, "delta": {"tool_calls": [part]}, "logprobs": None,
+                                         "finish_reason": None}]))
 
     # ---- applying worker events --------------------------------------------------------------
 

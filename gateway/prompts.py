@@ -68,10 +68,11 @@ class PromptEncoder:
         # None (test doubles, the child processes themselves): everything runs on the threads.
         self._processes = processes
 
-    async def chat_ids(self, messages: tuple[dict, ...], n_ctx: int) -> list[int]:
+    async def chat_ids(self, messages: tuple[dict, ...], n_ctx: int, tools: tuple[dict, ...] = ()) -> list[int]:
+        """tools: OpenAI tool objects for a template that renders them itself (gateway.tools)."""
         if self._processes is not None and sum(len(v) for _, v in _strings(messages)) > SHORT_TEXT:
-            return await self._processes.run(_child_chat, messages, n_ctx)
-        return await self._off_loop(self.encode_chat, messages, n_ctx)
+            return await self._processes.run(_child_chat, messages, n_ctx, tools)
+        return await self._off_loop(self.encode_chat, messages, n_ctx, tools)
 
     async def prompt_ids(self, prompt: str | tuple[int, ...], n_ctx: int) -> list[int]:
         if isinstance(prompt, tuple):
@@ -87,10 +88,11 @@ class PromptEncoder:
 
     # ---- the work, run on the pool (and called directly by tests) --------------------------------
 
-    def encode_chat(self, messages: tuple[dict, ...], n_ctx: int = 0) -> list[int]:
+    def encode_chat(self, messages: tuple[dict, ...], n_ctx: int = 0, tools: tuple[dict, ...] = ()) -> list[int]:
         messages, placeholders = self._plain_messages(messages)
         try:
-            text = self.template.render(messages, add_generation_prompt=True)
+            extra = {"tools": list(tools)} if tools else {}
+            text = self.template.render(messages, add_generation_prompt=True, **extra)
         except TokenizerError as exc:  # e.g. a template that insists on alternating roles
             raise InvalidRequestError(f"the chat template rejected these messages: {exc.message}",
                                       param="messages") from None
@@ -254,8 +256,8 @@ def _child_ready() -> None:
     pass
 
 
-def _child_chat(messages: tuple[dict, ...], n_ctx: int) -> list[int]:
-    return _child.encode_chat(messages, n_ctx)
+def _child_chat(messages: tuple[dict, ...], n_ctx: int, tools: tuple[dict, ...] = ()) -> list[int]:
+    return _child.encode_chat(messages, n_ctx, tools)
 
 
 def _child_prompt(prompt: str, n_ctx: int) -> list[int]:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from gateway.structured import Constraint, constraint_of
+from gateway.tools import ToolRequest, parse_tools
 from shared.errors import InvalidRequestError
 from shared.sampling import LIMITS, MAX_LOGPROBS, SamplingParams, check
 
@@ -49,6 +50,7 @@ class CompletionRequest:
     cache_salt: str | None = None  # only requests with the same salt (and key) share cached prefixes
     constraint: Constraint | None = None  # response_format / grammar, as asked
     grammar: str = ""  # the constraint compiled (gateway.structured.GrammarCache); "" = free text
+    tools: ToolRequest | None = None  # chat: tools, tool_choice, parallel_tool_calls
 
     def params(self, max_tokens: int, stop_token_ids: tuple[int, ...], choice: int) -> SamplingParams:
         """Sampling parameters for one choice; choice i of a seeded request uses seed + i."""
@@ -78,7 +80,7 @@ def parse_chat(body: Any, *, max_n: int) -> CompletionRequest:
     max_tokens = _int(body, "max_completion_tokens", None, LIMITS["max_tokens"].low, None)
     if max_tokens is None:
         max_tokens = _limited_int(body, "max_tokens", None)
-    return _common(body, max_n, chat=True, messages=messages,
+    return _common(body, max_n, chat=True, messages=messages, tools=parse_tools(body),
                    prompts=(), max_tokens=max_tokens, logprobs=logprobs, top_logprobs=top)
 
 

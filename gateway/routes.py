@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
 
 import orjson
 from aiohttp import web
@@ -22,6 +23,7 @@ from gateway.metrics import CONTENT_TYPE
 from gateway.openapi import openapi_document
 from gateway.requests import parse_chat, parse_completion, parse_warm
 from gateway.state import STATE, GatewayState
+from gateway.tools import call_constraint, family_of, native_tools, prompt_messages
 from gateway.warm import prefill
 from shared.errors import InvalidRequestError
 
@@ -31,7 +33,18 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     req = parse_chat(await _read_json(request, state), max_n=state.config.gateway.max_n)
     _check_model(state, req.model)
-    ids = await state.prompts.chat_ids(req.messages, state.pool.n_ctx)
+    source = getattr(state.template, "source", "")
+    native = native_tools(source)
+    tools = req.tools if req.tools is not None and req.tools.active else None
+    forced = call_constraint(tools, family_of(source)) if tools is not None else None
+    if forced is not None:
+        if req.constraint is not None:
+            raise InvalidRequestError("'response_format' and a forced 'tool_choice' cannot be combined",
+                                      param="tool_choice")
+        req = replace(req, constraint=forced)
+    messages = prompt_messages(req.messages, tools, native)
+    listed = tuple(t.as_openai() for t in tools.tools) if tools is not None and native else ()
+    ids = await state.prompts.chat_ids(messages, state.pool.n_ctx, listed)
     return await complete(state, request, req, [ids], arrived, extra_stops=state.chat_stops)
 
 

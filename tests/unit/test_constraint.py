@@ -1,0 +1,94 @@
+"""worker.sched.constraint and Sampler(mask=): over a small byte-level vocabulary, any logits
+sampled under a grammar's masks spell a sentence of that grammar, and the grammar says when it is done."""
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pytest
+
+from shared.grammar import json_schema_grammar, regex_grammar, token_table
+from shared.sampling import SamplingParams
+from shared.vocab import BYTE, CONTROL, NORMAL, Vocab
+from worker.sched.constraint import Constraints
+from worker.sched.sampler import Sampler
+
+WORDS = ["ab", "abc", "12", "345", '{"', '":', "true", "false", ", "]
+EOS = 256 + len(WORDS)
+
+
+def vocab() -> Vocab:
+    tokens = [f"<0x{b:02X}>" for b in range(256)] + WORDS + ["</s>"]
+    types = [BYTE] * 256 + [NORMAL] * len(WORDS) + [CONTROL]
+    return Vocab(model="llama", pre="default", tokens=tokens, types=types, scores=[0.0] * len(tokens), merges=[],
+                 bos_id=None, eos_id=EOS, eot_id=None, add_bos=False, add_eos=False, add_space_prefix=False,
+                 ignore_merges=False, chat_template=None, arch="llama", source="test")
+
+
+def token_bytes(token: int) -> bytes:
+    return bytes([token]) if token < 256 else WORDS[token - 256].encode()
+
+
+@pytest.fixture(scope="module")
+def constraints() -> Constraints:
+    v = vocab()
+    return Constraints(lambda: token_table(v, [EOS]), len(v.tokens), capacity=4)
+
+
+def generate(constraints: Constraints, grammars: list[str], seed: int, limit: int = 60) -> list[bytes]:
+    """Sample every grammar's row together, step by step, from random logits."""
+    rng = np.random.default_rng(seed)
+    rows = [constraints.compile(g, (EOS,)) for g in grammars]
+    samplers = [Sampler(SamplingParams(temperature=1.0, seed=seed + i), constraints.vocab_size) for i in range(len(rows))]
+    out = [b""] * len(rows)
+    live = list(range(len(rows)))
+    for _ in range(limit):
+        if not live:
+            break
+        masks = constraints.masks(constraints.start([rows[i] for i in live]))
+        still = []
+        for j, i in enumerate(live):
+            token = samplers[i].sample(rng.normal(size=constraints.vocab_size).astype(np.float32) * 3, masks[j])
+            if token == EOS:
+                continue
+            out[i] += token_bytes(token)
+            if not rows[i].advance(token):
+                still.append(i)
+        live = still
+    assert not live, f"not finished within {limit} tokens: {out}"
+    return out
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_sampled_text_follows_each_grammar_in_one_batch(constraints, seed):
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
+                                                                                 "maximum": 999}},
+              "required": ["ok", "n"], "additionalProperties": False}
+    regex, json_text = generate(constraints, [regex_grammar("ab(c|12)[0-9]{2}"), json_schema_grammar(schema, "s")],
+                                seed)
+    assert re.fullmatch(rb"ab(c|12)[0-9]{2}", regex)
+    value = json.loads(json_text)
+    assert set(value) == {"ok", "n"} and isinstance(value["ok"], bool) and 0 <= value["n"] <= 999
+
+
+def test_mask_allows_the_stop_token_only_once_complete(constraints):
+    row = constraints.compile(regex_grammar("[0-9]+"), (EOS,))
+
+    def allowed() -> np.ndarray:
+        mask = constraints.masks(constraints.start([row]))[0]
+        return np.unpackbits(mask.view(np.uint8), bitorder="little")[:constraints.vocab_size]
+
+    first = allowed()
+    assert not first[EOS] and first[ord("7")] and not first[ord("a")]
+    assert row.advance(ord("7")) is False
+    assert allowed()[EOS]
+
+
+def test_sampler_mask_wins_over_the_best_logit():
+    sampler = Sampler(SamplingParams(temperature=0.0), 64)
+    logits = np.zeros(64, np.float32)
+    logits[5] = 100.0
+    mask = np.zeros(2, np.int32)
+    mask[0] = 1 << 9
+    assert sampler.sample(logits, mask) == 9
