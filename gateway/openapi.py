@@ -20,6 +20,8 @@ from gateway.requests import (
     MAX_TOP_LOGPROBS_CHAT,
     ROLES,
 )
+from gateway.structured import MAX_GRAMMAR_CHARS
+from gateway.tools import MAX_TOOLS
 from shared.config import Config
 from shared.sampling import LIMITS
 
@@ -206,6 +208,43 @@ def _sampling(max_n: int) -> Schema:
         "cache_salt": CACHE_SALT,
         "max_tokens": _limited("integer", "max_tokens",
                                description="prompt + max_tokens must fit the context (else 400)"),
+        "response_format": {"anyOf": [
+            {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["text", "json_object"]}}},
+            {"type": "object", "required": ["type", "json_schema"], "properties": {
+                "type": {"const": "json_schema"},
+                "json_schema": {"type": "object", "required": ["name"], "properties": {
+                    "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"},
+                    "schema": {"type": "object"}, "strict": _opt("boolean"), "description": {"type": "string"}}}}},
+            {"type": "null"}],
+            "description": "the output follows the JSON schema; one the engine cannot enforce is a 400 naming "
+                           "response_format.json_schema.schema"},
+        "grammar": {"anyOf": [
+            {"type": "string", "pattern": "\\S", "maxLength": MAX_GRAMMAR_CHARS},
+            {"type": "object", "required": ["type", "value"], "properties": {
+                "type": {"enum": ["lark", "regex"]},
+                "value": {"type": "string", "pattern": "\\S", "maxLength": MAX_GRAMMAR_CHARS}}},
+            {"type": "null"}],
+            "description": "Reame extension: the output follows this Lark (or llama.cpp GBNF) grammar or regex; "
+                           "not together with response_format"},
+    }
+
+
+def _tools() -> Schema:
+    """Chat only: OpenAI function tools (gateway.tools)."""
+    function = {"type": "object", "required": ["name"], "properties": {
+        "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"},
+        "description": {"type": "string"}, "parameters": {"type": "object"}}}
+    return {
+        "tools": _opt("array", maxItems=MAX_TOOLS, items={"type": "object", "required": ["function"], "properties": {
+            "type": {"const": "function"}, "function": function}}),
+        "tool_choice": {"anyOf": [
+            {"enum": ["auto", "none", "required"]},
+            {"type": "object", "required": ["function"], "properties": {
+                "type": {"const": "function"},
+                "function": {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}}}},
+            {"type": "null"}], "description": "a named function must be in tools (else 400); "
+                                              "'required' and a name need tools"},
+        "parallel_tool_calls": _opt("boolean"),
     }
 
 
@@ -218,18 +257,24 @@ def _schemas(max_n: int, vocab_size: int | None) -> Schema:
     usage = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"], "properties": {
         "prompt_tokens": token, "completion_tokens": token, "total_tokens": token,
         "prompt_tokens_details": {"type": "object", "properties": {"cached_tokens": token}}}}
-    finish = {"enum": ["stop", "length"]}
+    finish = {"enum": ["stop", "length", "tool_calls"]}
+    tool_call = {"type": "object", "required": ["id", "type", "function"], "properties": {
+        "id": {"type": "string"}, "type": {"const": "function"},
+        "function": {"type": "object", "required": ["name", "arguments"], "properties": {
+            "name": {"type": "string"}, "arguments": {"type": "string", "description": "JSON text"}}}}}
     return {
         "ChatMessage": {"anyOf": [
             # An assistant turn may carry only tool calls, so its content may be missing or null.
             {"type": "object", "required": ["role"], "properties": {
-                "role": {"const": "assistant"}, "content": {"anyOf": [*content, {"type": "null"}]}}},
+                "role": {"const": "assistant"}, "content": {"anyOf": [*content, {"type": "null"}]},
+                "tool_calls": {"type": ["array", "null"], "items": {"type": "object"}}}},
             {"type": "object", "required": ["role", "content"], "properties": {
                 "role": {"enum": sorted(ROLES - {"assistant"})}, "content": {"anyOf": content}}},
         ]},
         "ChatCompletionRequest": {"type": "object", "required": ["messages"], "properties": {
             "messages": {"type": "array", "minItems": 1, "items": _ref("ChatMessage")},
             **_sampling(max_n),
+            **_tools(),
             "max_completion_tokens": _limited("integer", "max_tokens", description="takes precedence over max_tokens"),
             "logprobs": _opt("boolean"),
             "top_logprobs": _opt("integer", minimum=0, maximum=MAX_TOP_LOGPROBS_CHAT,
@@ -273,7 +318,8 @@ def _schemas(max_n: int, vocab_size: int | None) -> Schema:
                 "type": "object", "required": ["index", "message", "finish_reason"], "properties": {
                     "index": token, "finish_reason": finish, "logprobs": {"type": ["object", "null"]},
                     "message": {"type": "object", "required": ["role", "content"], "properties": {
-                        "role": {"const": "assistant"}, "content": {"type": "string"}}}}}}}},
+                        "role": {"const": "assistant"}, "content": {"type": ["string", "null"]},
+                        "tool_calls": {"type": "array", "items": tool_call}}}}}}}},
         "Completion": {"type": "object", "required": ["id", "object", "created", "model", "choices", "usage"],
                        "properties": {
             "id": {"type": "string"}, "object": {"const": "text_completion"}, "created": {"type": "integer"},
