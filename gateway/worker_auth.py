@@ -4,7 +4,7 @@ libzmq asks this handler at every CURVE handshake on the workers' socket, with t
 address and public key. A key is let in when a `.key` file of the authorized directory holds it;
 the directory is read again when it changes, so adding or removing a worker's key takes effect
 at its next connection without a restart. A refused worker is logged once per (address, key) at
-warning level (it retries every few hundred milliseconds) and counted in `refused`.
+warning level (a restarted or reconnecting worker would repeat it) and counted in `refused`.
 """
 from __future__ import annotations
 

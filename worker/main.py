@@ -130,6 +130,7 @@ def serve(config: Config, node: int, cpus: list[int], engine, path: Path) -> Non
     from worker.kv.prefix_setup import build_prefix_cache
     from worker.profiler import ProfileCollector
     from worker.pulse import Pulse
+    from worker.refusal_watch import RefusalWatch
     from worker.sched.constraint import Constraints
     from worker.sched.generation import BatchGenerator
     from worker.sched.tuning_state import SchedulerKnobs, TuningState
@@ -149,6 +150,10 @@ def serve(config: Config, node: int, cpus: list[int], engine, path: Path) -> Non
     sock = context.socket(zmq.DEALER)
     sock.setsockopt(zmq.IDENTITY, worker_id.encode())
     sock.setsockopt(zmq.LINGER, 2000)  # long enough for the goodbye to reach the gateway
+    # A refused key is otherwise silent here: the worker would just never be registered.
+    watch = RefusalWatch(sock, config.endpoint, keys.public) if keys is not None else None
+    if watch is not None:
+        watch.start()
     sock.connect(config.endpoint)
     blocks = BlockManager.for_pool(engine.kv)
     prefix = build_prefix_cache(config, engine, blocks)
@@ -193,6 +198,8 @@ def serve(config: Config, node: int, cpus: list[int], engine, path: Path) -> Non
         raise
     finally:
         pulse.stop()
+        if watch is not None:
+            watch.stop()
         constraints.close()
         if prefix is not None:
             prefix.close()

@@ -117,3 +117,58 @@ def test_only_authorized_workers_get_through(keys, caplog, worker, admitted):
 def test_a_key_added_to_the_directory_is_let_in_without_a_restart(keys):
     got, _ = asyncio.run(_exchange(keys, "worker-b", authorized_later=True))
     assert got
+
+
+def test_a_refused_worker_says_so_in_its_own_log(keys, caplog):
+    """The worker side of a refusal: its log names the key to authorize."""
+    import threading
+
+    from worker.refusal_watch import RefusalWatch
+
+    config = conf(keys, "curve_gateway_key = keys/gateway.key_secret\ncurve_authorized_keys = authorized")
+    ready, done = threading.Event(), threading.Event()
+    port = []
+
+    def gateway():
+        async def serve():
+            context = zmq.asyncio.Context()
+            auth = WorkerAuthenticator(context, keys / "authorized")
+            auth.start()
+            router = context.socket(zmq.ROUTER)
+            secure_server(router, server_keys(config))
+            port.append(router.bind_to_random_port("tcp://127.0.0.1"))
+            ready.set()
+            while not done.is_set():
+                await asyncio.sleep(0.05)
+            router.close(linger=0)
+            await auth.close()
+            context.term()
+        asyncio.run(serve())
+
+    thread = threading.Thread(target=gateway)
+    thread.start()
+    ready.wait(5)
+    worker_conf = conf(keys, "curve_gateway_key = keys/gateway.key\ncurve_worker_key = keys/worker-b.key_secret")
+    client = client_keys(worker_conf)
+    context = zmq.Context()
+    secure_clients(context, client)
+    sock = context.socket(zmq.DEALER)
+    endpoint = f"tcp://127.0.0.1:{port[0]}"
+    watch = RefusalWatch(sock, endpoint, client.public)
+    watch.start()
+    try:
+        with caplog.at_level(logging.INFO, logger="reame"):
+            sock.connect(endpoint)
+            for _ in range(100):
+                if watch.refused:
+                    break
+                threading.Event().wait(0.05)
+    finally:
+        watch.stop()
+        sock.close(linger=0)
+        context.term()
+        done.set()
+        thread.join(5)
+    assert watch.refused >= 1
+    own = [r.getMessage() for r in caplog.records if "refused this worker's CURVE key" in r.getMessage()]
+    assert len(own) == 1 and client.public.decode() in own[0]
