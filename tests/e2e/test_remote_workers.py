@@ -44,10 +44,6 @@ def _netns_unavailable() -> str | None:
     return None
 
 
-_WHY = _netns_unavailable()
-pytestmark = pytest.mark.skipif(_WHY is not None, reason=_WHY or "")
-
-
 def ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
 
@@ -99,6 +95,9 @@ class Hosts:
 
 @pytest.fixture
 def hosts():
+    why = _netns_unavailable()  # probed here, not at collection: it creates a namespace
+    if why is not None:
+        pytest.skip(why)
     hosts = Hosts()
     try:
         hosts.create()
