@@ -123,6 +123,7 @@ def serve(config: Config, node: int, cpus: list[int], engine, path: Path) -> Non
     from worker.kv.prefix_setup import build_prefix_cache
     from worker.pulse import Pulse
     from worker.sched.generation import BatchGenerator
+    from worker.sched.kernel_table_store import build_kernel_tuner
     from worker.sched.tuning_state import SchedulerKnobs, TuningState
     from worker.service import WorkerService
 
@@ -140,6 +141,7 @@ def serve(config: Config, node: int, cpus: list[int], engine, path: Path) -> Non
     blocks = BlockManager.for_pool(engine.kv)
     prefix = build_prefix_cache(config, engine, blocks)
     generator = BatchGenerator(engine, TuningState(knobs), prefix=prefix, blocks=blocks)
+    generator.kernel_tuner = build_kernel_tuner(config, engine)  # this thread runs the steps: numba threads are per thread
     log.info("batching: %s", ", ".join(f"{k}={v}" for k, v in knobs.as_dict().items()))
     service = WorkerService(generator, sock, info, drain_timeout=config.worker.drain_timeout)
     pulse = Pulse(context, config.endpoint, service, config.server.heartbeat_interval,

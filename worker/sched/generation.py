@@ -21,6 +21,7 @@ from worker.engine.paged_kv import PagedKVCache
 from worker.kv.block_manager import BlockManager
 from worker.kv.prefix_cache import PrefixCache
 from worker.kv.sequence import Sequence
+from worker.sched.kernel_tuner import FixedKernels
 from worker.sched.sampler import Sampler
 from worker.sched.scheduler import ScheduledBatch, Scheduler
 from worker.sched.tuning_state import TuningState
@@ -106,6 +107,7 @@ class BatchGenerator:
         self.hold_until: float | None = None  # when to step again though nothing is ready to run
         self.preemptions = 0  # sequences sent back to recompute because KV blocks ran out
         self.last_step = StepStats()
+        self.kernel_tuner = FixedKernels()  # the worker sets a KernelTuner (kernel_table_store.build_kernel_tuner)
 
     # ---- requests ------------------------------------------------------------------------------
 
@@ -174,7 +176,8 @@ class BatchGenerator:
                   for c in batch.chunks]
         started = time.perf_counter()
         try:
-            logits = self.engine.execute(chunks, batch.knobs.attention_chunk)
+            with self.kernel_tuner.step(batch.num_tokens):  # the op table and threads, swapped between steps
+                logits = self.engine.execute(chunks, batch.knobs.attention_chunk)
         except Exception as exc:  # an engine bug fails this step's requests, never the worker
             log.exception("engine step failed (%d sequences)", len(batch))
             return self._fail(batch, exc)
