@@ -268,3 +268,46 @@ def test_snapshot_is_plain_json():
     assert snap["enabled"] and snap["numerics"] == "int8"
     assert snap["buckets"]["1"]["choice"] == "int8_serialx1t"
     assert set(snap["buckets"]["1"]["arms"]) == {"int8x2t", "int8x1t", "int8_serialx2t", "int8_serialx1t"}
+
+
+def _config(tmp_path, **tuning):
+    from shared.config import parse_config
+    lines = [f"state_path = {tmp_path / 'state'}"] + [f"{k} = {v}" for k, v in tuning.items()]
+    return parse_config("[tuning]\n" + "\n".join(lines) + "\n", str(tmp_path / "reame.conf"))
+
+
+class _GGUF:
+    def fingerprint(self):
+        return "cd" * 32
+
+
+def test_worker_tuner_off_when_kernels_fixed_or_not_adaptive(tmp_path):
+    from worker.sched.kernel_table_store import build_kernel_tuner
+    from worker.sched.kernel_tuner import FixedKernels
+    for tuning in ({"kernels": "fixed"}, {"adaptive": "false"}):
+        engine = FakeEngine()
+        before = engine.ops
+        assert isinstance(build_kernel_tuner(_config(tmp_path, **tuning), engine), FixedKernels)
+        assert engine.ops is before and engine.thread_calls == []
+
+
+def test_worker_tuner_calibrates_once_then_starts_on_the_saved_table(tmp_path):
+    from worker.sched.kernel_table_store import build_kernel_tuner
+    config = _config(tmp_path)
+    calls = []
+
+    def time_matmul(ops, rows, repeats=3):
+        calls.append(rows)
+        arm = CODE_TO_VARIANT[int(ops.codes[MATMUL, bucket_of(rows)])], engine.threads
+        return (0.5 if arm == ("int8_serial", 1) else 1.0) * rows * 1e-3
+
+    engine = FakeEngine()
+    engine.gguf, engine.time_matmul = _GGUF(), time_matmul
+    tuner = build_kernel_tuner(config, engine)
+    assert calls and all(arm == ("int8_serial", 1) for arm in tuner.choices().values())
+
+    calls.clear()
+    engine = FakeEngine()
+    engine.gguf, engine.time_matmul = _GGUF(), time_matmul
+    restarted = build_kernel_tuner(config, engine)
+    assert calls == [] and restarted.choices() == tuner.choices()  # no calibration: the saved table

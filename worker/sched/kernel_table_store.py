@@ -17,7 +17,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from shared.config import Config
-from worker.sched.kernel_tuner import KernelTuner, TunerSettings
+from worker.sched.kernel_tuner import FixedKernels, KernelTuner, TunerSettings
 
 log = logging.getLogger("reame.kernel_tuner")
 
@@ -110,14 +110,14 @@ def table_directory(config: Config) -> Path:
     return config.resolve_path(config.tuning.state_path)
 
 
-def build_kernel_tuner(config: Config, engine) -> KernelTuner:
+def build_kernel_tuner(config: Config, engine) -> KernelTuner | FixedKernels:
     """The worker's tuner: the saved table for this host and model when there is one, else a
     bounded calibration; with `[tuning] kernels = fixed` or `adaptive = false`, the engine's
     choice and no exploration at all."""
     settings = TunerSettings.from_config(config)
     if not settings.enabled:
         log.info("kernel tuner: off (kernels and threads as [engine] says)")
-        return KernelTuner(engine, settings)
+        return FixedKernels()
     from worker.engine import SOURCE_DIGEST
     parts = {**host_signature(), "model_sha256": engine.gguf.fingerprint(), "reame": reame_version(),
              "engine_code": SOURCE_DIGEST, "numerics": engine.ops.numerics("matmul"), "threads": str(engine.threads)}
