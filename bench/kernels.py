@@ -121,9 +121,11 @@ def end_to_end(engine, threads: int, runs: int) -> None:
             pass
         return t.prefill_tokens / t.prefill_s, t.decode_tokens / t.decode_s
 
-    for _ in range(3):  # the tuner learns on real steps first (and every kernel is compiled)
-        one("tuned")
-    one("fixed")
+    for i in range(3):  # the tuner learns on real steps first (and every kernel is compiled)
+        p, d = one("tuned")
+        say(f"  tuned warm-up {i + 1}/3: prefill {p:.0f} tok/s, decode {d:.1f} tok/s")
+    p, d = one("fixed")
+    say(f"  fixed warm-up: prefill {p:.0f} tok/s, decode {d:.1f} tok/s")
     results = {"fixed": [], "tuned": []}
     for run in range(runs):
         for mode in ("fixed", "tuned"):
@@ -176,7 +178,6 @@ def decode_curve(engine, generator, seconds: float) -> list[float]:
 def neighbour(engine, threads: int, seconds: float, png: str) -> None:
     from worker.sched.kernel_tuner import FixedKernels, KernelTuner, TunerSettings
     from worker.sched.one_request import solo_generator
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
     default = engine.ops
     generator = solo_generator(engine)
     curves = {}
@@ -245,6 +246,8 @@ def main() -> int:
     parser.add_argument("--png", default="kernels-neighbour.png")
     parser.add_argument("--skip-variants", action="store_true")
     args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("reame.kernel_tuner").setLevel(logging.INFO)  # promotions, rollbacks, calibration
     engine = load(args.model, args.threads)
     if args.neighbour:
         neighbour(engine, args.threads, args.seconds, args.png)

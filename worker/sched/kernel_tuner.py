@@ -11,7 +11,8 @@ OpTable holding every bucket's incumbent. Around each step the generator calls
 so a table is swapped only between steps: the step passes one table's codes to its whole fused
 call (all its rows), and before_step refuses to run twice without an after_step.
 
-Online A/B. A small share of steps (`explore_share`) runs a candidate arm instead. Its time per
+Online A/B. A small share of steps (`explore_share`), and at least one step every
+`explore_every_s` (when steps are slow, a share of them would take minutes), runs a candidate arm. Its time per
 row is compared with the incumbent's *recent* steps of the same bucket (the median of the last
 few), as a log ratio, so slow drift (contexts growing, a neighbour arriving) hits both sides.
 Per candidate the ratios form a sliding window; once it holds `min_samples`, every
@@ -69,7 +70,9 @@ class TunableEngine(Protocol):
 class TunerSettings:
     enabled: bool = True  # False: the engine's table and threads, never a candidate
     explore_share: float = 0.05
-    min_samples: int = 8  # candidate steps before a verdict
+    explore_every_s: float = 1.0  # ... and at least one candidate step this often (slow steps: a
+    # share of steps would take minutes to learn that the incumbent is the slow one)
+    min_samples: int = 4  # candidate steps before a verdict
     max_samples: int = 48  # the sliding window of a candidate's ratios
     z: float = 3.0  # confidence, in standard errors of the median ratio
     min_gain: float = 0.03  # a candidate must be at least 3% faster
@@ -134,6 +137,7 @@ class _Bucket:
                            for arm in arms}
         self.switch: _Switch | None = None
         self.steps = 0
+        self.explored_at = 0.0  # when a candidate last ran
 
     def reset_candidates(self) -> None:
         for c in self.candidates.values():
@@ -177,10 +181,12 @@ class KernelTuner:
         bucket = self.buckets[bucket_of(max(1, rows))]
         arm, exploring = bucket.incumbent, False
         if (self.settings.enabled and bucket.switch is None and len(bucket.recent) >= REFERENCE_STEPS
-                and self.rng.random() < self.settings.explore_share):
+                and (self.rng.random() < self.settings.explore_share
+                     or self.clock() - bucket.explored_at >= self.settings.explore_every_s)):
             candidate = self._candidate(bucket)
             if candidate is not None:
                 arm, exploring = candidate, True
+                bucket.explored_at = self.clock()
         self._step = (bucket, arm, exploring, max(1, rows))
         self._install(arm[1], bucket.index, arm[0])
 
