@@ -51,6 +51,7 @@ from worker.engine.kernels.registry import BUCKET_NAMES, OpTable, bucket_of, var
 log = logging.getLogger("reame.kernel_tuner")
 
 Arm = tuple[str, int]  # (matmul variant, threads)
+CONFIRM_WITHIN = 4  # a first win lapses unless confirmed within this many min_samples of fresh steps
 REFERENCE_STEPS = 5  # incumbent steps whose median is a candidate step's yardstick
 CALIBRATION_ROWS = (1, 4, 16, 64)  # rows timed per bucket at start-up
 
@@ -270,14 +271,15 @@ class KernelTuner:
             self._promote(bucket, arm, c, m, se)
         elif wins:
             # A win is confirmed on fresh samples before it counts: two independent windows
-            # must agree, which keeps equal arms from trading places on a lucky window.
+            # must agree, which keeps equal arms from trading places on a lucky window. The fresh
+            # window grows until it decides (noisy hosts need more samples), within a limit.
             c.confirming = True
             c.ratios.clear()
             c.seconds.clear()
-        elif c.confirming:
+        elif c.confirming and n >= CONFIRM_WITHIN * s.min_samples:
             c.confirming = False
         elif m - s.z * se > gain:
-            c.paused_until = now + s.recheck_s
+            c.paused_until, c.confirming = now + s.recheck_s, False
             c.ratios.clear()
             c.seconds.clear()
             log.debug("kernel tuner: bucket %s rows: %s eliminated (%+.0f%% ±%.0f%% vs %s) for %.0f s",
