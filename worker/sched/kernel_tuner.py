@@ -403,7 +403,12 @@ class KernelTuner:
                 log.info("kernel calibration: out of time (%.0f s) at bucket %s rows; the rest keep %s", budget,
                          bucket.name, arm_name(bucket.incumbent))
                 break
-            best = min(timings, key=timings.get)
+            # The thread count also runs the step's other parallel loops (attention, norms), which
+            # a serial matmul does not exercise: judge threads by the parallel variants alone.
+            parallel = {a: t for a, t in timings.items() if not a[0].endswith("_serial")} or timings
+            threads = min(parallel, key=parallel.get)[1]
+            at_threads = {a: t for a, t in timings.items() if a[1] == threads}
+            best = min(at_threads, key=at_threads.get)
             # Only a clear win replaces the engine's default: calibration is a short measurement.
             if timings[best] < timings[bucket.incumbent] * (1.0 - self.settings.min_gain):
                 bucket.incumbent = best
