@@ -21,7 +21,8 @@ Per candidate the ratios form a sliding window; once it holds `min_samples`, eve
     `z` standard errors of that median (the jitter, from the MADs of the candidate's ratios and
     of the incumbent's recent steps); a win is confirmed on a fresh window, then promoted;
   - eliminated (successive elimination) when it cannot win by `min_gain` with the same
-    confidence; it re-enters after `recheck_s`, with fresh samples, since the host may change.
+    confidence (decided from 2 samples on: a clear loser costs few slow steps); it re-enters
+    after `recheck_s`, with fresh samples, since the host may change.
 Rollback. For `rollback_steps` steps after a promotion the new incumbent's time per row is
 compared with the old one's before the switch; `rollback` (10%) worse beyond the jitter: undone,
 and the arm banned for `ban_s`. Each promotion and rollback is one INFO line with before/after.
@@ -256,7 +257,8 @@ class KernelTuner:
         a false win), over the candidate's window."""
         s = self.settings
         n = len(c.ratios)
-        if n < s.min_samples or (n - s.min_samples) % max(1, s.min_samples // 2):
+        early = n < s.min_samples  # only a loss can be decided this early (it costs a pause, no more)
+        if n < 2 or (not early and (n - s.min_samples) % max(1, s.min_samples // 2)):
             return
         ratios = list(c.ratios)
         m = median(ratios)
@@ -266,7 +268,7 @@ class KernelTuner:
         sigma = max(_spread(ratios) * math.sqrt(n), _spread(inc) * math.sqrt(len(inc)) * math.sqrt(1 + 1 / REFERENCE_STEPS))
         se = sigma / math.sqrt(n)
         gain = math.log(1.0 - s.min_gain)
-        wins = m < gain and m + s.z * se < 0.0
+        wins = not early and m < gain and m + s.z * se < 0.0
         if wins and c.confirming:
             self._promote(bucket, arm, c, m, se)
         elif wins:
@@ -279,12 +281,15 @@ class KernelTuner:
         elif c.confirming and n >= CONFIRM_WITHIN * s.min_samples:
             c.confirming = False
         elif m - s.z * se > gain:
-            c.paused_until, c.confirming = now + s.recheck_s, False
+            # A fixed pause, not one that grows with each loss: a neighbour that comes or goes
+            # must be noticed within seconds (a doubling pause measured 16 s instead of 5).
+            pause = s.recheck_s
+            c.paused_until, c.confirming = now + pause, False
             c.ratios.clear()
             c.seconds.clear()
             log.debug("kernel tuner: bucket %s rows: %s eliminated (%+.0f%% ±%.0f%% vs %s) for %.0f s",
                       bucket.name, arm_name(arm), 100 * math.expm1(m), 100 * se, arm_name(bucket.incumbent),
-                      s.recheck_s)
+                      pause)
 
     def _promote(self, bucket: _Bucket, arm: Arm, c: _Candidate, m: float, se: float) -> None:
         before = list(bucket.recent)
