@@ -52,6 +52,7 @@ from worker.engine.kernels.registry import BUCKET_NAMES, OpTable, bucket_of, var
 log = logging.getLogger("reame.kernel_tuner")
 
 Arm = tuple[str, int]  # (matmul variant, threads)
+MAX_PAUSE = 6.0  # the longest pause of an eliminated arm, in recheck_s
 CONFIRM_WITHIN = 4  # a first win lapses unless confirmed within this many min_samples of fresh steps
 REFERENCE_STEPS = 5  # incumbent steps whose median is a candidate step's yardstick
 CALIBRATION_ROWS = (1, 4, 16, 64)  # rows timed per bucket at start-up
@@ -281,9 +282,11 @@ class KernelTuner:
         elif c.confirming and n >= CONFIRM_WITHIN * s.min_samples:
             c.confirming = False
         elif m - s.z * se > gain:
-            # A fixed pause, not one that grows with each loss: a neighbour that comes or goes
-            # must be noticed within seconds (a doubling pause measured 16 s instead of 5).
-            pause = s.recheck_s
+            # A loser k times slower than the incumbent waits recheck_s x k / 3 (1 to MAX_PAUSE x):
+            # what its re-checks cost stays bounded (on a swamped host a two-thread step took 10-20x
+            # a one-thread one), while a 2x loser comes back within recheck_s once a neighbour
+            # leaves. Not longer per repeated loss: that delayed noticing a neighbour by 16 s.
+            pause = s.recheck_s * min(MAX_PAUSE, max(1.0, math.exp(m) / 3.0))
             c.paused_until, c.confirming = now + pause, False
             c.ratios.clear()
             c.seconds.clear()
