@@ -137,7 +137,8 @@ def end_to_end(engine, threads: int, runs: int) -> None:
     print(f"{'table':<8} {'prefill tok/s':>14} {'decode tok/s':>13}")
     for mode, (p, d) in med.items():
         print(f"{mode:<8} {p:>14.0f} {d:>13.1f}")
-    print(f"tuned/fixed: prefill {med['tuned'][0] / med['fixed'][0]:.2f}x, decode {med['tuned'][1] / med['fixed'][1]:.2f}x")
+    (tp, td), (fp, fd) = med["tuned"], med["fixed"]
+    print(f"tuned/fixed: prefill {tp / fp:.2f}x, decode {td / fd:.2f}x")
     print("tuned choices: " + ", ".join(f"{b}: {v}x{t}t" for b, (v, t) in tuner.choices().items()))
 
 

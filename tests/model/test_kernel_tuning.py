@@ -21,8 +21,8 @@ def engine(smollm2_gguf):
 
 def _requests():
     rng = random.Random(3)
-    return {f"r{i}": ([rng.randrange(100, 20000) for _ in range(5 + 9 * i)], SamplingParams(max_tokens=12, temperature=0.0))
-            for i in range(5)}
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    return {f"r{i}": ([rng.randrange(100, 20000) for _ in range(5 + 9 * i)], params) for i in range(5)}
 
 
 def test_tokens_are_the_same_whatever_the_tuner_runs(engine):

@@ -12,9 +12,10 @@ so a table is swapped only between steps: the step passes one table's codes to i
 call (all its rows), and before_step refuses to run twice without an after_step.
 
 Online A/B. A small share of steps (`explore_share`), and at least one step every
-`explore_every_s` (when steps are slow, a share of them would take minutes), runs a candidate arm. Its time per
-row is compared with the incumbent's *recent* steps of the same bucket (the median of the last
-few), as a log ratio, so slow drift (contexts growing, a neighbour arriving) hits both sides.
+`explore_every_s` (when steps are slow, a share of them would take minutes), runs a candidate
+arm. Its time per row is compared with the incumbent's *recent* steps of the same bucket (the
+median of the last few), as a log ratio, so slow drift (contexts growing, a neighbour arriving)
+hits both sides.
 Per candidate the ratios form a sliding window; once it holds `min_samples`, every
 `min_samples / 2` samples:
   - a win when its median ratio beats the incumbent by more than `min_gain` and by more than
@@ -22,13 +23,13 @@ Per candidate the ratios form a sliding window; once it holds `min_samples`, eve
     of the incumbent's recent steps); a win is confirmed on a fresh window, then promoted;
   - eliminated (successive elimination) when it cannot win by `min_gain` with the same
     confidence (decided from 2 samples on: a clear loser costs few slow steps); it re-enters
-    after `recheck_s`, with fresh samples, since the host may change.
+    after `recheck_s` (longer for a much slower arm), with fresh samples: the host may change.
 Rollback. For `rollback_steps` steps after a promotion the new incumbent's time per row is
 compared with the old one's before the switch; `rollback` (10%) worse beyond the jitter: undone,
 and the arm banned for `ban_s`. Each promotion and rollback is one INFO line with before/after.
 
 Only variants of the engine's numerics (float32 or int8 activations) are arms: they give the same
-bits, so tuning never changes an output. Threads are arms too (1..engine.max_threads): with a
+bits, so tuning never changes an output. Threads are arms too (1 to the engine's threads): with a
 busy neighbour on one of two cores, a two-thread step waits at every barrier for the thread that
 shares its core, and one thread wins until the neighbour leaves.
 
@@ -266,7 +267,8 @@ class KernelTuner:
         # The jitter: the larger of the candidate's spread and the incumbent's own (a window of 8
         # can show a small MAD by chance; the incumbent's recent steps are more).
         inc = [math.log(max(v, 1e-12)) for v in bucket.recent]
-        sigma = max(_spread(ratios) * math.sqrt(n), _spread(inc) * math.sqrt(len(inc)) * math.sqrt(1 + 1 / REFERENCE_STEPS))
+        sigma = max(_spread(ratios) * math.sqrt(n),
+                    _spread(inc) * math.sqrt(len(inc)) * math.sqrt(1 + 1 / REFERENCE_STEPS))
         se = sigma / math.sqrt(n)
         gain = math.log(1.0 - s.min_gain)
         wins = not early and m < gain and m + s.z * se < 0.0
@@ -441,7 +443,8 @@ class KernelTuner:
                                            "incumbent": True, "samples": len(b.recent)}
                 else:
                     arms[arm_name(arm)] = {"ms_per_row": round(1e3 * median(c.seconds), 4) if c.seconds else None,
-                                           "samples": len(c.ratios), "paused_s": round(max(0.0, c.paused_until - now), 1),
+                                           "samples": len(c.ratios),
+                                           "paused_s": round(max(0.0, c.paused_until - now), 1),
                                            "banned": c.banned and c.paused_until > now}
             buckets[b.name] = {"choice": arm_name(b.incumbent), "variant": b.incumbent[0],
                                "threads": b.incumbent[1], "steps": b.steps, "watching_switch": b.switch is not None,
