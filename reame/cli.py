@@ -14,7 +14,7 @@ from shared.errors import ReameError
 
 blas_env.prefer_native_blas()  # before anything imports numpy
 
-COMMANDS = ("models", "generate", "tokenize", "chat", "serve", "keys", "strategy")
+COMMANDS = ("models", "generate", "tokenize", "chat", "serve", "keys", "strategy", "tune")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -130,6 +130,10 @@ class TuningSection:
     state_path: str = "~/.cache/reame/tuning"  # learned kernel tables and the coordinator's strategy
     profile_interval: float = 5.0  # seconds between a worker's profiles to the coordinator
     report_interval: float = 1800.0  # seconds between adaptive reports in the log
+    kernel_explore_share: float = 0.05  # share of steps that time a candidate kernel/thread choice
+    kernel_rollback: float = 0.10  # undo a switch when step time per row gets this much worse after it
+    kernel_ban_seconds: float = 60.0  # how long a rolled-back choice may not be tried again
+    kernel_calibration_seconds: float = 15.0  # most seconds start-up calibration may take (0: none)
 
 
 @dataclass(frozen=True)

@@ -133,6 +133,8 @@ def serve(config: Config, node: int, cpus: list[int], engine, path: Path) -> Non
     from worker.refusal_watch import RefusalWatch
     from worker.sched.constraint import Constraints
     from worker.sched.generation import BatchGenerator
+    from worker.sched.kernel_table_store import build_kernel_tuner
+    from worker.sched.kernel_tuner import FixedKernels, kernel_profile
     from worker.sched.tuning_state import SchedulerKnobs, TuningState
     from worker.service import WorkerService
 
@@ -161,19 +163,26 @@ def serve(config: Config, node: int, cpus: list[int], engine, path: Path) -> Non
     constraints = Constraints.from_gguf(str(path), engine.vocab_size, knobs.max_batch_size)
     tuning = TuningState(knobs)
     generator = BatchGenerator(engine, tuning, prefix=prefix, blocks=blocks, constraints=constraints)
+    generator.kernel_tuner = build_kernel_tuner(config, engine)  # this thread runs the steps: numba threads are per thread
     log.info("batching: %s (adaptive %s)", ", ".join(f"{k}={v}" for k, v in knobs.as_dict().items()),
              "on" if config.tuning.adaptive else "off")
     # Profiles are sent with adaptivity off too (the report and the dashboard show them); only the
     # coordinator's decisions are off then.
     profiler = ProfileCollector(worker_id, cpus)
+    profiler.add_source("kernels", lambda: kernel_profile(generator.kernel_tuner.snapshot()))
+    # One owner for the thread count: the kernel tuner times every thread count per rows bucket
+    # when it runs; the coordinator's threads knob applies only to a worker without one.
+    tuner_owns_threads = not isinstance(generator.kernel_tuner, FixedKernels)
     service = WorkerService(generator, sock, info, drain_timeout=config.worker.drain_timeout, tuning=tuning,
-                            profiler=profiler, adaptive=config.tuning.adaptive, set_threads=_set_threads,
+                            profiler=profiler, adaptive=config.tuning.adaptive,
+                            set_threads=None if tuner_owns_threads else _set_threads,
                             threads=config.engine.threads)
 
     def profile():
         counters = generator.heartbeat_counters()
         counters["kv_block_tokens"] = engine.kv.block_size
-        return profiler.profile(tuning.version, counters, generator.preemptions, service.threads)
+        threads = engine.threads if tuner_owns_threads else service.threads
+        return profiler.profile(tuning.version, counters, generator.preemptions, threads)
 
     pulse = Pulse(context, config.endpoint, service, config.server.heartbeat_interval,
                   counters=generator.heartbeat_counters, profile=profile,

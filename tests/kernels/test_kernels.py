@@ -10,7 +10,8 @@ from worker.engine.gguf_file import GGUFFile
 from worker.engine.kernels.matmul_batch import batch_scratch
 from worker.engine.kernels.matmul_i8 import batch_scratch_i8, quantize_reference
 from worker.engine.kernels.packing import FMT_F32, M_FMT, TILE, pack
-from worker.engine.kernels.registry import ALL_QUANT_TYPES, DISPATCHED_OPS, KERNELS, OpTable, variants_of
+from worker.engine.kernels.registry import (ALL_QUANT_TYPES, BUCKET_LIMITS, BUCKET_NAMES, DISPATCHED_OPS, KERNELS,
+                                            MATMUL, OpTable, bucket_of, variants_of)
 from worker.engine.quants import dequantize
 
 # Rows deliberately not a multiple of TILE, so padding is exercised.
@@ -25,13 +26,13 @@ def _run(variant, table, index, w, x):
         scratch = np.zeros((t.padded_rows(index) // TILE, TILE), np.float32)
         fn(t.data, t.scales, t.scales16, t.meta, np.array([index]), x, out, scratch)
         return out[:w.shape[0]], w.astype(np.float64) @ x.astype(np.float64)
-    if (variant.op, variant.variant) == ("matmul", "float32"):
+    if variant.op == "matmul" and variant.numerics == "float32":
         xs = np.stack([x, -0.5 * x, np.roll(x, 7)])
         out = np.zeros((3, t.padded_rows(index)), np.float32)
         scratch = batch_scratch(t.padded_rows(index) // TILE, 3, x.shape[0])
         fn(t.data, t.scales, t.scales16, t.meta, np.array([index]), xs, out, scratch)
         return out[:, :w.shape[0]], xs.astype(np.float64) @ w.T.astype(np.float64)
-    if (variant.op, variant.variant) == ("matmul", "int8"):
+    if variant.op == "matmul" and variant.numerics == "int8":
         # The reference multiplies by the activations the kernel sees: quantized per 32 values
         # (F32 matrices are multiplied in float32, unquantized).
         xs = np.stack([x, -0.5 * x, np.roll(x, 7)])
@@ -111,31 +112,82 @@ def test_each_dispatched_op_has_variants_with_distinct_codes():
         assert codes and sorted(codes) == list(range(len(codes))), op
 
 
+def test_matmul_has_at_least_three_variants_and_two_of_each_numerics():
+    assert len(variants_of("matmul")) >= 3
+    for numerics in ("float32", "int8"):
+        assert len(variants_of("matmul", numerics)) >= 2, numerics
+
+
+def test_buckets_cover_every_row_count_and_agree_with_the_step():
+    from worker.engine.models.decode_parts import bucket_of as step_bucket_of
+    assert [bucket_of(r) for r in (1, 2, 8, 9, 32, 33, 512)] == [0, 1, 1, 2, 2, 3, 3]
+    assert len(BUCKET_NAMES) == len(BUCKET_LIMITS) + 1
+    for rows in range(1, 70):
+        assert step_bucket_of(rows) == bucket_of(rows), rows
+
+
 def test_op_table_names_its_variants_and_rejects_unknown_ones():
     table = OpTable.of(matmul="int8")
     assert table["matmul"] == "int8" and table["row"] == "gather"
-    assert table.codes.tolist() == [v.code for v in table.variants]
+    assert table.codes.shape == (len(DISPATCHED_OPS), len(BUCKET_NAMES))
+    assert table.codes[MATMUL].tolist() == [KERNELS[("matmul", "int8")].code] * len(BUCKET_NAMES)
     assert OpTable.of()["matmul"] == "float32"
     with pytest.raises(ValueError, match="no variant"):
         OpTable.of(matmul="fp8")
     with pytest.raises(ValueError, match="no dispatched op"):
         OpTable.of(softmax="fast")
+    with pytest.raises(ValueError, match="buckets"):
+        OpTable.of(matmul=("int8", "int8"))
 
 
+def test_op_table_per_bucket_choice_and_numerics():
+    table = OpTable.of(matmul="int8").with_variant("matmul", 0, "int8_serial")
+    assert table.names("matmul") == ("int8_serial", "int8", "int8", "int8")
+    assert table["matmul"] == "int8_serial/int8/int8/int8"
+    assert table.codes[MATMUL, 0] == KERNELS[("matmul", "int8_serial")].code
+    assert table.numerics("matmul") == "int8"
+    mixed = table.with_variant("matmul", 3, "float32")
+    with pytest.raises(ValueError, match="mixes numerics"):
+        mixed.numerics("matmul")
+
+
+@pytest.mark.parametrize("rows", [1, 3, 12, 40])
 @pytest.mark.parametrize("variant", list(variants_of("matmul")))
-def test_the_step_matmul_runs_the_function_its_table_entry_names(variant):
-    """decode_parts.matmul with a table's codes gives the bits of that entry's own function."""
+def test_the_step_matmul_runs_the_function_its_table_entry_names(variant, rows):
+    """decode_parts.matmul with a table's codes gives the bits of that entry's own function, in
+    the bucket of the call's row count (the other buckets name another variant)."""
     from gguf import GGMLQuantizationType as QT
     from worker.engine.models.decode_parts import matmul
     table = packed_table([(random_tensor(QT.Q4_K, ROWS, COLS, 4), QT.Q4_K)])
     width = table.padded_rows(0)
-    xs = np.random.default_rng(5).standard_normal((3, COLS)).astype(np.float32)
-    scratch = (batch_scratch(width // TILE, 3, COLS), batch_scratch_i8(width // TILE, 3, COLS))
+    xs = np.random.default_rng(5).standard_normal((rows, COLS)).astype(np.float32)
+    scratch = (batch_scratch(width // TILE, rows, COLS), batch_scratch_i8(width // TILE, rows, COLS))
     mats = np.array([0])
-    got = np.zeros((3, width), np.float32)
+    got = np.zeros((rows, width), np.float32)
     tab = (table.data, table.scales, table.scales16, table.meta)
-    matmul((tab, OpTable.of(matmul=variant).codes, scratch), mats, xs, got)
+    other = "float32" if KERNELS[("matmul", variant)].numerics == "int8" else "int8"
+    ops = OpTable.of(matmul=other).with_variant("matmul", bucket_of(rows), variant)
+    matmul((tab, ops.codes, scratch), mats, xs, got)
     expected = np.zeros_like(got)
     entry = KERNELS[("matmul", variant)]
-    entry.fn(*tab, mats, xs, expected, scratch[1] if variant == "int8" else scratch[0])
+    entry.fn(*tab, mats, xs, expected, scratch[1] if entry.numerics == "int8" else scratch[0])
     np.testing.assert_array_equal(got, expected)
+
+
+@pytest.mark.parametrize("numerics", ["float32", "int8"])
+@pytest.mark.parametrize("qtype", ALL_QUANT_TYPES, ids=lambda q: q.name)
+def test_variants_of_one_numerics_give_the_same_bits(numerics, qtype):
+    """What lets a tuner swap them under live requests: no output changes."""
+    raw = random_tensor(qtype, ROWS, COLS, seed=6)
+    table = packed_table([(raw, qtype)])
+    width = table.padded_rows(0)
+    xs = np.random.default_rng(2).standard_normal((5, COLS)).astype(np.float32)
+    outs = []
+    for variant in variants_of("matmul", numerics).values():
+        out = np.zeros((5, width), np.float32)
+        scratch = batch_scratch(width // TILE, 5, COLS) if numerics == "float32" else \
+            batch_scratch_i8(width // TILE, 5, COLS)
+        variant.fn(table.data, table.scales, table.scales16, table.meta, np.array([0]), xs, out, scratch)
+        outs.append(out)
+    for out in outs[1:]:
+        np.testing.assert_array_equal(out, outs[0])

@@ -91,6 +91,45 @@ class Engine:
             results[i] = np.array(logits[row], np.float32)
         return results
 
+    # ---------------------------------------------------------------- threads
+    @property
+    def max_threads(self) -> int:
+        """The most threads a step can use (numba's pool)."""
+        import numba
+        return numba.config.NUMBA_NUM_THREADS
+
+    @property
+    def threads(self) -> int:
+        """Threads the next step of the calling thread runs on."""
+        import numba
+        return numba.get_num_threads()
+
+    def set_threads(self, n: int) -> None:
+        """Run the calling thread's next steps on n threads (numba's setting is per calling
+        thread: call it from the thread that calls execute, between steps)."""
+        _configure_numba(n)
+
+    def time_matmul(self, ops, rows: int, repeats: int = 3, clock: Callable[[], float] = time.perf_counter) -> float:
+        """Median seconds of one layer's matmuls (Q/K/V, gate/up, down) for `rows` rows with the
+        op table `ops`, on the calling thread's thread count: what start-up calibration compares.
+        Random activations; the model's own packed weights. No K/V is touched."""
+        from worker.engine.models.common import FFN_DOWN, GATE_UP, QKV
+        from worker.engine.models.decode_parts import matmul
+        buf = self.model.buffers.ensure(rows, 1)
+        mm = (self.model.w.tab, ops.codes, buf.scratch)
+        m = self.model.w.mats[0]
+        rng = np.random.default_rng(rows)
+        buf.h[:rows] = rng.standard_normal(buf.h[:rows].shape).astype(np.float32)
+        buf.act[:rows] = rng.standard_normal(buf.act[:rows].shape).astype(np.float32)
+        times = []
+        for _ in range(repeats):
+            t0 = clock()
+            matmul(mm, m[QKV], buf.h[:rows], buf.qkv[:rows])
+            matmul(mm, m[GATE_UP], buf.h[:rows], buf.gu[:rows])
+            matmul(mm, m[FFN_DOWN], buf.act[:rows], buf.proj[:rows])
+            times.append(clock() - t0)
+        return float(np.median(times))
+
 def _configure_numba(threads: int) -> None:
     import numba
     if threads > 0:
@@ -154,7 +193,7 @@ def load_engine(path, kernels: str = _ENGINE.kernels, threads: int = _ENGINE.thr
     from worker.engine.kernels.registry import OpTable
     ops = OpTable.of(matmul="int8" if _want_int8(matmul_activations) else "float32")
     if kernels == "auto":
-        say(f"matmuls: {_matmul_description(ops['matmul'] == 'int8')}")
+        say(f"matmuls: {_matmul_description(ops.numerics('matmul') == 'int8')}")
     engine = Engine(g, model, kernels, n_ctx, dense, logits_of_rows, kv)
     engine.ops = ops  # the kernel variant of each op the fused steps run; execute passes its codes
     engine.attention_chunk = attention_chunk

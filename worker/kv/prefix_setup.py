@@ -16,7 +16,7 @@ def engine_fingerprint(engine) -> bytes:
     from worker.engine import SOURCE_DIGEST
     return kv_fingerprint(model_sha256=engine.gguf.fingerprint(), arch=engine.arch, kv_dtype=engine.kv.dtype,
                           block_size=engine.kv.block_size, kv_layout=engine.kv.layout, kernels=engine.kernels,
-                          int8_activations=engine.ops["matmul"] == "int8", engine_code=SOURCE_DIGEST)
+                          int8_activations=engine.ops.numerics("matmul") == "int8", engine_code=SOURCE_DIGEST)
 
 
 def build_prefix_cache(config: Config, engine, blocks: BlockManager) -> PrefixCache | None:

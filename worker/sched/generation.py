@@ -22,6 +22,7 @@ from worker.kv.block_manager import BlockManager
 from worker.kv.prefix_cache import PrefixCache
 from worker.kv.sequence import Sequence
 from worker.sched.constraint import Constraints, GrammarConstraint
+from worker.sched.kernel_tuner import FixedKernels
 from worker.sched.sampler import Sampler
 from worker.sched.scheduler import ScheduledBatch, Scheduler
 from worker.sched.tuning_state import TuningState
@@ -111,6 +112,7 @@ class BatchGenerator:
         self.hold_until: float | None = None  # when to step again though nothing is ready to run
         self.preemptions = 0  # sequences sent back to recompute because KV blocks ran out
         self.last_step = StepStats()
+        self.kernel_tuner = FixedKernels()  # the worker sets a KernelTuner (kernel_table_store.build_kernel_tuner)
 
     # ---- requests ------------------------------------------------------------------------------
 
@@ -185,7 +187,8 @@ class BatchGenerator:
         pending_masks = self.constraints.start([self._grammars[r] for r in constrained]) if constrained else None
         started = time.perf_counter()
         try:
-            logits = self.engine.execute(chunks, batch.knobs.attention_chunk)
+            with self.kernel_tuner.step(batch.num_tokens):  # the op table and threads, swapped between steps
+                logits = self.engine.execute(chunks, batch.knobs.attention_chunk)
         except Exception as exc:  # an engine bug fails this step's requests, never the worker
             log.exception("engine step failed (%d sequences)", len(batch))
             if pending_masks is not None:

@@ -329,16 +329,10 @@ def _sum_slot(m):
     return -1
 
 
-@njit(parallel=True, **_JIT)
-def linear_batch(data, scales, scales16, meta, mats, x, out, scratch):
-    """out[b, cols of mats[i]] = W[mats[i]] @ x[b] for every listed matrix and every row b.
-
-    x: float32 (B, K), K the input size of every listed matrix; out: float32 (≥ B, ≥ Σ padded
-    rows) with contiguous rows; scratch: C-contiguous float32 of at least scratch_size(B, K)
-    elements (see batch_scratch). Each out[b] is the same sums in the same order as matvec.linear
-    on x[b] (bit for bit, unless LLVM contracts multiply-adds differently in the two compiles),
-    and never depends on the other rows.
-    """
+@njit(**_JIT)
+def _prepare(meta, mats, x, out, scratch):
+    """Check the shapes of a linear_batch call and compute its group sums into scratch: (tile
+    offsets of the listed matrices (n_mats + 1,), sums (_SUM_SLOTS, B, K/16))."""
     n_mats = mats.shape[0]
     batch, k = x.shape
     first_tile = np.zeros(n_mats + 1, np.int64)
@@ -369,13 +363,45 @@ def linear_batch(data, scales, scales16, meta, mats, x, out, scratch):
         for slot in range(1, _SUM_SLOTS):
             if need[slot]:
                 _group_sums(x[b], group_of[slot], sums[slot, b])
-    for tg in prange(n_tiles):
-        i = 0
-        while tg >= first_tile[i + 1]:
-            i += 1
-        m = meta[mats[i]]
-        tile = tg - first_tile[i]
-        if m[M_FMT] == FMT_F32:
-            _tile_f32(data, m, tile, x, out, tg * TILE)
-        else:
-            _tile_quant(data, scales, scales16, m, tile, x, sums[_sum_slot(m)], out, tg * TILE)
+    return first_tile, sums
+
+
+@njit(**_JIT)
+def _one_tile(data, scales, scales16, meta, mats, first_tile, tg, x, sums, out):
+    """Tile tg of the listed matrices (counted across them) times every row of x."""
+    i = 0
+    while tg >= first_tile[i + 1]:
+        i += 1
+    m = meta[mats[i]]
+    tile = tg - first_tile[i]
+    if m[M_FMT] == FMT_F32:
+        _tile_f32(data, m, tile, x, out, tg * TILE)
+    else:
+        _tile_quant(data, scales, scales16, m, tile, x, sums[_sum_slot(m)], out, tg * TILE)
+
+
+@njit(parallel=True, **_JIT)
+def linear_batch(data, scales, scales16, meta, mats, x, out, scratch):
+    """out[b, cols of mats[i]] = W[mats[i]] @ x[b] for every listed matrix and every row b.
+
+    x: float32 (B, K), K the input size of every listed matrix; out: float32 (≥ B, ≥ Σ padded
+    rows) with contiguous rows; scratch: C-contiguous float32 of at least scratch_size(B, K)
+    elements (see batch_scratch). Each out[b] is the same sums in the same order as matvec.linear
+    on x[b] (bit for bit, unless LLVM contracts multiply-adds differently in the two compiles),
+    and never depends on the other rows.
+    """
+    first_tile, sums = _prepare(meta, mats, x, out, scratch)
+    for tg in prange(first_tile[mats.shape[0]]):
+        _one_tile(data, scales, scales16, meta, mats, first_tile, tg, x, sums, out)
+
+
+@njit(**_JIT)
+def linear_batch_serial(data, scales, scales16, meta, mats, x, out, scratch):
+    """linear_batch with every tile on the calling thread (same contract, same bits).
+
+    Why: a parallel launch ends at a barrier that waits for the slowest thread, so when a
+    neighbour holds one of the cores, or a step's matmuls are small (one decode row), one
+    thread without the fork/join can beat two."""
+    first_tile, sums = _prepare(meta, mats, x, out, scratch)
+    for tg in range(first_tile[mats.shape[0]]):
+        _one_tile(data, scales, scales16, meta, mats, first_tile, tg, x, sums, out)

@@ -567,15 +567,10 @@ def _tile_i8(data, scales, scales16, meta, tile, xq, xs, fsum16, fsum32, corr16,
         _unpermute(out, b, col0)
 
 
-@njit(parallel=True, **_JIT)
-def linear_batch_i8(data, scales, scales16, meta, mats, x, out, scratch):
-    """out[b, cols of mats[i]] ≈ W[mats[i]] @ x[b] with x[b] quantized to int8 per 32 inputs.
-
-    x: float32 (B, K), K the input size of every listed matrix (a multiple of 32 when any is
-    quantized); out: float32 (≥ B, ≥ Σ padded rows) with contiguous rows; scratch: C-contiguous
-    float32 of at least scratch_size_i8(B, K) elements (see batch_scratch_i8). f32 matrices take
-    matmul_batch's float path (x not quantized). out[b] depends on x[b] only.
-    """
+@njit(**_JIT)
+def _prepare_i8(meta, mats, x, out, scratch):
+    """Check the shapes of a linear_batch_i8 call and quantize x into scratch: (tile offsets of
+    the listed matrices (n_mats + 1,), xq, xs, fsum16, fsum32, corr16, corr32)."""
     n_mats = mats.shape[0]
     batch, k = x.shape
     first_tile = np.zeros(n_mats + 1, np.int64)
@@ -608,13 +603,44 @@ def linear_batch_i8(data, scales, scales16, meta, mats, x, out, scratch):
     corr16 = flat[at + 5 * nb:at + 7 * nb].view(np.int32).reshape(batch, 2 * blocks)
     if quantized:
         _quantize_rows(x, xq, xs, fsum16, fsum32, corr16, corr32)
-    for tg in prange(n_tiles):
-        i = 0
-        while tg >= first_tile[i + 1]:
-            i += 1
-        m = meta[mats[i]]
-        tile = tg - first_tile[i]
-        if m[M_FMT] == FMT_F32:
-            _tile_f32(data, m, tile, x, out, tg * TILE)
-        else:
-            _tile_i8(data, scales, scales16, m, tile, xq, xs, fsum16, fsum32, corr16, corr32, out, tg * TILE)
+    return first_tile, xq, xs, fsum16, fsum32, corr16, corr32
+
+
+@njit(**_JIT)
+def _one_tile_i8(data, scales, scales16, meta, mats, first_tile, tg, x, xq, xs, fsum16, fsum32, corr16, corr32,
+                 out):
+    """Tile tg of the listed matrices (counted across them) times every row of x."""
+    i = 0
+    while tg >= first_tile[i + 1]:
+        i += 1
+    m = meta[mats[i]]
+    tile = tg - first_tile[i]
+    if m[M_FMT] == FMT_F32:
+        _tile_f32(data, m, tile, x, out, tg * TILE)
+    else:
+        _tile_i8(data, scales, scales16, m, tile, xq, xs, fsum16, fsum32, corr16, corr32, out, tg * TILE)
+
+
+@njit(parallel=True, **_JIT)
+def linear_batch_i8(data, scales, scales16, meta, mats, x, out, scratch):
+    """out[b, cols of mats[i]] ≈ W[mats[i]] @ x[b] with x[b] quantized to int8 per 32 inputs.
+
+    x: float32 (B, K), K the input size of every listed matrix (a multiple of 32 when any is
+    quantized); out: float32 (≥ B, ≥ Σ padded rows) with contiguous rows; scratch: C-contiguous
+    float32 of at least scratch_size_i8(B, K) elements (see batch_scratch_i8). f32 matrices take
+    matmul_batch's float path (x not quantized). out[b] depends on x[b] only.
+    """
+    first_tile, xq, xs, fsum16, fsum32, corr16, corr32 = _prepare_i8(meta, mats, x, out, scratch)
+    for tg in prange(first_tile[mats.shape[0]]):
+        _one_tile_i8(data, scales, scales16, meta, mats, first_tile, tg, x, xq, xs, fsum16, fsum32, corr16, corr32,
+                     out)
+
+
+@njit(**_JIT)
+def linear_batch_i8_serial(data, scales, scales16, meta, mats, x, out, scratch):
+    """linear_batch_i8 with every tile on the calling thread (same contract, same bits): no
+    fork/join barrier, which pays for one-row calls and when a neighbour holds a core."""
+    first_tile, xq, xs, fsum16, fsum32, corr16, corr32 = _prepare_i8(meta, mats, x, out, scratch)
+    for tg in range(first_tile[mats.shape[0]]):
+        _one_tile_i8(data, scales, scales16, meta, mats, first_tile, tg, x, xq, xs, fsum16, fsum32, corr16, corr32,
+                     out)

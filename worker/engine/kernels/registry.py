@@ -29,6 +29,8 @@ class KernelVariant:
     fn: Callable
     code: int  # the value of the op's slot in OpTable.codes that selects this variant
     description: str
+    numerics: str = ""  # variants with the same numerics give the same bits: a tuner may swap them
+    # freely; across numerics (float32 vs int8 activations) outputs differ slightly
 
 
 ALL_QUANT_TYPES = tuple(SPECS)  # F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K
@@ -36,48 +38,100 @@ ALL_QUANT_TYPES = tuple(SPECS)  # F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, 
 KERNELS: dict[tuple[str, str], KernelVariant] = {
     ("matvec", "tiled"): KernelVariant("matvec", "tiled", matvec.linear, 0,
                                        "transposed 64-row tiles, parallel over tiles, several matrices per launch "
-                                       "(the bit-exact yardstick of matmul/float32)"),
+                                       "(the bit-exact yardstick of matmul/float32)", "float32"),
     ("matmul", "float32"): KernelVariant("matmul", "float32", matmul_batch.linear_batch, 0,
                                          "each weight block converted once and applied to up to 8 rows held in "
-                                         "registers; float32 activations, the same bits as matvec"),
+                                         "registers; float32 activations, the same bits as matvec", "float32"),
     ("matmul", "int8"): KernelVariant("matmul", "int8", matmul_i8.linear_batch_i8, 1,
                                       "activations quantized per 32 to int8, dot products on AVX-512 VNNI or "
-                                      "AVX2 (portable IR elsewhere); rows independent"),
+                                      "AVX2 (portable IR elsewhere); rows independent", "int8"),
+    ("matmul", "float32_serial"): KernelVariant("matmul", "float32_serial", matmul_batch.linear_batch_serial, 2,
+                                                "float32 with every tile on the calling thread: no fork/join "
+                                                "barrier (one-row calls, a neighbour on a core)", "float32"),
+    ("matmul", "int8_serial"): KernelVariant("matmul", "int8_serial", matmul_i8.linear_batch_i8_serial, 3,
+                                             "int8 with every tile on the calling thread", "int8"),
     ("row", "gather"): KernelVariant("row", "gather", ops.dequant_row, 0,
-                                     "dequantize one row (embedding lookup)"),
+                                     "dequantize one row (embedding lookup)", "float32"),
 }
 
 # The ops a fused step dispatches on, in the order of their slots in OpTable.codes.
 DISPATCHED_OPS = ("matmul", "row")
 MATMUL, ROW = range(len(DISPATCHED_OPS))  # slots, read inside the numba steps
 
+# Rows per kernel call, in buckets that each get their own variant: a one-row decode call, a small
+# batch, a large batch, a prompt chunk. The bucket is read per call inside the step (not per step
+# in Python) because one step calls matmuls of different sizes: a 64-row prefill chunk's layers
+# are in the last bucket, its output projection (one logit row) in the first.
+BUCKET_LIMITS = (1, 8, 32)  # the most rows of each bucket but the last (which has no limit)
+BUCKET_NAMES = ("1", "2-8", "9-32", "33+")
 
-def variants_of(op: str) -> dict[str, KernelVariant]:
-    return {v.variant: v for (o, _), v in KERNELS.items() if o == op}
+
+def bucket_of(rows: int) -> int:
+    """The bucket of a call with `rows` rows (the njit twin is decode_parts.bucket_of)."""
+    for b, limit in enumerate(BUCKET_LIMITS):
+        if rows <= limit:
+            return b
+    return len(BUCKET_LIMITS)
+
+
+def variants_of(op: str, numerics: str | None = None) -> dict[str, KernelVariant]:
+    """op's variants, by name; only those of one numerics when given."""
+    return {v.variant: v for (o, _), v in KERNELS.items() if o == op and numerics in (None, v.numerics)}
 
 
 @dataclass(frozen=True)
 class OpTable:
-    """The variant each dispatched op uses. `codes` is what a step reads: codes[MATMUL] is the
-    code of the matmul variant; int64 (len(DISPATCHED_OPS),)."""
-    variants: tuple[KernelVariant, ...]  # one per DISPATCHED_OPS entry, in slot order
+    """The variant each dispatched op uses in each rows bucket. `codes` is what a step reads:
+    codes[MATMUL, bucket_of(rows)] is the code of the matmul variant for a call of `rows` rows;
+    int64 (len(DISPATCHED_OPS), len(BUCKET_NAMES)).
+
+    Immutable: a tuner builds the next table and the engine's reference to it is swapped between
+    steps; a step passes one table's codes to the whole fused call, so all its rows see one table."""
+    variants: tuple[tuple[KernelVariant, ...], ...]  # [slot][bucket]
     codes: np.ndarray
 
     @classmethod
-    def of(cls, **chosen: str) -> "OpTable":
-        """OpTable.of(matmul="int8"): the named variants, the first registered one for other ops."""
+    def of(cls, **chosen: str | tuple[str, ...]) -> "OpTable":
+        """OpTable.of(matmul="int8"): that variant in every bucket; matmul=("int8_serial", "int8",
+        "int8", "float32"): one per bucket; the first registered variant for ops not named."""
         unknown = set(chosen) - set(DISPATCHED_OPS)
         if unknown:
             raise ValueError(f"no dispatched op {sorted(unknown)[0]!r} (ops: {', '.join(DISPATCHED_OPS)})")
         picked = []
         for op in DISPATCHED_OPS:
             options = variants_of(op)
-            name = chosen.get(op, next(iter(options)))
-            if name not in options:
-                raise ValueError(f"op {op!r} has no variant {name!r} (variants: {', '.join(options)})")
-            picked.append(options[name])
-        return cls(tuple(picked), np.array([v.code for v in picked], np.int64))
+            names = chosen.get(op, next(iter(options)))
+            if isinstance(names, str):
+                names = (names,) * len(BUCKET_NAMES)
+            if len(names) != len(BUCKET_NAMES):
+                raise ValueError(f"op {op!r}: {len(names)} variants for {len(BUCKET_NAMES)} buckets")
+            for name in names:
+                if name not in options:
+                    raise ValueError(f"op {op!r} has no variant {name!r} (variants: {', '.join(options)})")
+            picked.append(tuple(options[name] for name in names))
+        codes = np.array([[v.code for v in per_bucket] for per_bucket in picked], np.int64)
+        return cls(tuple(picked), codes)
+
+    def names(self, op: str) -> tuple[str, ...]:
+        """The variant op runs with in each bucket."""
+        return tuple(v.variant for v in self.variants[DISPATCHED_OPS.index(op)])
+
+    def numerics(self, op: str) -> str:
+        """The numerics every bucket of op shares (what the K/V bytes depend on); ValueError when
+        the buckets mix them."""
+        kinds = {v.numerics for v in self.variants[DISPATCHED_OPS.index(op)]}
+        if len(kinds) != 1:
+            raise ValueError(f"op {op!r} mixes numerics across buckets: {', '.join(sorted(kinds))}")
+        return kinds.pop()
+
+    def with_variant(self, op: str, bucket: int, variant: str) -> "OpTable":
+        """A new table: this one with op's variant in `bucket` replaced."""
+        names = {o: self.names(o) for o in DISPATCHED_OPS}
+        names[op] = names[op][:bucket] + (variant,) + names[op][bucket + 1:]
+        return OpTable.of(**names)
 
     def __getitem__(self, op: str) -> str:
-        """The variant name op runs with: table["matmul"] == "int8"."""
-        return self.variants[DISPATCHED_OPS.index(op)].variant
+        """The variant name op runs with when every bucket agrees (table["matmul"] == "int8"),
+        else the names per bucket joined by "/"."""
+        names = self.names(op)
+        return names[0] if len(set(names)) == 1 else "/".join(names)

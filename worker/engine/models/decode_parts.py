@@ -15,7 +15,7 @@ from numba import njit
 from worker.engine.kernels.attention import paged_attention_decode, store_kv
 from worker.engine.kernels.ops import rmsnorm, rope_halves, rope_pairs, silu_mul
 from worker.engine.kernels.packing import TILE
-from worker.engine.kernels.registry import KERNELS, MATMUL
+from worker.engine.kernels.registry import BUCKET_LIMITS, KERNELS, MATMUL
 from worker.engine.models.common import FFN_DOWN, GATE_UP, QKV
 
 _JIT = dict(cache=True, nogil=True)
@@ -23,8 +23,25 @@ _JIT = dict(cache=True, nogil=True)
 # The registry's functions, called by the codes of the op table's slots.
 _matmul_float32 = KERNELS[("matmul", "float32")].fn
 _matmul_int8 = KERNELS[("matmul", "int8")].fn
+_matmul_float32_serial = KERNELS[("matmul", "float32_serial")].fn
+_matmul_int8_serial = KERNELS[("matmul", "int8_serial")].fn
 _MATMUL_INT8_CODE = KERNELS[("matmul", "int8")].code
+_MATMUL_F32_SERIAL_CODE = KERNELS[("matmul", "float32_serial")].code
+_MATMUL_INT8_SERIAL_CODE = KERNELS[("matmul", "int8_serial")].code
+_LIMIT_1, _LIMIT_2, _LIMIT_3 = BUCKET_LIMITS
 _dequant_row = KERNELS[("row", "gather")].fn  # the only row variant: nothing to branch on yet
+
+
+@njit(**_JIT)
+def bucket_of(rows):
+    """registry.bucket_of: the op table's column for a call of `rows` rows."""
+    if rows <= _LIMIT_1:
+        return 0
+    if rows <= _LIMIT_2:
+        return 1
+    if rows <= _LIMIT_3:
+        return 2
+    return 3
 
 
 @njit(**_JIT)
@@ -60,15 +77,21 @@ def add_into(x, y):
 @njit(**_JIT)
 def matmul(mm, mats, x, out):
     """out[b] = W @ x[b] for every row of x, each weight read once for all rows, with the
-    variant the op table names.
+    variant the op table names for a call of x.shape[0] rows.
 
     Both kernels compute every row exactly as if it were alone, so batching never changes a
     sequence's logits; int8 quantizes activations per 32 (as llama.cpp does) to use VNNI
-    or AVX2 integer dot products, float32 keeps them exact (the bits of matvec.linear).
+    or AVX2 integer dot products, float32 keeps them exact (the bits of matvec.linear); the
+    serial forms give their parallel twin's bits.
     """
     tab, ops, scratch = mm
-    if ops[MATMUL] == _MATMUL_INT8_CODE:
+    code = ops[MATMUL, bucket_of(x.shape[0])]
+    if code == _MATMUL_INT8_CODE:
         _matmul_int8(tab[0], tab[1], tab[2], tab[3], mats, x, out, scratch[1])
+    elif code == _MATMUL_INT8_SERIAL_CODE:
+        _matmul_int8_serial(tab[0], tab[1], tab[2], tab[3], mats, x, out, scratch[1])
+    elif code == _MATMUL_F32_SERIAL_CODE:
+        _matmul_float32_serial(tab[0], tab[1], tab[2], tab[3], mats, x, out, scratch[0])
     else:
         _matmul_float32(tab[0], tab[1], tab[2], tab[3], mats, x, out, scratch[0])
 

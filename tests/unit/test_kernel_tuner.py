@@ -1,0 +1,317 @@
+"""KernelTuner with injected step timings: a fake engine whose step cost is a function of the
+table and thread count installed when it runs, and a fake clock (no real timing anywhere)."""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+
+import pytest
+
+from worker.engine.kernels.registry import KERNELS, MATMUL, OpTable, bucket_of
+from worker.sched.kernel_table_store import KernelTableStore, host_signature, reset_tables, saved_tables
+from worker.sched.kernel_tuner import KernelTuner, TunerSettings
+
+CODE_TO_VARIANT = {v.code: v.variant for (op, _), v in KERNELS.items() if op == "matmul"}
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class FakeEngine:
+    """Records every table and thread change; refuses one while a step runs."""
+
+    def __init__(self, numerics="int8", threads=2):
+        self._ops = OpTable.of(matmul=numerics)
+        self.threads = threads
+        self.max_threads = threads
+        self.executing = False
+        self.thread_calls = []
+        self.table_sets = 0
+
+    @property
+    def ops(self):
+        return self._ops
+
+    @ops.setter
+    def ops(self, table):
+        assert not self.executing, "op table swapped inside a step"
+        if table is not self._ops:
+            self.table_sets += 1
+        self._ops = table
+
+    def set_threads(self, n):
+        assert not self.executing, "threads changed inside a step"
+        self.threads = n
+        self.thread_calls.append(n)
+
+    def arm(self, rows):
+        """(variant, threads) the step of `rows` rows runs with, read the way the fused step reads it."""
+        return CODE_TO_VARIANT[int(self._ops.codes[MATMUL, bucket_of(rows)])], self.threads
+
+
+def run(tuner, engine, clock, cost, steps, rows=1, noise=0.03, seed=1):
+    """Step the tuner `steps` times; cost(arm, now) gives a step's seconds per row before noise."""
+    rng = random.Random(seed)
+    seen = []
+    for _ in range(steps):
+        tuner.before_step(rows)
+        engine.executing = True
+        arm = engine.arm(rows)
+        seconds = cost(arm, clock.now) * rows * math.exp(rng.gauss(0.0, noise))
+        engine.executing = False
+        clock.now += seconds
+        tuner.after_step(seconds)
+        seen.append(arm)
+    return seen
+
+
+def make(settings=None, numerics="int8", threads=2, saved=None):
+    clock, engine = FakeClock(), FakeEngine(numerics, threads)
+    tuner = KernelTuner(engine, settings or TunerSettings(explore_share=0.2), clock=clock, rng=random.Random(7),
+                        saved=saved)
+    return tuner, engine, clock
+
+
+def test_promotes_the_faster_arm_and_logs_before_and_after(caplog):
+    tuner, engine, clock = make()
+    cost = lambda arm, now: 0.006 if arm == ("int8_serial", 1) else 0.010
+    with caplog.at_level(logging.INFO, logger="reame.kernel_tuner"):
+        run(tuner, engine, clock, cost, 2000)
+    assert tuner.choices()["1"] == ("int8_serial", 1)
+    assert tuner.promotions == 1 and tuner.rollbacks == 0
+    lines = [r.getMessage() for r in caplog.records if "promoted" in r.getMessage()]
+    assert len(lines) == 1 and "int8x2t -> int8_serial1t" not in lines[0]
+    assert "int8x2t -> int8_serialx1t" in lines[0] and "ms/row vs" in lines[0]
+    event = tuner.snapshot()["events"][0]
+    assert event["kind"] == "promote" and event["after_ms_per_row"] < event["before_ms_per_row"]
+    # other buckets were never stepped: they keep the engine's choice
+    assert tuner.choices()["33+"] == ("int8", 2)
+
+
+def test_exploration_is_a_small_share_of_steps():
+    tuner, engine, clock = make(TunerSettings(explore_share=0.05))
+    seen = run(tuner, engine, clock, lambda arm, now: 0.01, 4000)
+    explored = sum(1 for arm in seen if arm != ("int8", 2))
+    assert 0.02 * 4000 < explored < 0.08 * 4000
+
+
+def test_a_table_never_changes_inside_a_step():
+    tuner, engine, clock = make()
+    run(tuner, engine, clock, lambda arm, now: 0.006 if arm[1] == 1 else 0.01, 500)  # FakeEngine asserts
+    tuner.before_step(3)
+    with pytest.raises(RuntimeError, match="between steps"):
+        tuner.before_step(3)
+    tuner.after_step(0.01)
+
+
+def test_every_row_of_a_step_sees_one_table_whatever_its_bucket():
+    """A step's rows share the codes array the step was given; a candidate changes only its own bucket."""
+    tuner, engine, clock = make(TunerSettings(explore_share=0.5))
+    run(tuner, engine, clock, lambda arm, now: 0.01, 50, rows=4)
+    for _ in range(40):
+        tuner.before_step(4)
+        codes = engine.ops.codes.copy()
+        incumbent = OpTable.of(matmul="int8").codes
+        assert (codes[:, [0, 2, 3]] == incumbent[:, [0, 2, 3]]).all()
+        tuner.after_step(0.04)
+
+
+def test_rolls_back_a_switch_that_regresses_and_bans_it(caplog):
+    tuner, engine, clock = make(TunerSettings(explore_share=0.2, ban_s=30.0))
+    # int8_serial x1 looks faster while explored, then is slow once it serves every step
+    cost = lambda arm, now: (0.006 if tuner.promotions == 0 else 0.015) if arm == ("int8_serial", 1) else 0.010
+    with caplog.at_level(logging.INFO, logger="reame.kernel_tuner"):
+        run(tuner, engine, clock, cost, 1500)
+        assert tuner.promotions == 1 and tuner.rollbacks == 1
+        assert tuner.choices()["1"] == ("int8", 2)
+        rolled = [r.getMessage() for r in caplog.records if "rolled back" in r.getMessage()]
+        assert len(rolled) == 1 and "banned for 30 s" in rolled[0]
+        banned_at = tuner.snapshot()["events"][-1]["at"]
+        # banned: the arm does not run again until the ban expires
+        seen = run(tuner, engine, clock, cost, 600, seed=2)
+    until = [arm for arm in seen if arm == ("int8_serial", 1)]
+    assert clock.now < banned_at + 30.0 and not until
+
+
+def test_does_not_flap_between_equal_arms():
+    tuner, engine, clock = make(TunerSettings(explore_share=0.2))
+    run(tuner, engine, clock, lambda arm, now: 0.01, 20000, noise=0.10)
+    assert tuner.promotions == 0 and tuner.rollbacks == 0
+
+
+def test_a_busy_neighbour_moves_to_one_thread_and_back():
+    """Two threads win on a quiet host; with a neighbour on one core, one thread wins; it returns."""
+    tuner, engine, clock = make(TunerSettings(explore_share=0.1, recheck_s=5.0))
+    busy = (20.0, 40.0)
+
+    def cost(arm, now):
+        neighbour = busy[0] <= now < busy[1]
+        if arm[1] == 2:
+            return 0.020 if neighbour else 0.007
+        return 0.010
+
+    choices = []
+    while clock.now < 70.0:
+        run(tuner, engine, clock, cost, 100)
+        choices.append((clock.now, tuner.choices()["1"][1]))
+    assert [t for now, t in choices if 15.0 < now < 20.0] and all(t == 2 for now, t in choices if now < 20.0)
+    assert any(t == 1 for now, t in choices if busy[0] < now < busy[1])
+    back = [now for now, t in choices if now > busy[1] and t == 2]
+    assert back and back[0] - busy[1] < 30.0
+
+
+def test_disabled_tuner_never_explores_nor_touches_threads():
+    tuner, engine, clock = make(TunerSettings(enabled=False, explore_share=0.5))
+    seen = run(tuner, engine, clock, lambda arm, now: 0.006 if arm[1] == 1 else 0.01, 2000)
+    assert set(seen) == {("int8", 2)} and engine.thread_calls == [] and tuner.promotions == 0
+    tuner.calibrate(10.0)
+    assert engine.thread_calls == []
+
+
+def test_only_variants_of_the_engines_numerics_are_tried():
+    tuner, engine, clock = make(numerics="float32")
+    seen = run(tuner, engine, clock, lambda arm, now: 0.01, 3000)
+    assert {v for v, _ in seen} == {"float32", "float32_serial"}
+
+
+def test_a_failed_step_teaches_nothing():
+    tuner, engine, clock = make()
+    tuner.before_step(1)
+    tuner.after_step(None)
+    tuner.before_step(1)  # no "twice" error: the failed step was closed
+    tuner.after_step(0.01)
+    assert tuner.snapshot()["buckets"]["1"]["arms"]["int8x2t"]["samples"] == 1
+
+
+def test_step_context_times_the_step_and_closes_it_on_errors():
+    tuner, engine, clock = make()
+    ticks = iter([1.0, 1.5])
+    with tuner.step(2, timer=lambda: next(ticks)):
+        pass
+    assert tuner.snapshot()["buckets"]["2-8"]["arms"]["int8x2t"]["ms_per_row"] == 250.0
+    with pytest.raises(ValueError):
+        with tuner.step(2):
+            raise ValueError("engine bug")
+    tuner.before_step(2)
+    tuner.after_step(0.01)
+
+
+def test_calibration_starts_each_bucket_on_its_fastest_arm_within_the_budget():
+    tuner, engine, clock = make()
+    timed = []
+
+    def time_matmul(ops, rows, repeats=3):
+        arm = CODE_TO_VARIANT[int(ops.codes[MATMUL, bucket_of(rows)])], engine.threads
+        timed.append(arm)
+        if rows > 1:
+            return rows * 1e-3
+        # one row: one thread wins; the serial kernel is fastest, and fast at 2 threads too
+        return {("int8", 2): 1.0, ("int8", 1): 0.6, ("int8_serial", 2): 0.4, ("int8_serial", 1): 0.5}[arm] * 1e-3
+
+    engine.time_matmul = time_matmul
+    now = [0.0]
+
+    def timer():
+        now[0] += 0.1
+        return now[0]
+
+    tuner.calibrate(budget_s=100.0, timer=timer)
+    # threads are judged by the parallel kernel (the step's other loops run on them too)
+    assert tuner.choices()["1"] == ("int8_serial", 1)
+    assert tuner.choices()["2-8"] == ("int8", 2)  # ties keep the engine's choice
+    assert engine.threads == 2  # restored
+    timed.clear()
+    now[0] = 0.0
+    tuner.calibrate(budget_s=1.0, timer=timer)
+    assert len(timed) < 2 * 16  # stopped at the budget, not after every bucket
+
+
+def test_saved_table_reloads_for_the_same_key_only(tmp_path):
+    parts = {"cpu": "AMD EPYC", "cpu_flags": "abc", "model_sha256": "m1", "reame": "0.1.0", "engine_code": "e",
+             "numerics": "int8", "threads": "2"}
+    store = KernelTableStore(tmp_path, parts)
+    tuner, engine, clock = make(saved=store.save)
+    run(tuner, engine, clock, lambda arm, now: 0.006 if arm == ("int8_serial", 1) else 0.010, 2000)
+    assert tuner.choices()["1"] == ("int8_serial", 1)
+    assert store.load()["1"] == ["int8_serial", 1]  # saved once the switch was confirmed
+
+    restarted, engine2, _ = make()
+    assert restarted.adopt(KernelTableStore(tmp_path, parts).load())
+    assert restarted.choices() == tuner.choices()
+    assert CODE_TO_VARIANT[int(engine2.ops.codes[MATMUL, 0])] == "int8_serial"
+    assert KernelTableStore(tmp_path, {**parts, "model_sha256": "m2"}).load() is None
+    assert KernelTableStore(tmp_path, {**parts, "cpu_flags": "other"}).load() is None
+    assert not restarted.adopt({"1": ["float32", 2]})  # not an arm of an int8 engine
+
+    [(path, record)] = saved_tables(tmp_path)
+    assert record["key"] == parts
+    path.write_text("{not json")
+    assert store.load() is None
+    assert reset_tables(tmp_path) == 1 and saved_tables(tmp_path) == []
+
+
+def test_host_signature_reads_the_cpu_model_and_hashes_the_flags():
+    info = "processor : 0\nmodel name : AMD EPYC 7R13\nflags : sse avx2 fma\n\nprocessor : 1\nmodel name : X\n"
+    sig = host_signature(info)
+    assert sig["cpu"] == "AMD EPYC 7R13"
+    assert sig["cpu_flags"] == host_signature("model name : AMD EPYC 7R13\nflags : fma avx2 sse\n")["cpu_flags"]
+    assert sig["cpu_flags"] != host_signature("model name : AMD EPYC 7R13\nflags : sse avx2\n")["cpu_flags"]
+
+
+def test_snapshot_is_plain_json():
+    tuner, engine, clock = make()
+    run(tuner, engine, clock, lambda arm, now: 0.006 if arm == ("int8_serial", 1) else 0.010, 1500)
+    snap = json.loads(json.dumps(tuner.snapshot()))
+    assert snap["enabled"] and snap["numerics"] == "int8"
+    assert snap["buckets"]["1"]["choice"] == "int8_serialx1t"
+    assert set(snap["buckets"]["1"]["arms"]) == {"int8x2t", "int8x1t", "int8_serialx2t", "int8_serialx1t"}
+
+
+def _config(tmp_path, **tuning):
+    from shared.config import parse_config
+    lines = [f"state_path = {tmp_path / 'state'}"] + [f"{k} = {v}" for k, v in tuning.items()]
+    return parse_config("[tuning]\n" + "\n".join(lines) + "\n", str(tmp_path / "reame.conf"))
+
+
+class _GGUF:
+    def fingerprint(self):
+        return "cd" * 32
+
+
+def test_worker_tuner_off_when_kernels_fixed_or_not_adaptive(tmp_path):
+    from worker.sched.kernel_table_store import build_kernel_tuner
+    from worker.sched.kernel_tuner import FixedKernels
+    for tuning in ({"kernels": "fixed"}, {"adaptive": "false"}):
+        engine = FakeEngine()
+        before = engine.ops
+        assert isinstance(build_kernel_tuner(_config(tmp_path, **tuning), engine), FixedKernels)
+        assert engine.ops is before and engine.thread_calls == []
+
+
+def test_worker_tuner_calibrates_once_then_starts_on_the_saved_table(tmp_path):
+    from worker.sched.kernel_table_store import build_kernel_tuner
+    config = _config(tmp_path)
+    calls = []
+
+    def time_matmul(ops, rows, repeats=3):
+        calls.append(rows)
+        arm = CODE_TO_VARIANT[int(ops.codes[MATMUL, bucket_of(rows)])], engine.threads
+        return {2: 1.0, 1: 0.6}[arm[1]] * (0.8 if arm[0] == "int8_serial" else 1.0) * rows * 1e-3
+
+    engine = FakeEngine()
+    engine.gguf, engine.time_matmul = _GGUF(), time_matmul
+    tuner = build_kernel_tuner(config, engine)
+    assert calls and all(arm == ("int8_serial", 1) for arm in tuner.choices().values())
+
+    calls.clear()
+    engine = FakeEngine()
+    engine.gguf, engine.time_matmul = _GGUF(), time_matmul
+    restarted = build_kernel_tuner(config, engine)
+    assert calls == [] and restarted.choices() == tuner.choices()  # no calibration: the saved table

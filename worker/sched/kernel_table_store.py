@@ -1,0 +1,134 @@
+"""The learned kernel table on disk, and the worker's KernelTuner built from reame.conf.
+
+One JSON file per (host CPU model and flags, model file, Reame version and engine code, numerics,
+threads) under `[tuning] state_path`: a restarted worker on the same host and model starts on
+what it learned, skipping calibration; any other combination starts fresh (a table measured
+for another CPU or another build of the kernels says nothing about this one).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import time
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+from shared.config import Config
+from worker.sched.kernel_tuner import FixedKernels, KernelTuner, TunerSettings
+
+log = logging.getLogger("reame.kernel_tuner")
+
+FILE_PREFIX = "kernels-"
+
+
+def host_signature(cpuinfo: str | None = None) -> dict[str, str]:
+    """The CPU model and a digest of its feature flags (what decides which kernels win)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            cpuinfo = ""
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key in ("model name", "flags", "Features", "CPU part") and key not in fields:
+            fields[key] = value.strip()
+    flags = " ".join(sorted((fields.get("flags") or fields.get("Features") or "").split()))
+    return {"cpu": fields.get("model name") or fields.get("CPU part") or platform.processor() or platform.machine(),
+            "cpu_flags": hashlib.sha256(flags.encode()).hexdigest()[:16]}
+
+
+def reame_version() -> str:
+    try:
+        return version("reame")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+class KernelTableStore:
+    """Load and save one key's table; `parts` names what the key is made of (shown by `reame tune show`)."""
+
+    def __init__(self, directory: Path, parts: dict[str, str]):
+        self.directory = Path(directory)
+        self.parts = dict(parts)
+        digest = hashlib.sha256(json.dumps(self.parts, sort_keys=True).encode()).hexdigest()[:20]
+        self.path = self.directory / f"{FILE_PREFIX}{digest}.json"
+
+    def load(self) -> dict | None:
+        """The saved choices {bucket: [variant, threads]}, or None (none saved, another key, unreadable)."""
+        try:
+            saved = json.loads(self.path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as exc:
+            log.warning("kernel table %s unreadable (%s): starting fresh", self.path, exc)
+            return None
+        if not isinstance(saved, dict) or saved.get("key") != self.parts or not isinstance(saved.get("choices"), dict):
+            return None
+        return saved["choices"]
+
+    def save(self, choices: dict) -> None:
+        """Write atomically (a reader never sees half a file); a failure is a warning, never fatal."""
+        record = {"key": self.parts, "choices": {k: list(v) for k, v in choices.items()}, "saved_at": time.time()}
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps(record, indent=1, sort_keys=True), encoding="utf-8")
+            os.replace(tmp, self.path)
+        except OSError as exc:
+            log.warning("kernel table not saved to %s: %s", self.path, exc)
+
+
+def saved_tables(directory: Path) -> list[tuple[Path, dict]]:
+    """Every table under directory, (path, record); unreadable files are listed with an "error"."""
+    out = []
+    for path in sorted(Path(directory).glob(f"{FILE_PREFIX}*.json")):
+        try:
+            out.append((path, json.loads(path.read_text(encoding="utf-8"))))
+        except (OSError, ValueError) as exc:
+            out.append((path, {"error": str(exc)}))
+    return out
+
+
+def reset_tables(directory: Path) -> int:
+    """Delete every saved table under directory; how many were removed."""
+    removed = 0
+    for path in Path(directory).glob(f"{FILE_PREFIX}*.json"):
+        try:
+            path.unlink()
+            removed += 1
+        except FileNotFoundError:
+            pass
+    return removed
+
+
+def table_directory(config: Config) -> Path:
+    return config.resolve_path(config.tuning.state_path)
+
+
+def build_kernel_tuner(config: Config, engine) -> KernelTuner | FixedKernels:
+    """The worker's tuner: the saved table for this host and model when there is one, else a
+    bounded calibration; with `[tuning] kernels = fixed` or `adaptive = false`, the engine's
+    choice and no exploration at all."""
+    settings = TunerSettings.from_config(config)
+    if not settings.enabled:
+        log.info("kernel tuner: off (kernels and threads as [engine] says)")
+        return FixedKernels()
+    from worker.engine import SOURCE_DIGEST
+    parts = {**host_signature(), "model_sha256": engine.gguf.fingerprint(), "reame": reame_version(),
+             "engine_code": SOURCE_DIGEST, "numerics": engine.ops.numerics("matmul"), "threads": str(engine.threads)}
+    store = KernelTableStore(table_directory(config), parts)
+    tuner = KernelTuner(engine, settings, saved=store.save)
+    choices = store.load()
+    if choices is not None and tuner.adopt(choices):
+        log.info("kernel tuner: starting on the saved table %s (%s)", store.path,
+                 ", ".join(f"{b} rows: {v}x{t}t" for b, (v, t) in tuner.choices().items()))
+    else:
+        log.info("kernel tuner: no saved table for this host and model; calibrating (at most %.0f s)",
+                 settings.calibration_s)
+        tuner.calibrate()
+    return tuner

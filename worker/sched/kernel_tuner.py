@@ -1,0 +1,472 @@
+"""Kernel variant and thread count per rows bucket, chosen by timing them on live steps.
+
+An *arm* is one choice for one bucket of rows per step (registry.BUCKET_NAMES): a matmul variant
+and a thread count. Each bucket has an incumbent arm; the engine runs `engine.ops`, an immutable
+OpTable holding every bucket's incumbent. Around each step the generator calls
+
+    tuner.before_step(rows)    # picks the table (and threads) the step runs with
+    ... engine.execute ...
+    tuner.after_step(seconds)  # records what it cost
+
+so a table is swapped only between steps: the step passes one table's codes to its whole fused
+call (all its rows), and before_step refuses to run twice without an after_step.
+
+Online A/B. A small share of steps (`explore_share`), and at least one step every
+`explore_every_s` (when steps are slow, a share of them would take minutes), runs a candidate
+arm. Its time per row is compared with the incumbent's *recent* steps of the same bucket (the
+median of the last few), as a log ratio, so slow drift (contexts growing, a neighbour arriving)
+hits both sides.
+Per candidate the ratios form a sliding window; once it holds `min_samples`, every
+`min_samples / 2` samples:
+  - a win when its median ratio beats the incumbent by more than `min_gain` and by more than
+    `z` standard errors of that median (the jitter, from the MADs of the candidate's ratios and
+    of the incumbent's recent steps); a win is confirmed on a fresh window, then promoted;
+  - eliminated (successive elimination) when it cannot win by `min_gain` with the same
+    confidence (decided from 2 samples on: a clear loser costs few slow steps); it re-enters
+    after `recheck_s` (longer for a much slower arm), with fresh samples: the host may change.
+Rollback. For `rollback_steps` steps after a promotion the new incumbent's time per row is
+compared with the old one's before the switch; `rollback` (10%) worse beyond the jitter: undone,
+and the arm banned for `ban_s`. Each promotion and rollback is one INFO line with before/after.
+
+Only variants of the engine's numerics (float32 or int8 activations) are arms: they give the same
+bits, so tuning never changes an output. Threads are arms too (1 to the engine's threads): with a
+busy neighbour on one of two cores, a two-thread step waits at every barrier for the thread that
+shares its core, and one thread wins until the neighbour leaves.
+
+No numba here: threads and tables go through the engine (set_threads, ops).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import random
+import time
+from collections import deque
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from statistics import median
+from typing import Callable, Protocol
+
+from shared.config import Config
+from worker.engine.kernels.registry import BUCKET_NAMES, OpTable, bucket_of, variants_of
+
+log = logging.getLogger("reame.kernel_tuner")
+
+Arm = tuple[str, int]  # (matmul variant, threads)
+MAX_PAUSE = 6.0  # the longest pause of an eliminated arm, in recheck_s
+CONFIRM_WITHIN = 4  # a first win lapses unless confirmed within this many min_samples of fresh steps
+REFERENCE_STEPS = 5  # incumbent steps whose median is a candidate step's yardstick
+CALIBRATION_ROWS = (1, 4, 16, 64)  # rows timed per bucket at start-up
+
+
+class TunableEngine(Protocol):
+    """What the tuner needs of worker.engine.Engine."""
+    ops: OpTable
+    max_threads: int
+    threads: int
+
+    def set_threads(self, n: int) -> None: ...
+
+    def time_matmul(self, ops: OpTable, rows: int, repeats: int = 3) -> float: ...
+
+
+@dataclass(frozen=True)
+class TunerSettings:
+    enabled: bool = True  # False: the engine's table and threads, never a candidate
+    explore_share: float = 0.05
+    explore_every_s: float = 1.0  # ... and at least one candidate step this often (slow steps: a
+    # share of steps would take minutes to learn that the incumbent is the slow one)
+    min_samples: int = 4  # candidate steps before a verdict
+    max_samples: int = 48  # the sliding window of a candidate's ratios
+    z: float = 3.0  # confidence, in standard errors of the median ratio
+    min_gain: float = 0.03  # a candidate must be at least 3% faster
+    recheck_s: float = 10.0  # an eliminated candidate re-enters after this long
+    rollback_steps: int = 24  # incumbent steps after a promotion that judge it
+    rollback: float = 0.10
+    ban_s: float = 60.0
+    calibration_s: float = 15.0
+
+    @classmethod
+    def from_config(cls, config: Config) -> "TunerSettings":
+        t = config.tuning
+        return cls(enabled=config.kernel_tuning, explore_share=t.kernel_explore_share, rollback=t.kernel_rollback,
+                   ban_s=t.kernel_ban_seconds, calibration_s=t.kernel_calibration_seconds)
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.explore_share <= 0.5:
+            raise ValueError(f"[tuning] kernel_explore_share must be in [0, 0.5], got {self.explore_share}")
+        if not 0.0 < self.rollback < 10.0:
+            raise ValueError(f"[tuning] kernel_rollback must be in (0, 10), got {self.rollback}")
+        if self.ban_s < 0 or self.calibration_s < 0:
+            raise ValueError("[tuning] kernel_ban_seconds and kernel_calibration_seconds must be >= 0")
+
+
+def arm_name(arm: Arm) -> str:
+    return f"{arm[0]}x{arm[1]}t"
+
+
+def _spread(values: list[float]) -> float:
+    """Standard error of the median of values, from their MAD (robust to the odd slow step)."""
+    m = median(values)
+    mad = median(abs(v - m) for v in values)
+    return 1.253 * 1.4826 * mad / math.sqrt(len(values))
+
+
+@dataclass
+class _Candidate:
+    ratios: deque = field(default_factory=deque)  # log(candidate s/row ÷ incumbent reference)
+    seconds: deque = field(default_factory=deque)  # its own s/row, for the logs
+    paused_until: float = 0.0  # eliminated (re-enters then) or banned
+    banned: bool = False
+    last_step: int = -1
+    confirming: bool = False  # won once; the next verdict, on fresh samples, decides
+
+
+@dataclass
+class _Switch:
+    """A promotion under watch: undone if the steps after it are slower than those before."""
+    previous: Arm
+    before: list[float]  # the old incumbent's recent s/row
+    after: list[float] = field(default_factory=list)
+
+
+class _Bucket:
+    def __init__(self, index: int, incumbent: Arm, arms: list[Arm], settings: TunerSettings):
+        self.index = index
+        self.name = BUCKET_NAMES[index]
+        self.incumbent = incumbent
+        self.arms = arms
+        self.recent: deque = deque(maxlen=max(REFERENCE_STEPS, settings.rollback_steps))  # incumbent s/row
+        self.candidates = {arm: _Candidate(deque(maxlen=settings.max_samples), deque(maxlen=settings.max_samples))
+                           for arm in arms}
+        self.switch: _Switch | None = None
+        self.steps = 0
+        self.explored_at = 0.0  # when a candidate last ran
+
+    def reset_candidates(self) -> None:
+        for c in self.candidates.values():
+            c.ratios.clear()
+            c.seconds.clear()
+            c.confirming = False
+
+
+class KernelTuner:
+    """One per engine, stepped by the thread that calls engine.execute (numba threads are per
+    calling thread). `clock` gives seconds for pauses and bans; `rng` decides exploration."""
+
+    def __init__(self, engine: TunableEngine, settings: TunerSettings = TunerSettings(),
+                 clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None,
+                 saved: Callable[[dict], None] | None = None):
+        self.engine = engine
+        self.settings = settings
+        self.clock = clock
+        self.rng = rng or random.Random(0)
+        self._save = saved
+        self.numerics = engine.ops.numerics("matmul")
+        variants = list(variants_of("matmul", self.numerics))
+        self.max_threads = max(1, int(engine.threads))
+        arms = [(v, t) for v in variants for t in range(self.max_threads, 0, -1)]
+        start = engine.ops.names("matmul")
+        self.buckets = [_Bucket(b, (start[b], self.max_threads), arms, settings) for b in range(len(BUCKET_NAMES))]
+        self._tables: dict[tuple[str, ...], OpTable] = {}
+        self._step: tuple[_Bucket, Arm, bool, int] | None = None
+        self.events: list[dict] = []  # promotions and rollbacks, newest last (snapshot)
+        self.promotions = 0
+        self.rollbacks = 0
+        self._install(engine.threads)
+
+    # ---- the step hooks ------------------------------------------------------------------------
+
+    def before_step(self, rows: int) -> None:
+        """Choose this step's table and threads (between steps: the engine is idle)."""
+        if self._step is not None:
+            raise RuntimeError("KernelTuner.before_step called twice without after_step: a table may "
+                               "only change between steps")
+        bucket = self.buckets[bucket_of(max(1, rows))]
+        arm, exploring = bucket.incumbent, False
+        if (self.settings.enabled and bucket.switch is None and len(bucket.recent) >= REFERENCE_STEPS
+                and (self.rng.random() < self.settings.explore_share
+                     or self.clock() - bucket.explored_at >= self.settings.explore_every_s)):
+            candidate = self._candidate(bucket)
+            if candidate is not None:
+                arm, exploring = candidate, True
+                bucket.explored_at = self.clock()
+        self._step = (bucket, arm, exploring, max(1, rows))
+        self._install(arm[1], bucket.index, arm[0])
+
+    def after_step(self, seconds: float | None) -> None:
+        """Record the step's cost and act on what the measurements now say (None: the step
+        failed; nothing is learned from it)."""
+        if self._step is None:
+            return  # a tuner attached mid-step
+        bucket, arm, exploring, rows = self._step
+        self._step = None
+        if seconds is None:
+            self._install(bucket.incumbent[1])
+            return
+        per_row = seconds / rows
+        bucket.steps += 1
+        now = self.clock()
+        if exploring:
+            reference = median(list(bucket.recent)[-REFERENCE_STEPS:])
+            c = bucket.candidates[arm]
+            c.ratios.append(math.log(max(per_row, 1e-12) / max(reference, 1e-12)))
+            c.seconds.append(per_row)
+            c.last_step = bucket.steps
+            if self.settings.enabled:
+                self._judge(bucket, arm, c, now, reference)
+            self._install(bucket.incumbent[1])  # the next step starts on the incumbent's table again
+            return
+        bucket.recent.append(per_row)
+        if bucket.switch is not None:
+            bucket.switch.after.append(per_row)
+            if len(bucket.switch.after) >= self.settings.rollback_steps:
+                self._check_switch(bucket, now)
+
+    @contextmanager
+    def step(self, rows: int, timer: Callable[[], float] = time.perf_counter):
+        """`with tuner.step(rows): engine.execute(...)`: before_step, the step, after_step with its time."""
+        self.before_step(rows)
+        started = timer()
+        try:
+            yield
+        except BaseException:
+            self.after_step(None)
+            raise
+        self.after_step(timer() - started)
+
+    # ---- decisions -----------------------------------------------------------------------------
+
+    def _candidate(self, bucket: _Bucket) -> Arm | None:
+        """The live candidate sampled least recently (None: nothing to try)."""
+        now = self.clock()
+        best = None
+        for arm, c in bucket.candidates.items():
+            if arm == bucket.incumbent:
+                continue
+            if c.paused_until > now:
+                continue
+            if c.paused_until:  # back from elimination or a ban: fresh evidence only
+                c.paused_until, c.banned, c.confirming = 0.0, False, False
+                c.ratios.clear()
+                c.seconds.clear()
+            if best is None or c.last_step < bucket.candidates[best].last_step:
+                best = arm
+        return best
+
+    def _judge(self, bucket: _Bucket, arm: Arm, c: _Candidate, now: float, reference: float) -> None:
+        """A verdict every min_samples / 2 new samples (not after each: every test is a chance of
+        a false win), over the candidate's window."""
+        s = self.settings
+        n = len(c.ratios)
+        early = n < s.min_samples  # only a loss can be decided this early (it costs a pause, no more)
+        if n < 2 or (not early and (n - s.min_samples) % max(1, s.min_samples // 2)):
+            return
+        ratios = list(c.ratios)
+        m = median(ratios)
+        # The jitter: the larger of the candidate's spread and the incumbent's own (a window of 8
+        # can show a small MAD by chance; the incumbent's recent steps are more).
+        inc = [math.log(max(v, 1e-12)) for v in bucket.recent]
+        sigma = max(_spread(ratios) * math.sqrt(n),
+                    _spread(inc) * math.sqrt(len(inc)) * math.sqrt(1 + 1 / REFERENCE_STEPS))
+        se = sigma / math.sqrt(n)
+        gain = math.log(1.0 - s.min_gain)
+        wins = not early and m < gain and m + s.z * se < 0.0
+        if wins and c.confirming:
+            self._promote(bucket, arm, c, m, se)
+        elif wins:
+            # A win is confirmed on fresh samples before it counts: two independent windows
+            # must agree, which keeps equal arms from trading places on a lucky window. The fresh
+            # window grows until it decides (noisy hosts need more samples), within a limit.
+            c.confirming = True
+            c.ratios.clear()
+            c.seconds.clear()
+        elif c.confirming and n >= CONFIRM_WITHIN * s.min_samples:
+            c.confirming = False
+        elif m - s.z * se > gain:
+            # A loser k times slower than the incumbent waits recheck_s x k / 3 (1 to MAX_PAUSE x):
+            # what its re-checks cost stays bounded (on a swamped host a two-thread step took 10-20x
+            # a one-thread one), while a 2x loser comes back within recheck_s once a neighbour
+            # leaves. Not longer per repeated loss: that delayed noticing a neighbour by 16 s.
+            pause = s.recheck_s * min(MAX_PAUSE, max(1.0, math.exp(m) / 3.0))
+            c.paused_until, c.confirming = now + pause, False
+            c.ratios.clear()
+            c.seconds.clear()
+            log.debug("kernel tuner: bucket %s rows: %s eliminated (%+.0f%% ±%.0f%% vs %s) for %.0f s",
+                      bucket.name, arm_name(arm), 100 * math.expm1(m), 100 * se, arm_name(bucket.incumbent),
+                      pause)
+
+    def _promote(self, bucket: _Bucket, arm: Arm, c: _Candidate, m: float, se: float) -> None:
+        before = list(bucket.recent)
+        paired = len(c.ratios)
+        previous = bucket.incumbent
+        after_s = median(list(c.seconds))
+        before_s = after_s / math.exp(m)
+        bucket.incumbent = arm
+        bucket.switch = _Switch(previous, before)
+        bucket.recent.clear()
+        bucket.reset_candidates()
+        self.promotions += 1
+        self._event("promote", bucket, previous, arm, before_s, after_s, paired)
+        log.info("kernel tuner: bucket %s rows: %s -> %s promoted: %.3f ms/row vs %.3f ms/row (%+.1f%% ±%.1f%%, "
+                 "%d paired steps)", bucket.name, arm_name(previous), arm_name(arm), 1e3 * after_s, 1e3 * before_s,
+                 100 * math.expm1(m), 100 * se, paired)
+
+    def _check_switch(self, bucket: _Bucket, now: float) -> None:
+        switch = bucket.switch
+        bucket.switch = None
+        if len(switch.before) < REFERENCE_STEPS:
+            self._saved()
+            return
+        before, after = median(switch.before), median(switch.after)
+        ratios = [math.log(max(a, 1e-12) / max(before, 1e-12)) for a in switch.after]
+        worse = math.log(after / before) if before > 0 else 0.0
+        jitter = _spread(ratios) + _spread([math.log(max(b, 1e-12) / before) for b in switch.before])
+        if worse > math.log(1.0 + self.settings.rollback) and worse > self.settings.z * jitter:
+            promoted = bucket.incumbent
+            bucket.incumbent = switch.previous
+            bucket.recent.clear()
+            bucket.reset_candidates()
+            banned = bucket.candidates[promoted]
+            banned.paused_until, banned.banned = now + self.settings.ban_s, True
+            self.rollbacks += 1
+            self._install(bucket.incumbent[1])
+            self._event("rollback", bucket, promoted, switch.previous, before, after, len(switch.after))
+            log.info("kernel tuner: bucket %s rows: rolled back %s -> %s: %.3f ms/row over %d steps after the "
+                     "switch vs %.3f ms/row before (%+.1f%% > %.0f%%); %s banned for %.0f s", bucket.name,
+                     arm_name(promoted), arm_name(switch.previous), 1e3 * after, len(switch.after), 1e3 * before,
+                     100 * math.expm1(worse), 100 * self.settings.rollback, arm_name(promoted), self.settings.ban_s)
+        else:
+            log.debug("kernel tuner: bucket %s rows: %s kept (%+.1f%% after the switch)", bucket.name,
+                      arm_name(bucket.incumbent), 100 * math.expm1(worse))
+        self._saved()
+
+    def _event(self, kind: str, bucket: _Bucket, old: Arm, new: Arm, before_s: float, after_s: float,
+               steps: int) -> None:
+        self.events.append({"kind": kind, "bucket": bucket.name, "from": arm_name(old), "to": arm_name(new),
+                            "before_ms_per_row": round(1e3 * before_s, 4), "after_ms_per_row": round(1e3 * after_s, 4),
+                            "steps": steps, "at": self.clock()})
+        del self.events[:-50]
+
+    # ---- tables and threads --------------------------------------------------------------------
+
+    def _install(self, threads: int, bucket: int | None = None, variant: str | None = None) -> None:
+        """Point the engine at the incumbents' table (one bucket's variant replaced when given)
+        and set its threads; both take effect at the next execute."""
+        names = [b.incumbent[0] for b in self.buckets]
+        if bucket is not None:
+            names[bucket] = variant
+        key = tuple(names)
+        table = self._tables.get(key)
+        if table is None:
+            table = self._tables[key] = OpTable.of(matmul=key)
+        self.engine.ops = table
+        if threads != self.engine.threads:
+            self.engine.set_threads(threads)
+
+    def choices(self) -> dict[str, Arm]:
+        """Each bucket's incumbent: {bucket name: (variant, threads)}."""
+        return {b.name: b.incumbent for b in self.buckets}
+
+    def adopt(self, choices: dict[str, list | tuple]) -> bool:
+        """Start from saved choices (from table_store); False (nothing changed) when one names a
+        variant or thread count this engine does not have."""
+        by_name = {b.name: b for b in self.buckets}
+        wanted = {}
+        for name, arm in choices.items():
+            arm = (str(arm[0]), int(arm[1]))
+            if name not in by_name or arm not in by_name[name].candidates:
+                return False
+            wanted[name] = arm
+        for name, arm in wanted.items():
+            by_name[name].incumbent = arm
+        self._install(self.buckets[0].incumbent[1])
+        return True
+
+    def _saved(self) -> None:
+        if self._save is not None:
+            self._save(self.choices())
+
+    # ---- start-up calibration ------------------------------------------------------------------
+
+    def calibrate(self, budget_s: float | None = None, timer: Callable[[], float] = time.perf_counter) -> None:
+        """Time every arm of every bucket on one layer's matmuls (engine.time_matmul) and start on
+        the fastest; stops at the budget (the buckets not reached keep the engine's choice).
+        Progress and the result go to the log."""
+        budget = self.settings.calibration_s if budget_s is None else budget_s
+        if not self.settings.enabled or budget <= 0:
+            return
+        started = timer()
+        deadline = started + budget
+        original = self.engine.threads
+        for bucket, rows in zip(self.buckets, CALIBRATION_ROWS):
+            timings = {}
+            for arm in bucket.arms:
+                if timer() > deadline:
+                    break
+                if arm[1] != self.engine.threads:
+                    self.engine.set_threads(arm[1])
+                table = OpTable.of(matmul=arm[0])
+                self.engine.time_matmul(table, rows, repeats=1)  # first touch: caches, page faults
+                timings[arm] = self.engine.time_matmul(table, rows, repeats=5) / rows
+            if len(timings) < len(bucket.arms):
+                log.info("kernel calibration: out of time (%.0f s) at bucket %s rows; the rest keep %s", budget,
+                         bucket.name, arm_name(bucket.incumbent))
+                break
+            # The thread count also runs the step's other parallel loops (attention, norms), which
+            # a serial matmul does not exercise: judge threads by the parallel variants alone.
+            parallel = {a: t for a, t in timings.items() if not a[0].endswith("_serial")} or timings
+            threads = min(parallel, key=parallel.get)[1]
+            at_threads = {a: t for a, t in timings.items() if a[1] == threads}
+            best = min(at_threads, key=at_threads.get)
+            # Only a clear win replaces the engine's default: calibration is a short measurement.
+            if timings[best] < timings[bucket.incumbent] * (1.0 - self.settings.min_gain):
+                bucket.incumbent = best
+            log.info("kernel calibration: bucket %s rows (%d rows): %s; start on %s (%.0f s so far)", bucket.name,
+                     rows, ", ".join(f"{arm_name(a)} {1e6 * t:.0f} us/row" for a, t in timings.items()),
+                     arm_name(bucket.incumbent), timer() - started)
+        self._install(original)
+        self._saved()
+
+    # ---- what the worker profile reports -------------------------------------------------------
+
+    def snapshot(self) -> dict:
+        """Choices, per-arm timings (median ms per row of the recent window) and the recent
+        promotions and rollbacks, as plain JSON-able values."""
+        now = self.clock()
+        buckets = {}
+        for b in self.buckets:
+            arms = {}
+            for arm, c in b.candidates.items():
+                if arm == b.incumbent:
+                    arms[arm_name(arm)] = {"ms_per_row": round(1e3 * median(b.recent), 4) if b.recent else None,
+                                           "incumbent": True, "samples": len(b.recent)}
+                else:
+                    arms[arm_name(arm)] = {"ms_per_row": round(1e3 * median(c.seconds), 4) if c.seconds else None,
+                                           "samples": len(c.ratios),
+                                           "paused_s": round(max(0.0, c.paused_until - now), 1),
+                                           "banned": c.banned and c.paused_until > now}
+            buckets[b.name] = {"choice": arm_name(b.incumbent), "variant": b.incumbent[0],
+                               "threads": b.incumbent[1], "steps": b.steps, "watching_switch": b.switch is not None,
+                               "arms": arms}
+        return {"enabled": self.settings.enabled, "numerics": self.numerics, "buckets": buckets,
+                "promotions": self.promotions, "rollbacks": self.rollbacks, "events": list(self.events)}
+
+
+class FixedKernels:
+    """No tuner: the engine's table and threads as loaded (the CLI, tests, `kernels = fixed` callers)."""
+
+    def step(self, rows: int):
+        return nullcontext()
+
+    def snapshot(self) -> dict:
+        return {"enabled": False}
+
+
+def kernel_profile(snapshot: dict) -> dict[str, float | str]:
+    """A snapshot as the worker profile's flat "kernels" section: the matmul choice per rows
+    bucket ("gemm", what the adaptive report prints) and the promotion and rollback counts."""
+    if not snapshot.get("enabled"):
+        return {"gemm": "fixed"}
+    choices = " ".join(f"{name}:{bucket['choice']}" for name, bucket in snapshot["buckets"].items())
+    return {"gemm": choices, "promotions": float(snapshot["promotions"]), "rollbacks": float(snapshot["rollbacks"])}
