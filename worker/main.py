@@ -177,6 +177,7 @@ def serve(config: Config, node: int, cpus: list[int], engine, path: Path) -> Non
                             profiler=profiler, adaptive=config.tuning.adaptive,
                             set_threads=None if tuner_owns_threads else _set_threads,
                             threads=config.engine.threads)
+    service.on_freeze(generator.kernel_tuner.freeze)  # a frozen strategy freezes the kernel table too
 
     def profile():
         counters = generator.heartbeat_counters()

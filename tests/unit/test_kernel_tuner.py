@@ -175,6 +175,17 @@ def test_disabled_tuner_never_explores_nor_touches_threads():
     assert engine.thread_calls == []
 
 
+def test_a_frozen_tuner_keeps_its_table_until_unfrozen():
+    tuner, engine, clock = make()
+    faster = lambda arm, now: 0.006 if arm == ("int8_serial", 1) else 0.010
+    tuner.freeze(True)
+    seen = run(tuner, engine, clock, faster, 2000)
+    assert set(seen) == {("int8", 2)} and tuner.promotions == 0
+    tuner.freeze(False)
+    run(tuner, engine, clock, faster, 2000)
+    assert tuner.choices()["1"] == ("int8_serial", 1)
+
+
 def test_only_variants_of_the_engines_numerics_are_tried():
     tuner, engine, clock = make(numerics="float32")
     seen = run(tuner, engine, clock, lambda arm, now: 0.01, 3000)

@@ -173,7 +173,14 @@ class KernelTuner:
         self.events: list[dict] = []  # promotions and rollbacks, newest last (snapshot)
         self.promotions = 0
         self.rollbacks = 0
+        self.frozen = False  # a frozen strategy (POST /admin/strategy/freeze): no exploration, no change
         self._install(engine.threads)
+
+    def freeze(self, frozen: bool) -> None:
+        """Stop (or resume) exploring; the choices in force stay. Called between steps."""
+        if frozen != self.frozen:
+            log.info("kernel tuning %s", "frozen: the current table stays" if frozen else "resumed")
+        self.frozen = frozen
 
     # ---- the step hooks ------------------------------------------------------------------------
 
@@ -184,7 +191,7 @@ class KernelTuner:
                                "only change between steps")
         bucket = self.buckets[bucket_of(max(1, rows))]
         arm, exploring = bucket.incumbent, False
-        if (self.settings.enabled and bucket.switch is None and len(bucket.recent) >= REFERENCE_STEPS
+        if (self.settings.enabled and not self.frozen and bucket.switch is None and len(bucket.recent) >= REFERENCE_STEPS
                 and (self.rng.random() < self.settings.explore_share
                      or self.clock() - bucket.explored_at >= self.settings.explore_every_s)):
             candidate = self._candidate(bucket)
@@ -458,6 +465,9 @@ class FixedKernels:
 
     def step(self, rows: int):
         return nullcontext()
+
+    def freeze(self, frozen: bool) -> None:
+        pass  # nothing here ever changes
 
     def snapshot(self) -> dict:
         return {"enabled": False}
