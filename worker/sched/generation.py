@@ -7,6 +7,7 @@ requests added since the last step join this one.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -20,10 +21,11 @@ from worker.engine.batch import StepChunk
 from worker.engine.paged_kv import PagedKVCache
 from worker.kv.block_manager import BlockManager
 from worker.kv.prefix_cache import PrefixCache
-from worker.kv.sequence import Sequence
+from worker.kv.sequence import Sequence, SequenceStatus
 from worker.sched.sampler import Sampler
-from worker.sched.scheduler import ScheduledBatch, Scheduler
+from worker.sched.scheduler import ScheduledBatch, ScheduledChunk, Scheduler
 from worker.sched.tuning_state import TuningState
+from worker.spec.speculator import Speculator
 
 log = logging.getLogger("reame.generation")
 
@@ -83,11 +85,20 @@ class BatchGenerator:
 
     blocks: who owns which block of the engine's KV pool (a fresh BlockManager when None; the
     prefix cache's own when one is given, so the two agree on every block).
+    speculator: drafts tokens for decoding sequences (worker.spec); None: no speculation.
+
+    Verification: a drafted chunk's rows each return logits (the engine gets one 1-token chunk
+    per row: rows are independent, so the logits are exactly those of decoding the same tokens
+    one step at a time). Row i is sampled with the request's own sampler, in order, and the draft
+    is accepted while draft[i] equals the token sampled there: greedy output is unchanged token
+    for token, and sampled output keeps its distribution (with a seed, even its tokens: every
+    emitted token takes one draw, as without speculation). Each token is its own TokenEvent;
+    emission stops at a stop token or max_tokens as it would one step at a time.
     """
 
     def __init__(self, engine: BatchEngine, tuning: TuningState | None = None,
                  clock: Callable[[], float] = time.monotonic, prefix: PrefixCache | None = None,
-                 blocks: BlockManager | None = None):
+                 blocks: BlockManager | None = None, speculator: Speculator | None = None):
         self.engine = engine
         self.prefix = prefix
         if blocks is None:
@@ -95,7 +106,9 @@ class BatchGenerator:
         if prefix is not None and prefix.block_manager is not blocks:
             raise ValueError("the prefix cache must name blocks of the generator's own block manager")
         self.blocks = blocks
-        self.scheduler = Scheduler(blocks, tuning, prefix)
+        self.speculator = speculator
+        drafter = None if speculator is None else (lambda seq, limit: speculator.propose(seq.seq_id, seq.token_ids, limit))
+        self.scheduler = Scheduler(blocks, tuning, prefix, drafter)
         self.clock = clock
         self._samplers: dict[str, Sampler] = {}
         self._top_logits: dict[str, int] = {}  # requests that want raw logits reported (golden tests, CLI)
@@ -110,13 +123,14 @@ class BatchGenerator:
     # ---- requests ------------------------------------------------------------------------------
 
     def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams, warm: bool = False,
-            top_logits: int = 0, cache_namespace: bytes = b"") -> None:
+            top_logits: int = 0, cache_namespace: bytes = b"", speculative: bool = True) -> None:
         """Queue a request; ReameError (nothing queued) when it cannot be served.
 
         warm: the request is there to fill the prefix caches; its finish waits until the store
         has committed its blocks, so the caller may rely on them being there.
         top_logits > 0: each TokenEvent also carries the raw logits of the best candidates.
-        cache_namespace: the prefix blocks it may reuse and leave for reuse (shared.hashing)."""
+        cache_namespace: the prefix blocks it may reuse and leave for reuse (shared.hashing).
+        speculative: False never drafts for this request (a warm request never does)."""
         validate_params(params, self.engine.vocab_size)
         self.engine.validate(prompt_ids, params.max_tokens)
         seq = Sequence(request_id, [int(t) for t in prompt_ids], params, self.clock(), cache_namespace)
@@ -128,12 +142,16 @@ class BatchGenerator:
             self._warm.add(request_id)
         if top_logits > 0:
             self._top_logits[request_id] = top_logits
+        if self.speculator is not None and speculative and not warm:
+            self.speculator.begin(request_id, seq.token_ids)
 
     def abort(self, request_id: str) -> FinishEvent | None:
         """Stop a request now and free its blocks; None when it is unknown or already finished."""
         seq = self.scheduler.abort(request_id)
         if seq is None:
             return None
+        if self.speculator is not None:
+            self.speculator.end(request_id)
         self._forget(request_id)
         return self._finish_event(seq)
 
@@ -169,38 +187,30 @@ class BatchGenerator:
             if self._warming and self.hold_until is None:
                 self.hold_until = self.clock() + WARM_POLL_S
             return warmed
-        window_table = self.blocks.window_table
-        chunks = [StepChunk.of(c.token_ids, c.start, c.seq.block_table, c.samples, window_table(c.seq.block_table))
-                  for c in batch.chunks]
+        chunks, spans = self._step_chunks(batch)
         started = time.perf_counter()
         try:
             logits = self.engine.execute(chunks, batch.knobs.attention_chunk)
         except Exception as exc:  # an engine bug fails this step's requests, never the worker
             log.exception("engine step failed (%d sequences)", len(batch))
             return self._fail(batch, exc)
-        self.last_step = StepStats(len(batch), batch.num_tokens,
-                                   sum(1 for c in batch.chunks if c.num_tokens == 1),
-                                   time.perf_counter() - started)
+        decoding = sum(1 for c in batch.chunks if c.num_tokens - len(c.draft) == 1)
+        self.last_step = StepStats(len(batch), batch.num_tokens, decoding, time.perf_counter() - started)
+        if self.speculator is not None:
+            self.speculator.observe_step(batch.num_tokens, decoding, self.last_step.seconds)
         if self.prefix is not None:
-            prompt_tokens = sum(c.num_tokens for c in batch.chunks if c.num_tokens > 1)
+            prompt_tokens = sum(c.num_tokens for c in batch.chunks if c.num_tokens > 1 and not c.draft)
             self.prefix.observe_step(prompt_tokens, self.last_step.seconds)
         events: list[Event] = []
-        sampled: dict[str, int] = {}
-        for chunk, row in zip(batch.chunks, logits):
-            if not chunk.samples:
-                continue
-            seq = chunk.seq
-            sampler = self._samplers[seq.seq_id]
-            top_logits = _top_logits(row, self._top_logits.get(seq.seq_id, 0))
-            token = sampler.sample(row)
-            sampled[seq.seq_id] = token
-            if seq.params.logprobs > 0:
-                logprob, top = sampler.logprobs(row, token, seq.params.logprobs)
-                events.append(TokenEvent(seq.seq_id, token, logprob, top, top_logits))
-            else:
-                events.append(TokenEvent(seq.seq_id, token, top_logits=top_logits))
+        sampled: dict[str, list[int]] = {}
+        for chunk, (lo, hi) in zip(batch.chunks, spans):
+            if chunk.samples:
+                sampled[chunk.seq.seq_id] = self._sample(chunk, logits[lo:hi], events)
         for seq in self.scheduler.update(batch, sampled):
             warm = seq.seq_id in self._warm
+            if self.speculator is not None:
+                self.speculator.end(seq.seq_id, seq.token_ids if seq.status is SequenceStatus.FINISHED_STOPPED
+                                    or seq.status is SequenceStatus.FINISHED_LENGTH else None)
             self._forget(seq.seq_id)
             if warm and self.prefix is not None:
                 now = self.clock()
@@ -208,6 +218,47 @@ class BatchGenerator:
             else:
                 events.append(self._finish_event(seq))
         return events + warmed
+
+    def _step_chunks(self, batch: ScheduledBatch) -> tuple[list[StepChunk], list[tuple[int, int]]]:
+        """The engine's chunks for a batch, and each scheduled chunk's span of them: a drafted
+        chunk becomes one 1-token chunk per row, each returning its logits."""
+        window_table = self.blocks.window_table
+        chunks: list[StepChunk] = []
+        spans = []
+        for c in batch.chunks:
+            table, window = c.seq.block_table, window_table(c.seq.block_table)
+            lo = len(chunks)
+            if c.draft:
+                chunks += [StepChunk.of([token], c.start + i, table, True, window) for i, token in enumerate(c.token_ids)]
+            else:
+                chunks.append(StepChunk.of(c.token_ids, c.start, table, c.samples, window))
+            spans.append((lo, len(chunks)))
+        return chunks, spans
+
+    def _sample(self, chunk: ScheduledChunk, rows: list[np.ndarray], events: list[Event]) -> list[int]:
+        """Sample a chunk's rows in order while they confirm its draft; one TokenEvent each."""
+        seq = chunk.seq
+        sampler = self._samplers[seq.seq_id]
+        want_logits = self._top_logits.get(seq.seq_id, 0)
+        params = seq.params
+        room = params.max_tokens - seq.num_output_tokens
+        tokens: list[int] = []
+        for i, row in enumerate(rows):
+            token = sampler.sample(row)
+            tokens.append(token)
+            top_logits = _top_logits(row, want_logits)
+            if params.logprobs > 0:
+                logprob, top = sampler.logprobs(row, token, params.logprobs)
+                events.append(TokenEvent(seq.seq_id, token, logprob, top, top_logits))
+            else:
+                events.append(TokenEvent(seq.seq_id, token, top_logits=top_logits))
+            if (i >= len(chunk.draft) or token != chunk.draft[i] or token in params.stop_token_ids
+                    or len(tokens) >= room):
+                break
+        if chunk.draft and self.speculator is not None:
+            accepted = sum(1 for _ in itertools.takewhile(lambda pair: pair[0] == pair[1], zip(tokens, chunk.draft)))
+            self.speculator.observe(seq.seq_id, len(chunk.draft), accepted)
+        return tokens
 
     def _forget(self, request_id: str) -> None:
         self._samplers.pop(request_id, None)
@@ -248,6 +299,8 @@ class BatchGenerator:
         blocks = self.blocks
         counters.update(kv_blocks=blocks.num_blocks, kv_blocks_used=blocks.num_used_blocks,
                         kv_blocks_cached=blocks.num_cached_blocks)
+        if self.speculator is not None:
+            counters.update(vars(self.speculator.counters))
         return counters
 
     def _fail(self, batch: ScheduledBatch, exc: Exception) -> list[Event]:
@@ -256,6 +309,8 @@ class BatchGenerator:
         events: list[Event] = []
         for chunk in batch.chunks:
             if self.scheduler.abort(chunk.seq.seq_id) is not None:
+                if self.speculator is not None:
+                    self.speculator.end(chunk.seq.seq_id)
                 self._forget(chunk.seq.seq_id)
                 events.append(ErrorEvent(chunk.seq.seq_id, error))
         self.scheduler.update(batch, {})
