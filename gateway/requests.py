@@ -46,6 +46,7 @@ class CompletionRequest:
     top_logprobs: int
     user: str | None
     cache_salt: str | None = None  # only requests with the same salt (and key) share cached prefixes
+    speculative: bool = True  # false: the worker drafts nothing for it (speculative decoding opt-out)
 
     def params(self, max_tokens: int, stop_token_ids: tuple[int, ...], choice: int) -> SamplingParams:
         """Sampling parameters for one choice; choice i of a seeded request uses seed + i."""
@@ -121,7 +122,8 @@ def _common(body: dict, max_n: int, **fields: Any) -> CompletionRequest:
     )
     return CompletionRequest(model=model, sampling=sampling, stop=_stops(body.get("stop")),
                              n=_int(body, "n", 1, 1, max_n), stream=stream, include_usage=include_usage,
-                             user=user, cache_salt=_cache_salt(body), **fields)
+                             user=user, cache_salt=_cache_salt(body), speculative=_bool(body, "speculative", True),
+                             **fields)
 
 
 # ---- field readers: each names the field in its error -------------------------------------------

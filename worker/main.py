@@ -125,6 +125,7 @@ def serve(config: Config, node: int, cpus: list[int], engine, path: Path) -> Non
     from worker.sched.generation import BatchGenerator
     from worker.sched.tuning_state import SchedulerKnobs, TuningState
     from worker.service import WorkerService
+    from worker.spec.setup import build_speculator
 
     knobs = SchedulerKnobs.from_config(config)
     host = socket.gethostname()
@@ -139,7 +140,8 @@ def serve(config: Config, node: int, cpus: list[int], engine, path: Path) -> Non
     sock.connect(config.endpoint)
     blocks = BlockManager.for_pool(engine.kv)
     prefix = build_prefix_cache(config, engine, blocks)
-    generator = BatchGenerator(engine, TuningState(knobs), prefix=prefix, blocks=blocks)
+    speculator, archive_store = build_speculator(config, engine.gguf.fingerprint())
+    generator = BatchGenerator(engine, TuningState(knobs), prefix=prefix, blocks=blocks, speculator=speculator)
     log.info("batching: %s", ", ".join(f"{k}={v}" for k, v in knobs.as_dict().items()))
     service = WorkerService(generator, sock, info, drain_timeout=config.worker.drain_timeout)
     pulse = Pulse(context, config.endpoint, service, config.server.heartbeat_interval,
@@ -166,6 +168,8 @@ def serve(config: Config, node: int, cpus: list[int], engine, path: Path) -> Non
         pulse.stop()
         if prefix is not None:
             prefix.close()
+        if archive_store is not None:
+            archive_store.close()
         sock.close()
         context.term()
 
