@@ -185,10 +185,12 @@ class Speculator:
             state.draft_len = 2
             c.spec_switched_off += 1
 
-    def observe_step(self, rows: int, sequences: int, seconds: float) -> None:
-        """Every engine step: its rows, decoding sequences and time (the break-even's data)."""
+    def observe_step(self, rows: int, sequences: int, seconds: float, measured: bool = True) -> None:
+        """Every engine step: its rows, decoding sequences and time; the step-cost fit takes
+        only `measured` ones (decode and draft rows alone)."""
         self._step += 1
-        self.cost.observe(rows, seconds)
+        if measured:
+            self.cost.observe(rows, seconds)
         if sequences > 0:
             self._sequences_per_step = sequences
 
