@@ -7,7 +7,7 @@ import pytest
 
 from worker.spec.archive import NgramArchive
 from worker.spec.prompt_lookup import PromptLookup
-from worker.spec.speculator import FIRST_BACKOFF, Speculator, StepCost
+from worker.spec.speculator import FIRST_BACKOFF, Speculator, StepCost, draft_length
 
 
 def test_prompt_lookup_proposes_what_followed_the_longest_recurring_ngram():
@@ -80,37 +80,79 @@ def test_step_cost_fits_base_and_per_row():
     assert cost.break_even(8) == pytest.approx(0.016 / 0.024)
 
 
-def test_draft_length_grows_with_acceptance_and_shrinks_after_a_rejection():
-    spec = Speculator(max_draft=8)
+def _measured(spec: Speculator, base: float = 0.008, per_row: float = 0.002) -> Speculator:
+    for rows in [1, 2, 5, 9, 1, 3, 8, 1]:
+        spec.observe_step(rows, 1, base + per_row * rows)
+    return spec  # one stream: break-even 0.2
+
+
+def test_draft_length_is_the_longest_whose_last_token_still_pays():
+    assert draft_length(0.8, 0.2, 8) == 7  # 0.8^7 = 0.21 > 0.2 > 0.8^8
+    assert draft_length(0.5, 0.2, 8) == 2
+    assert draft_length(0.95, 0.2, 8) == 8  # capped
+    assert draft_length(0.9, 0.7, 8) == 3
+    assert draft_length(0.2, 0.2, 8) == 0 and draft_length(0.1, 0.2, 8) == 0
+    assert draft_length(1.0, 0.2, 5) == 5
+
+
+def test_draft_length_grows_with_acceptance_and_shrinks_after_rejections():
+    spec = _measured(Speculator(max_draft=8))
     tokens = [1, 2, 3] * 6 + [1, 2]
     spec.begin("a", tokens)
-    assert len(spec.propose("a", tokens, 99)) == 4
-    spec.observe("a", 4, 4)
-    assert len(spec.propose("a", tokens, 99)) == 6
-    spec.observe("a", 6, 2)
-    assert len(spec.propose("a", tokens, 99)) == 3
-    assert spec.stats()["spec_accepted_tokens"] == 6 and spec.stats()["mean_accepted_length"] == 3.0
+    start = len(spec.propose("a", tokens, 99))
+    assert start == draft_length(2 / 3, 0.2, 8) == 3
+    for _ in range(3):
+        spec.observe("a", 4, 4)
+    grown = len(spec.propose("a", tokens, 99))
+    for _ in range(3):
+        spec.observe("a", 4, 1)
+    shrunk = len(spec.propose("a", tokens, 99))
+    assert grown == 8 and 1 <= shrunk < grown
+    assert spec.counters.spec_accepted_tokens == 15 and spec.stats()["mean_accepted_length"] == 2.5
+    assert spec.counters.spec_switched_off == 0
 
 
 def test_a_sequence_whose_drafts_fail_switches_off_and_retries_later():
-    spec = Speculator(max_draft=4)
+    spec = _measured(Speculator(max_draft=4))
     tokens = [1, 2, 3, 1, 2, 3, 1, 2]
     spec.begin("a", tokens)
-    spec.observe("a", 4, 0)
-    spec.observe("a", 4, 0)  # 8 tokens drafted, none accepted: below any break-even
+    for _ in range(10):
+        spec.observe("a", 4, 0)
+        if spec.counters.spec_switched_off:
+            break
     assert spec.counters.spec_switched_off == 1
     assert spec.propose("a", tokens, 4) == []
     for _ in range(FIRST_BACKOFF):
         spec.observe_step(1, 1, 0.01)
-    assert spec.propose("a", tokens, 4) == [3, 1]  # retried, with a short draft
+    assert spec.propose("a", tokens, 4) == [3, 1]  # retried at p = 1/2: two tokens pay at break-even 0.2
+
+
+def test_the_bar_rises_with_the_batch_a_draft_shares_a_step_with():
+    spec = Speculator(max_draft=8)
+    for rows in [8, 9, 12, 16, 8, 10, 14, 8]:
+        spec.observe_step(rows, 8, 0.008 + 0.003 * rows)  # 8 streams: break-even 0.024 / 0.032
+    tokens = [1, 2, 3] * 6 + [1, 2]
+    spec.begin("a", tokens)
+    assert spec.stats()["break_even"] == pytest.approx(0.75)
+    probes = 0
+    while (draft := spec.propose("a", tokens, 99)) and probes < 10:  # p = 2/3 does not pay here:
+        assert len(draft) == 1  # ... one-token probes only, while its own record is short
+        spec.observe("a", 1, 0)
+        probes += 1
+    assert draft == [] and probes == 1 and spec.counters.spec_switched_off == 1  # a failed probe: off
+    other = [4, 5, 6] * 6 + [4, 5]  # another class: a's record is not b's
+    spec.begin("b", other)
+    for _ in range(30):
+        spec.observe("b", 4, 4)  # every draft confirmed: p -> 1
+    assert len(spec.propose("b", other, 99)) == draft_length(spec._seqs["b"].p, 0.75, 8) >= 4  # ... p ~ 0.97 does
 
 
 def test_a_class_that_never_pays_starts_switched_off_and_opted_out_requests_never_draft():
-    spec = Speculator(max_draft=4)
+    spec = _measured(Speculator(max_draft=4))
     prompt = [1, 2, 3, 1, 2, 3, 1, 2]
     spec.begin("a", prompt)
-    spec.observe("a", 4, 0)
-    spec.observe("a", 4, 0)
+    for _ in range(12):
+        spec.observe("a", 4, 0)
     spec.end("a")
     spec.begin("b", prompt)
     assert spec.propose("b", prompt, 4) == []

@@ -1,22 +1,25 @@
 """Which sequences draft, how many tokens, and from where; learned from what verification accepts.
 
-Per sequence: drafts come from prompt lookup first, then the archive. The draft length grows by
-two after a fully accepted draft and shrinks to one past the accepted run after a rejection.
-Each sequence keeps a moving acceptance rate (accepted / drafted); when it falls below the
-break-even rate, speculation for that sequence switches off and is retried after a back-off that
-doubles on every failed retry. The same rate is kept per request class (the first tokens of the
-prompt), so a new request of a class that never pays starts switched off.
+Per sequence: drafts come from prompt lookup first, then the archive. Its acceptance p is the
+chance that a drafted token is confirmed given the ones before it were (a geometric model:
+accepted tokens over accepted tokens plus rejections, recent drafts weighing most, starting from
+its request class's record or an optimistic prior).
 
-Break-even, from measured step times: a step with R rows takes about base + per_row * R seconds
-(a least-squares fit over recent steps). A drafted token costs one row (per_row); an accepted one
-saves a token's share of a plain step, (base + per_row * B) / B with B sequences in the step. So
-drafting pays while acceptance > per_row * B / (base + per_row * B). One stream on SmolLM2 (AVX2):
-base is most of the step (the weight read), so even low acceptance pays; with many streams the
-bar rises.
+The draft length follows from p and measured step times. A step with R rows takes about
+base + per_row * R seconds (a least-squares fit over recent decode steps). With B sequences
+decoding, a token costs (base + per_row * B) / B; the j-th drafted token of a draft costs one row
+and yields a token with probability p^j, so it pays while
+    p^j > break_even = per_row * B / (base + per_row * B),
+and the draft is k = floor(log(break_even) / log(p)) tokens (at most max_draft). When p falls
+to break_even or below (k = 0), speculation for that sequence switches off, logged with both
+numbers, and is retried after a back-off that doubles on every failed retry. One stream on
+SmolLM2 (AVX2, 1 thread, a loaded host): base ~10 ms, per_row ~3 ms, so break-even ~0.23 and
+p = 0.8 drafts 6 tokens; with 8 streams break-even is ~0.7 and only near-certain drafts pay.
 """
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 
 from worker.spec.archive import NgramArchive
@@ -24,12 +27,24 @@ from worker.spec.prompt_lookup import PromptLookup
 
 log = logging.getLogger("reame.spec")
 
-START_DRAFT = 4  # tokens drafted before a sequence has any record
-RATE_WEIGHT = 0.3  # of the newest verification in a moving acceptance rate
+PRIOR = (2.0, 1.0)  # (accepted, rejections) a sequence starts from without a class record: p = 2/3
+DECAY = 0.9  # weight of the older record at each verified draft
+RETRY = (1.0, 1.0)  # the record a retry starts from: p = 1/2
 FIRST_BACKOFF = 16  # steps a sequence waits before retrying after switching off
 MAX_BACKOFF = 512
-DEFAULT_BREAK_EVEN = 0.2  # until the step-time fit has data
+DEFAULT_BREAK_EVEN = 0.25  # until the step-time fit has data
 CLASS_TOKENS = 16  # prompt tokens that name a request class
+MAX_CLASSES = 10_000  # class records kept (the oldest go first)
+PROBE_TOKENS = 4  # one-token drafts a sequence may try while its own record is this short, paying or not
+
+
+def draft_length(p: float, break_even: float, most: int) -> int:
+    """Tokens worth drafting at per-token acceptance p: the j with p^j > break_even."""
+    if p <= break_even:
+        return 0
+    if p >= 1.0 or break_even <= 0.0:
+        return most
+    return max(1, min(most, int(math.log(break_even) / math.log(p))))
 
 
 class StepCost:
@@ -74,12 +89,17 @@ class SequenceDrafts:
     """One sequence's drafting state."""
     lookup: PromptLookup
     klass: tuple[int, ...]
-    draft_len: int = START_DRAFT
-    rate: float | None = None  # moving accepted/drafted
+    accepted_w: float = PRIOR[0]  # decayed accepted tokens ...
+    rejected_w: float = PRIOR[1]  # ... and rejections: p = accepted_w / (accepted_w + rejected_w)
     off_until: int = -1  # step number before which it does not draft
     backoff: int = FIRST_BACKOFF
     drafted: int = 0
     accepted: int = 0
+    since_start: int = 0  # tokens drafted since it started or was last retried
+
+    @property
+    def p(self) -> float:
+        return self.accepted_w / (self.accepted_w + self.rejected_w)
 
 
 @dataclass
@@ -107,7 +127,7 @@ class Speculator:
         if self.max_draft < 1:
             raise ValueError(f"max_draft must be >= 1, got {self.max_draft}")
         self._seqs: dict[str, SequenceDrafts] = {}
-        self._classes: dict[tuple[int, ...], float] = {}  # class -> moving acceptance rate
+        self._classes: dict[tuple[int, ...], tuple[float, float]] = {}  # class -> (accepted_w, rejected_w)
         self._step = 0
         self._sequences_per_step = 1
 
@@ -116,12 +136,16 @@ class Speculator:
     def begin(self, seq_id: str, prompt_ids: list[int]) -> None:
         """A sequence that may draft (requests that opted out are never begun)."""
         klass = tuple(prompt_ids[:CLASS_TOKENS])
-        state = SequenceDrafts(PromptLookup(), klass, draft_len=min(START_DRAFT, self.max_draft))
-        rate = self._classes.get(klass)
-        if self.adaptive and rate is not None and rate < self._break_even():
-            state.off_until = self._step + FIRST_BACKOFF
-            log.info("request %s: starts without speculation: its class accepts %.0f%% of drafts (break-even %.0f%%)",
-                     seq_id, 100 * rate, 100 * self._break_even())
+        state = SequenceDrafts(PromptLookup(), klass)
+        record = self._classes.get(klass)
+        if record is not None:  # its class's record, as much weight as the prior
+            total = sum(PRIOR)
+            state.accepted_w, state.rejected_w = (total * w / sum(record) for w in record)
+            break_even = self._break_even()
+            if self.adaptive and state.p <= break_even:
+                state.off_until = self._step + FIRST_BACKOFF
+                log.info("request %s: starts without speculation: its class's acceptance %.0f%% is at or below "
+                         "break-even %.0f%%", seq_id, 100 * state.p, 100 * break_even)
         self._seqs[seq_id] = state
 
     def end(self, seq_id: str, tokens: list[int] | None = None) -> None:
@@ -139,7 +163,12 @@ class Speculator:
         state = self._seqs.get(seq_id)
         if state is None or limit <= 0 or self._step < state.off_until:
             return []
-        k = min(limit, state.draft_len if self.adaptive else self.max_draft)
+        k = draft_length(state.p, self._break_even(), self.max_draft) if self.adaptive else self.max_draft
+        if k == 0 and state.since_start < PROBE_TOKENS:
+            k = 1  # its record is still mostly the prior: a one-token probe finds out
+        k = min(limit, k)
+        if k <= 0:
+            return []
         draft = state.lookup.propose(tokens, k)
         if draft:
             self.counters.spec_from_prompt += 1
@@ -163,27 +192,28 @@ class Speculator:
             return
         state.drafted += drafted
         state.accepted += accepted
-        share = accepted / drafted
-        state.rate = share if state.rate is None else (1 - RATE_WEIGHT) * state.rate + RATE_WEIGHT * share
-        old = self._classes.get(state.klass)
-        self._classes[state.klass] = share if old is None else (1 - RATE_WEIGHT) * old + RATE_WEIGHT * share
+        state.since_start += drafted
+        rejected = 1.0 if accepted < drafted else 0.0
+        state.accepted_w = DECAY * state.accepted_w + accepted
+        state.rejected_w = DECAY * state.rejected_w + rejected
+        old = self._classes.pop(state.klass, PRIOR)  # re-inserted: the dict's order is least recent first
+        self._classes[state.klass] = (DECAY * old[0] + accepted, DECAY * old[1] + rejected)
+        if len(self._classes) > MAX_CLASSES:
+            del self._classes[next(iter(self._classes))]
         if not self.adaptive:
             return
-        if accepted == drafted:
-            state.draft_len = min(self.max_draft, state.draft_len + 2)
-            state.backoff = FIRST_BACKOFF
-        else:
-            state.draft_len = max(1, min(self.max_draft, accepted + 1))
         break_even = self._break_even()
-        if state.drafted >= 8 and state.rate < break_even:
+        if state.p <= break_even:
             state.off_until = self._step + state.backoff
-            log.info("request %s: speculation off for %d steps: acceptance %.0f%% is below break-even %.0f%%",
-                     seq_id, state.backoff, 100 * state.rate, 100 * break_even)
+            log.info("request %s: speculation off for %d steps: acceptance %.0f%% (%d of %d drafted tokens) is at "
+                     "or below break-even %.0f%%", seq_id, state.backoff, 100 * state.p, state.accepted,
+                     state.drafted, 100 * break_even)
             state.backoff = min(MAX_BACKOFF, 2 * state.backoff)
-            state.rate = None  # the retry starts afresh
-            state.drafted = state.accepted = 0
-            state.draft_len = 2
+            state.accepted_w, state.rejected_w = RETRY
+            state.since_start = 0
             c.spec_switched_off += 1
+        elif accepted == drafted:
+            state.backoff = FIRST_BACKOFF
 
     def observe_step(self, rows: int, sequences: int, seconds: float, measured: bool = True) -> None:
         """Every engine step: its rows, decoding sequences and time; the step-cost fit takes
