@@ -170,8 +170,10 @@ def test_without_adaptation_every_draft_is_max_draft_long_and_nothing_switches_o
 
 def test_finished_sequences_teach_the_archive_which_then_drafts_for_others():
     spec = Speculator(archive=NgramArchive(order=3))
-    spec.begin("a", [50, 51])
-    spec.end("a", [50, 51, 60, 61, 62, 63, 64, 65])
+    spec.begin("a", [40, 41, 42, 50, 51])
+    spec.end("a", [40, 41, 42, 50, 51, 60, 61, 62, 63, 64, 65], num_prompt=5)
     spec.begin("b", [70, 60, 61, 62])
     assert spec.propose("b", [70, 60, 61, 62], 3) == [63, 64, 65]
     assert spec.counters.spec_from_archive == 1
+    # The completion and the 3 prompt tokens before it are learned, not the rest of the prompt.
+    assert spec.archive.counts((42, 50, 51)) == {60: 1} and spec.archive.counts((40, 41, 42)) == {}

@@ -21,7 +21,7 @@ from worker.engine.batch import StepChunk
 from worker.engine.paged_kv import PagedKVCache
 from worker.kv.block_manager import BlockManager
 from worker.kv.prefix_cache import PrefixCache
-from worker.kv.sequence import Sequence, SequenceStatus
+from worker.kv.sequence import Sequence
 from worker.sched.sampler import Sampler
 from worker.sched.scheduler import ScheduledBatch, ScheduledChunk, Scheduler
 from worker.sched.tuning_state import TuningState
@@ -212,8 +212,7 @@ class BatchGenerator:
         for seq in self.scheduler.update(batch, sampled):
             warm = seq.seq_id in self._warm
             if self.speculator is not None:
-                self.speculator.end(seq.seq_id, seq.token_ids if seq.status is SequenceStatus.FINISHED_STOPPED
-                                    or seq.status is SequenceStatus.FINISHED_LENGTH else None)
+                self.speculator.end(seq.seq_id, seq.token_ids, seq.num_prompt_tokens)
             self._forget(seq.seq_id)
             if warm and self.prefix is not None:
                 now = self.clock()

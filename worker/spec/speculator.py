@@ -148,13 +148,16 @@ class Speculator:
                          "break-even %.0f%%", seq_id, 100 * state.p, 100 * break_even)
         self._seqs[seq_id] = state
 
-    def end(self, seq_id: str, tokens: list[int] | None = None) -> None:
-        """The sequence finished (tokens: all of them, to learn from) or was aborted (None)."""
+    def end(self, seq_id: str, tokens: list[int] | None = None, num_prompt: int = 0) -> None:
+        """The sequence finished (tokens: all of them, the first num_prompt its prompt) or was
+        aborted (None). The archive learns the completion with the context it started from:
+        a prompt is drafted from by its own request's prompt lookup, and counting every prompt
+        would cost a store lookup per prompt token on the step loop."""
         state = self._seqs.pop(seq_id, None)
         if state is not None and state.drafted:
             log.debug("request %s: %d of %d drafted tokens accepted", seq_id, state.accepted, state.drafted)
         if tokens is not None and self.archive is not None:
-            self.archive.learn(tokens)
+            self.archive.learn(tokens[max(0, num_prompt - self.archive.order):])
 
     # ---- each step --------------------------------------------------------------------------------
 
