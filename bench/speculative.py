@@ -167,15 +167,15 @@ def run_batch(engine, prompts: list[list[int]], stop_ids: tuple[int, ...], specu
 
 
 def main() -> None:
+    global MAX_TOKENS
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--workloads", nargs="+", default=["qa", "code", "json", "free"])
-    parser.add_argument("--max-tokens", type=int, default=MAX_TOKENS)
+    parser.add_argument("--max-tokens", type=int, default=128)
     args = parser.parse_args()
-    global MAX_TOKENS
     MAX_TOKENS = args.max_tokens
 
     import numba
@@ -226,8 +226,13 @@ def main() -> None:
                 off, on = [], []
                 for run in range(args.runs):
                     off.append(run_batch(engine, batch, stop_ids, None, prefix))
-                    on.append(run_batch(engine, batch, stop_ids, Speculator(max_draft=8), prefix))
-                    say(f"{name} x{streams} run {run + 1}: off {off[-1].tok_s:.1f} tok/s, on {on[-1].tok_s:.1f} tok/s")
+                    speculator = Speculator(max_draft=8)
+                    on.append(run_batch(engine, batch, stop_ids, speculator, prefix))
+                    stats = speculator.stats()
+                    say(f"{name} x{streams} run {run + 1}: off {off[-1].tok_s:.1f} tok/s, on {on[-1].tok_s:.1f} tok/s; "
+                        f"step fit base {1e3 * (stats['step_base_s'] or 0):.1f} ms + "
+                        f"{1e3 * (stats['step_per_row_s'] or 0):.2f} ms/row, break-even {stats['break_even']:.2f}, "
+                        f"switched off {stats['spec_switched_off']}")
                 rows.append((name, streams, off, on))
     print_table(rows, args)
 

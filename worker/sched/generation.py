@@ -197,10 +197,7 @@ class BatchGenerator:
         decoding = sum(1 for c in batch.chunks if c.num_tokens - len(c.draft) == 1)
         self.last_step = StepStats(len(batch), batch.num_tokens, decoding, time.perf_counter() - started)
         if self.speculator is not None:
-            # Only steps of decode and draft rows measure what a drafted row costs: prompt chunks'
-            # rows are cheaper each (one weight read for many), and would bias the fit.
-            self.speculator.observe_step(batch.num_tokens, decoding, self.last_step.seconds,
-                                         measured=decoding == len(batch))
+            self.speculator.observe_step(batch.num_tokens, decoding, self.last_step.seconds)
         if self.prefix is not None:
             prompt_tokens = sum(c.num_tokens for c in batch.chunks if c.num_tokens > 1 and not c.draft)
             self.prefix.observe_step(prompt_tokens, self.last_step.seconds)

@@ -50,7 +50,7 @@ def draft_length(p: float, break_even: float, most: int) -> int:
 class StepCost:
     """seconds ≈ base + per_row * rows, fitted by exponentially forgetting least squares."""
 
-    def __init__(self, forget: float = 0.98):
+    def __init__(self, forget: float = 0.995):
         self.forget = forget
         self._n = self._x = self._y = self._xx = self._xy = 0.0
 
@@ -218,12 +218,12 @@ class Speculator:
         elif accepted == drafted:
             state.backoff = FIRST_BACKOFF
 
-    def observe_step(self, rows: int, sequences: int, seconds: float, measured: bool = True) -> None:
-        """Every engine step: its rows, decoding sequences and time; the step-cost fit takes
-        only `measured` ones (decode and draft rows alone)."""
+    def observe_step(self, rows: int, sequences: int, seconds: float) -> None:
+        """Every engine step: its rows, decoding sequences and time. Prompt chunks' steps stay in
+        the fit: decode steps alone vary by a few rows, and on a loaded host (bench, load average
+        12) their slope came out anywhere from 0 to 12 ms per row; a 512-row step pins it."""
         self._step += 1
-        if measured:
-            self.cost.observe(rows, seconds)
+        self.cost.observe(rows, seconds)
         if sequences > 0:
             self._sequences_per_step = sequences
 
