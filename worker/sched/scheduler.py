@@ -200,7 +200,7 @@ class Scheduler:
             self._in_flight = batch
         return batch
 
-    def update(self, batch: ScheduledBatch, sampled: dict[str, int]) -> list[Sequence]:
+    def update(self, batch: ScheduledBatch, sampled: dict[str, int | Tokens[int]]) -> list[Sequence]:
         """Advance the batch's sequences by what the engine computed; return those that finished.
 
         sampled maps seq_id -> token (or, for a drafted chunk, the tokens emitted: the accepted
