@@ -173,7 +173,7 @@ def test_finished_sequences_teach_the_archive_which_then_drafts_for_others():
     spec.begin("a", [40, 41, 42, 50, 51])
     spec.end("a", [40, 41, 42, 50, 51, 60, 61, 62, 63, 64, 65], num_prompt=5)
     spec.begin("b", [70, 60, 61, 62])
-    assert spec.propose("b", [70, 60, 61, 62], 3) == [63, 64, 65]
+    assert spec.propose("b", [70, 60, 61, 62], 2) == [63, 64]
     assert spec.counters.spec_from_archive == 1
     # The completion and the 3 prompt tokens before it are learned, not the rest of the prompt.
     assert spec.archive.counts((42, 50, 51)) == {60: 1} and spec.archive.counts((40, 41, 42)) == {}
