@@ -57,7 +57,8 @@ async def complete(state: GatewayState, request: web.Request, req: CompletionReq
         max_tokens = _max_tokens(state, req, ids, param)
         for j in range(req.n):
             jobs.append(Job(uuid.uuid4().hex, p * req.n + j, ids, req.params(max_tokens, state.stop_token_ids, j),
-                            sink, prefix_key(ids, namespace), cache_namespace=namespace, tenant=tenant))
+                            sink, prefix_key(ids, namespace), cache_namespace=namespace, tenant=tenant,
+                            speculative=req.speculative))
     if len(jobs) > state.config.gateway.max_queue:  # could never be queued: retrying would not help
         raise InvalidRequestError(f"this request asks for {len(jobs)} choices ({len(prompts)} prompt(s) × n = "
                                   f"{req.n}); at most {state.config.gateway.max_queue} can wait at once", param="n")

@@ -56,6 +56,15 @@ class Metrics:
         self.kv_blocks = Gauge("reame_kv_cache_blocks", "A worker's KV pool blocks, as last reported: held by requests "
                                "(used), free but holding a reusable prefix (cached), empty (free)",
                                ["worker", "state"], registry=r)
+        self.spec_drafts = Counter("reame_spec_drafts", "Speculative drafts verified", registry=r)
+        self.spec_drafted = Counter("reame_spec_drafted_tokens", "Tokens drafted for verification", registry=r)
+        self.spec_accepted = Counter("reame_spec_accepted_tokens", "Drafted tokens the model confirmed", registry=r)
+        self.spec_switched_off = Counter("reame_spec_switched_off", "Times a request's speculation switched off "
+                                         "(acceptance below the measured break-even)", registry=r)
+        self.spec_acceptance = Gauge("reame_spec_acceptance_rate", "Accepted / drafted tokens since the gateway started",
+                                     registry=r)
+        self.spec_accepted_length = Gauge("reame_spec_mean_accepted_length",
+                                          "Accepted tokens per verified draft since the gateway started", registry=r)
         # Heartbeat field → the counter its growth goes to (labelled children made now, so they show as 0).
         self._grows: dict[str, Counter] = {
             "prefix_query_tokens": self.prefix_query_tokens,
@@ -65,7 +74,12 @@ class Metrics:
             "prefix_recomputes": self.prefix_restore_choices.labels("recompute"),
             "store_evictions": self.prefix_store_evictions,
             "store_writes": self.prefix_store_writes,
+            "spec_drafts": self.spec_drafts,
+            "spec_drafted_tokens": self.spec_drafted,
+            "spec_accepted_tokens": self.spec_accepted,
+            "spec_switched_off": self.spec_switched_off,
         }
+        self._spec_totals = dict.fromkeys(("spec_drafts", "spec_drafted_tokens", "spec_accepted_tokens"), 0)
         # worker id → its totals in its last heartbeat. Kept when a worker is dropped (it may come
         # back with the same id and must not be counted twice); the oldest go beyond the cap.
         self._reported: OrderedDict[str, dict[str, int]] = OrderedDict()
@@ -83,10 +97,17 @@ class Metrics:
         totals = {name: getattr(beat, name) for name in self._grows}
         for name, counter in self._grows.items():
             now, before = totals[name], last[name]
-            counter.inc(now - before if now >= before else now)
+            grown = now - before if now >= before else now
+            counter.inc(grown)
+            if name in self._spec_totals:
+                self._spec_totals[name] += grown
         self._reported[beat.worker_id] = totals
         while len(self._reported) > _REMEMBERED_WORKERS:
             self._reported.popitem(last=False)
+        spec = self._spec_totals
+        if spec["spec_drafts"]:
+            self.spec_acceptance.set(spec["spec_accepted_tokens"] / spec["spec_drafted_tokens"])
+            self.spec_accepted_length.set(spec["spec_accepted_tokens"] / spec["spec_drafts"])
         # One store per host, shared by its workers: summing their reports would count it again each time.
         self.prefix_store_bytes.set(beat.store_bytes)
         if beat.kv_blocks:

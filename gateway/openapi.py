@@ -206,6 +206,8 @@ def _sampling(max_n: int) -> Schema:
         "stream_options": _opt("object", properties={"include_usage": _opt("boolean")}),
         "user": _opt("string"),
         "cache_salt": CACHE_SALT,
+        "speculative": _opt("boolean", description="false: no speculative decoding for this request "
+                                                   "(the output is the same either way; this only opts out of drafting)"),
         "max_tokens": _limited("integer", "max_tokens",
                                description="prompt + max_tokens must fit the context (else 400)"),
         "response_format": {"anyOf": [

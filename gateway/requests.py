@@ -51,6 +51,7 @@ class CompletionRequest:
     constraint: Constraint | None = None  # response_format / grammar, as asked
     grammar: str = ""  # the constraint compiled (gateway.structured.GrammarCache); "" = free text
     tools: ToolRequest | None = None  # chat: tools, tool_choice, parallel_tool_calls
+    speculative: bool = True  # false: the worker drafts nothing for it (speculative decoding opt-out)
 
     def params(self, max_tokens: int, stop_token_ids: tuple[int, ...], choice: int) -> SamplingParams:
         """Sampling parameters for one choice; choice i of a seeded request uses seed + i."""
@@ -127,7 +128,8 @@ def _common(body: dict, max_n: int, **fields: Any) -> CompletionRequest:
     )
     return CompletionRequest(model=model, sampling=sampling, stop=_stops(body.get("stop")),
                              n=_int(body, "n", 1, 1, max_n), stream=stream, include_usage=include_usage,
-                             user=user, cache_salt=_cache_salt(body), constraint=constraint_of(body), **fields)
+                             user=user, cache_salt=_cache_salt(body), constraint=constraint_of(body),
+                             speculative=_bool(body, "speculative", True), **fields)
 
 
 # ---- field readers: each names the field in its error -------------------------------------------

@@ -61,6 +61,7 @@ class Job:
     warm: bool = False  # prefill only (POST /v1/warm): the worker fills its prefix caches and finishes
     cache_namespace: bytes = b""  # whose cached prefixes it may reuse (gateway.cache_namespace)
     tenant: str = ""  # whose key sent it (gateway.auth): free slots are shared fairly between tenants
+    speculative: bool = True  # the worker may draft tokens for it
     worker_id: str | None = None
     delivered: bool = False  # output reached the client: it can no longer move to another worker
     closed: bool = False  # the HTTP side is done with it
@@ -383,7 +384,8 @@ class WorkerPool:
             job.worker_id = worker.worker_id
             job.attempts += 1
             self._send(worker.identity, Generate(job.request_id, job.prompt_ids, job.params, warm=job.warm,
-                                                   cache_namespace=job.cache_namespace.hex()))
+                                                   cache_namespace=job.cache_namespace.hex(),
+                                                   speculative=job.speculative))
         self._update_gauges()
 
     def _next_job(self) -> Job:

@@ -35,7 +35,7 @@ import orjson
 
 from shared.sampling import SamplingParams
 
-PROTOCOL_VERSION = 4  # 2: Generate.warm, Finished.prefix_tokens, Heartbeat counters; 3: params.grammar; 4: Profile, Strategy
+PROTOCOL_VERSION = 5  # 2: Generate.warm, Finished.prefix_tokens, Heartbeat counters; 3: params.grammar; 4: Profile, Strategy; 5: Generate.speculative, spec_* counters
 
 
 class Range(NamedTuple):
@@ -102,12 +102,17 @@ class Heartbeat:
     kv_blocks: Count = 0  # the worker's KV pool now: all blocks,
     kv_blocks_used: Count = 0  # those some request holds,
     kv_blocks_cached: Count = 0  # and those free that still hold a reusable prefix
+    spec_drafts: Count = 0  # speculative drafts verified
+    spec_drafted_tokens: Count = 0  # tokens in them
+    spec_accepted_tokens: Count = 0  # of those, accepted (emitted without a step of their own)
+    spec_switched_off: Count = 0  # times a sequence's speculation switched off (acceptance below break-even)
 
 
 # The Heartbeat fields a worker's counters fill (worker.pulse); the rest are load and control.
 HEARTBEAT_COUNTERS = ("prefix_query_tokens", "prefix_hit_tokens_ram", "prefix_hit_tokens_store", "prefix_restores",
                       "prefix_recomputes", "store_bytes", "store_evictions", "store_writes",
-                      "kv_blocks", "kv_blocks_used", "kv_blocks_cached")
+                      "kv_blocks", "kv_blocks_used", "kv_blocks_cached",
+                      "spec_drafts", "spec_drafted_tokens", "spec_accepted_tokens", "spec_switched_off")
 
 
 @dataclass(frozen=True)
@@ -117,6 +122,7 @@ class Generate:
     params: SamplingParams
     warm: bool = False  # prefill only: fill the prefix caches (RAM and host store), flush the store writes, finish
     cache_namespace: str = ""  # hex: the prefix blocks it may reuse (shared.hashing.namespace_root); "" = shared
+    speculative: bool = True  # False: the worker never drafts tokens for it (the request's "speculative")
 
 
 @dataclass(frozen=True)

@@ -83,6 +83,7 @@ class FakeGenerator:
         self.closed = 0  # requests aborted before their end
         self.added: list[tuple[str, list[int], SamplingParams, bool]] = []  # id, prompt, params, warm
         self.namespaces: dict[str, bytes] = {}  # id → the cache namespace it came with
+        self.speculative: dict[str, bool] = {}  # id → whether it may be drafted for
         self.cached_tokens = 0  # what every Finished reports
         self.prefix_tokens = 0
         self.counters: dict[str, int] = {}  # what the heartbeats carry
@@ -90,13 +91,14 @@ class FakeGenerator:
         self._warm: set[str] = set()
 
     def add(self, request_id: str, prompt_ids, params: SamplingParams, warm: bool = False,
-            cache_namespace: bytes = b"") -> None:
+            cache_namespace: bytes = b"", speculative: bool = True) -> None:
         if not prompt_ids:
             raise InvalidRequestError("empty prompt", param="prompt")
         if len(prompt_ids) + params.max_tokens > self.n_ctx:
             raise ContextLengthError("too long", param="max_tokens")
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="id")
+        self.speculative[request_id] = speculative
         self.added.append((request_id, list(prompt_ids), params, warm))
         self.namespaces[request_id] = cache_namespace
         self._requests[request_id] = (list(prompt_ids), params, [])

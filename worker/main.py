@@ -137,6 +137,7 @@ def serve(config: Config, node: int, cpus: list[int], engine, path: Path) -> Non
     from worker.sched.kernel_tuner import FixedKernels, kernel_profile
     from worker.sched.tuning_state import SchedulerKnobs, TuningState
     from worker.service import WorkerService
+    from worker.spec.setup import build_speculator
 
     knobs = SchedulerKnobs.from_config(config)
     host = socket.gethostname()
@@ -161,8 +162,10 @@ def serve(config: Config, node: int, cpus: list[int], engine, path: Path) -> Non
     prefix = build_prefix_cache(config, engine, blocks)
     # The grammar token table is built at the first constrained request (~0.3 s for 49k tokens).
     constraints = Constraints.from_gguf(str(path), engine.vocab_size, knobs.max_batch_size)
+    speculator, archive_store = build_speculator(config, engine.gguf.fingerprint())
     tuning = TuningState(knobs)
-    generator = BatchGenerator(engine, tuning, prefix=prefix, blocks=blocks, constraints=constraints)
+    generator = BatchGenerator(engine, tuning, prefix=prefix, blocks=blocks, constraints=constraints,
+                               speculator=speculator)
     generator.kernel_tuner = build_kernel_tuner(config, engine)  # this thread runs the steps: numba threads are per thread
     log.info("batching: %s (adaptive %s)", ", ".join(f"{k}={v}" for k, v in knobs.as_dict().items()),
              "on" if config.tuning.adaptive else "off")
@@ -170,6 +173,8 @@ def serve(config: Config, node: int, cpus: list[int], engine, path: Path) -> Non
     # coordinator's decisions are off then.
     profiler = ProfileCollector(worker_id, cpus)
     profiler.add_source("kernels", lambda: kernel_profile(generator.kernel_tuner.snapshot()))
+    if speculator is not None:
+        profiler.add_source("speculative", speculator.stats)
     # One owner for the thread count: the kernel tuner times every thread count per rows bucket
     # when it runs; the coordinator's threads knob applies only to a worker without one.
     tuner_owns_threads = not isinstance(generator.kernel_tuner, FixedKernels)
@@ -213,6 +218,8 @@ def serve(config: Config, node: int, cpus: list[int], engine, path: Path) -> Non
         constraints.close()
         if prefix is not None:
             prefix.close()
+        if archive_store is not None:
+            archive_store.close()
         sock.close()
         context.term()
 

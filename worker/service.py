@@ -34,7 +34,7 @@ class GeneratorLike(Protocol):
     def has_work(self) -> bool: ...
 
     def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams, warm: bool = False,
-            cache_namespace: bytes = b"") -> None: ...
+            cache_namespace: bytes = b"", speculative: bool = True) -> None: ...
 
     def abort(self, request_id: str) -> FinishEvent | None: ...
 
@@ -218,7 +218,7 @@ class WorkerService:
         try:
             namespace = _namespace(request.cache_namespace)
             self.generator.add(request.request_id, request.prompt_ids, request.params, warm=request.warm,
-                               cache_namespace=namespace)
+                               cache_namespace=namespace, speculative=request.speculative)
         except ReameError as exc:
             self._send_error(request.request_id, exc)
             return

@@ -6,15 +6,17 @@ from contextlib import closing
 from shared.sampling import SamplingParams
 from worker.engine.engine import Engine
 from worker.sched.one_request import generate_one, solo_generator
+from worker.spec.speculator import Speculator
 
 EXACT_RULE = (0.05, 0.1)  # (logit tolerance, near-tie gap) for the .f32-exact files
 SHIPPED_RULE = (1.0, 1.0)  # for the as-shipped files
 LOOKUP = 64  # how many of our best logits to fetch so every reference top-8 id is found
 
 
-def check_greedy_case(engine: Engine, case: dict, eos_id: int, rule: tuple[float, float]) -> int:
-    """Greedy-generate the case through the serving loop and compare step by step; returns the
-    steps compared.
+def check_greedy_case(engine: Engine, case: dict, eos_id: int, rule: tuple[float, float],
+                      speculator: Speculator | None = None) -> int:
+    """Greedy-generate the case through the serving loop (drafting with `speculator` if given)
+    and compare step by step; returns the steps compared.
 
     Raises AssertionError naming the step and token on a mismatch. Comparison of a case
     stops after the first step whose reference top-2 gap is a near-tie.
@@ -22,7 +24,8 @@ def check_greedy_case(engine: Engine, case: dict, eos_id: int, rule: tuple[float
     tolerance, near_tie = rule
     steps = case["steps"]
     params = SamplingParams(max_tokens=len(steps), temperature=0.0, stop_token_ids=(eos_id,))
-    with closing(generate_one(solo_generator(engine), case["prompt_ids"], params, top_logits=LOOKUP)) as outputs:
+    generator = solo_generator(engine, speculator=speculator)
+    with closing(generate_one(generator, case["prompt_ids"], params, top_logits=LOOKUP)) as outputs:
         return _compare(outputs, steps, tolerance, near_tie)
 
 

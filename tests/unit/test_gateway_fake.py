@@ -415,3 +415,33 @@ def test_heartbeat_counters_become_prometheus_counters(tmp_path):
         report(10, 5, 0, 1, 0, 0, 1, 8000, expect=[160, 45, 30, 3, 1, 3, 10, 8000])
     finally:
         srv.close()
+
+
+def test_speculative_false_reaches_the_worker_and_a_non_boolean_is_400(server, client):
+    generator = server.workers[0].generator
+    client.chat.completions.create(model="reame", messages=[{"role": "user", "content": "a"}],
+                                   extra_body={"speculative": False})
+    client.completions.create(model="reame", prompt="b")
+    flags = [generator.speculative[rid] for rid, *_ in generator.added[-2:]]
+    assert flags == [False, True]
+    r = post(server, "/v1/chat/completions", chat_body(speculative="no"))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "speculative"
+
+
+def test_spec_counters_become_metrics_with_acceptance_and_mean_accepted_length(tmp_path):
+    srv = FakeServer(tmp_path)
+    try:
+        generator = srv.workers[0].generator
+
+        def spec_metrics():
+            families = {f.name: f for f in text_string_to_metric_families(requests.get(srv.url + "/metrics").text)}
+            return [families[name].samples[0].value for name in (
+                "reame_spec_drafts", "reame_spec_drafted_tokens", "reame_spec_accepted_tokens",
+                "reame_spec_switched_off", "reame_spec_acceptance_rate", "reame_spec_mean_accepted_length")]
+
+        generator.counters = dict(spec_drafts=10, spec_drafted_tokens=40, spec_accepted_tokens=30, spec_switched_off=1)
+        srv.wait_until(lambda: spec_metrics() == [10, 40, 30, 1, 0.75, 3.0])
+        generator.counters = dict(spec_drafts=20, spec_drafted_tokens=100, spec_accepted_tokens=40, spec_switched_off=1)
+        srv.wait_until(lambda: spec_metrics() == [20, 100, 40, 1, 0.4, 2.0])
+    finally:
+        srv.close()

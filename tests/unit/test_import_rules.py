@@ -20,7 +20,8 @@ MAY_IMPORT: dict[str, tuple[str, ...]] = {
     "gateway": ("gateway", "shared"),
     "worker.engine": ("worker.engine", "shared"),
     "worker.kv": ("worker.kv", "worker.engine", "shared"),
-    "worker.sched": ("worker.sched", "worker.kv", "worker.engine", "shared"),
+    "worker.spec": ("worker.spec", "shared"),  # drafting: pure, over token ids
+    "worker.sched": ("worker.sched", "worker.spec", "worker.kv", "worker.engine", "shared"),
     "worker": ("worker", "shared"),  # the process: main, service, pulse, numa
     "reame": ("reame", "gateway", "worker", "shared"),  # the CLI wires both sides together
 }

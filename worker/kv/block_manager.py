@@ -209,6 +209,25 @@ class BlockManager:
             self.window.release(block_id, keep=self._hash_of[block_id] is not None)
         seq.window_start = max(seq.window_start, upto)
 
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Free seq's blocks past the first num_tokens tokens, last first (rejected draft rows:
+        their K/V are garbage, so the blocks go back unnamed)."""
+        keep = self.blocks_needed(num_tokens)
+        while len(seq.block_table) > keep:
+            block_id = seq.block_table.pop()
+            if self._hash_of[block_id] is not None:
+                raise RuntimeError(f"block {block_id} is named; truncate() only drops uncomputed tokens")
+            if self.window is not None and len(seq.block_table) >= seq.window_start:
+                self.window.release(block_id, keep=False)
+            count = self._ref_counts[block_id] - 1
+            if count < 0:
+                raise RuntimeError(f"block {block_id} freed more often than allocated")
+            self._ref_counts[block_id] = count
+            if count == 0:
+                self._empty[block_id] = None
+        if self.window is not None:
+            seq.window_start = min(seq.window_start, len(seq.block_table))
+
     def free(self, seq: Sequence) -> None:
         """Drop seq's references, last block first; blocks nobody references join the tail of
         their free list (named blocks: the most recently used end of the LRU)."""

@@ -14,6 +14,7 @@ from typing import Iterator
 from shared.sampling import SamplingParams
 from worker.sched.generation import BatchEngine, BatchGenerator, ErrorEvent, FinishEvent, TokenEvent
 from worker.sched.tuning_state import SchedulerKnobs, TuningState
+from worker.spec.speculator import Speculator
 
 _request_ids = itertools.count()
 
@@ -36,11 +37,12 @@ class Timing:
     decode_s: float = 0.0
 
 
-def solo_generator(engine: BatchEngine, knobs: SchedulerKnobs | None = None) -> BatchGenerator:
+def solo_generator(engine: BatchEngine, knobs: SchedulerKnobs | None = None,
+                   speculator: Speculator | None = None) -> BatchGenerator:
     """A generator for one caller's requests: no batching window (a lone request never waits
     for company that will not come); the other knobs as given, or reame.conf's defaults."""
     knobs = knobs if knobs is not None else SchedulerKnobs()
-    return BatchGenerator(engine, TuningState(replace(knobs, batching_window_ms=0.0)))
+    return BatchGenerator(engine, TuningState(replace(knobs, batching_window_ms=0.0)), speculator=speculator)
 
 
 def generate_one(generator: BatchGenerator, prompt_ids, params: SamplingParams, top_logits: int = 0,

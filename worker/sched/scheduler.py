@@ -36,6 +36,14 @@ fit, the blocks are given back and admission stops as above. After each step, ev
 block is registered under its chain hash. The scheduler itself stays free of I/O: the prefix
 cache may restore blocks from disk, and it is injected (tests run without it or with RAM only).
 
+Speculation (optional, a `drafter`): a decoding sequence (one token not yet computed) may also
+feed draft tokens after it, a chunk of 1 + k tokens whose every row returns logits. Drafts take
+budget only after one token is set aside for each running sequence behind it, and never take
+blocks that would preempt anyone. update() then takes the tokens the generator emitted: the
+first len - 1 of them are the accepted draft tokens, whose K/V stay; the rejected rows' K/V
+are dropped (num_computed_tokens set back, the blocks past it freed), and only accepted tokens
+are named in the prefix cache.
+
 The step protocol: schedule(now) -> the engine runs the batch -> update(batch, sampled). A
 non-empty batch must be updated before the next schedule(). If the engine fails, abort the
 batch's sequences and call update(batch, {}).
@@ -43,7 +51,11 @@ batch's sequences and call update(batch, {}).
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence as Tokens
 from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
 
 from shared.errors import ContextLengthError, InvalidRequestError
 from worker.kv.block_manager import BlockManager
@@ -58,10 +70,12 @@ class ScheduledChunk:
     start: int  # position of the first token fed; == seq.num_computed_tokens at schedule time
     num_tokens: int
     samples: bool  # the chunk ends at the last known token: the engine returns logits, we sample
+    draft: tuple[int, ...] = ()  # drafted tokens fed after the known ones (num_tokens counts them)
 
     @property
     def token_ids(self) -> list[int]:
-        return self.seq.token_ids[self.start:self.start + self.num_tokens]
+        known = self.num_tokens - len(self.draft)
+        return self.seq.token_ids[self.start:self.start + known] + list(self.draft)
 
 
 @dataclass(frozen=True, eq=False)
@@ -83,10 +97,14 @@ class ScheduledBatch:
         return len(self.chunks)
 
 
+Drafter = Callable[[Sequence, int], Tokens[int]]  # (sequence, most tokens) -> draft tokens
+
+
 class Scheduler:
     def __init__(self, block_manager: BlockManager, tuning: TuningState | None = None,
-                 prefix: PrefixCache | None = None):
+                 prefix: PrefixCache | None = None, drafter: Drafter | None = None):
         self.block_manager = block_manager
+        self.drafter = drafter
         self.tuning = tuning if tuning is not None else TuningState()
         self.prefix = prefix
         self._waiting: deque[Sequence] = deque()  # oldest first
@@ -165,8 +183,10 @@ class Scheduler:
             num_tokens = min(seq.num_uncomputed_tokens, knobs.prefill_chunk, budget)
             if not self._make_room(seq, num_tokens, preempted):
                 break  # seq preempted itself; it was the last running sequence
-            chunks.append(self._take(seq, num_tokens))
-            budget -= num_tokens
+            behind = min(len(self._running) - i - 1, knobs.max_batch_size - len(chunks) - 1)
+            draft = self._draft(seq, num_tokens, budget - num_tokens - behind)
+            chunks.append(self._take(seq, num_tokens, draft))
+            budget -= num_tokens + len(draft)
             i += 1
 
         hold_until = None
@@ -180,13 +200,14 @@ class Scheduler:
             self._in_flight = batch
         return batch
 
-    def update(self, batch: ScheduledBatch, sampled: dict[str, int],
+    def update(self, batch: ScheduledBatch, sampled: dict[str, int | Tokens[int]],
                completed: frozenset[str] | set[str] = frozenset()) -> list[Sequence]:
         """Advance the batch's sequences by what the engine computed; return those that finished.
 
-        sampled maps seq_id -> token for every chunk with samples=True (aborted sequences may be
-        missing). A sampled stop token is appended, then the sequence is FINISHED_STOPPED; so is
-        a sequence in `completed` (its grammar admits no further token).
+        sampled maps seq_id -> token (or, for a drafted chunk, the tokens emitted: the accepted
+        draft tokens, then the one sampled after them) for every chunk with samples=True (aborted
+        sequences may be missing). A sampled stop token is appended, then the sequence is
+        FINISHED_STOPPED; so is a sequence in `completed` (its grammar admits no further token).
         """
         if batch.is_empty:
             return []
@@ -196,18 +217,25 @@ class Scheduler:
         missing = [c.seq.seq_id for c in live if c.samples and c.seq.seq_id not in sampled]
         if missing:  # checked before changing anything, so the caller can retry
             raise ValueError(f"no sampled token for {missing}")
+        emitted = {c.seq.seq_id: _emitted(c, sampled[c.seq.seq_id]) for c in live if c.samples}
         self._in_flight = None
 
         finished = []
         for chunk in live:
             seq = chunk.seq
-            seq.num_computed_tokens += chunk.num_tokens
+            tokens = emitted.get(seq.seq_id, [])
+            accepted = len(tokens) - 1 if chunk.draft else 0
+            seq.num_computed_tokens += chunk.num_tokens - len(chunk.draft) + accepted
+            for token in tokens[:-1]:  # accepted draft tokens: named by commit() below
+                seq.append_token(token)
             if self.prefix is not None:
                 self.prefix.commit(seq)  # reads the new blocks' window slots: before slide()
             self.block_manager.slide(seq)
+            if chunk.draft:
+                self.block_manager.truncate(seq, seq.num_computed_tokens)  # the rejected rows' blocks
             if not chunk.samples:
                 continue
-            token = sampled[seq.seq_id]
+            token = tokens[-1]
             seq.append_token(token)
             if token in seq.params.stop_token_ids or seq.seq_id in completed:
                 self._finish(seq, SequenceStatus.FINISHED_STOPPED)
@@ -259,10 +287,24 @@ class Scheduler:
             chunks.append(self._take(seq, num_tokens))
             budget -= num_tokens
 
-    def _take(self, seq: Sequence, num_tokens: int) -> ScheduledChunk:
-        self.block_manager.allocate(seq, num_tokens)
+    def _draft(self, seq: Sequence, num_tokens: int, room: int) -> tuple[int, ...]:
+        """Draft tokens to feed after a decoding sequence's token: within `room` budget tokens,
+        the tokens max_tokens still allows after the one sampled anyway, and free blocks."""
+        if self.drafter is None or num_tokens != 1 or seq.num_uncomputed_tokens != 1:
+            return ()
+        limit = min(room, seq.params.max_tokens - seq.num_output_tokens - 1)
+        if limit <= 0:
+            return ()
+        draft = tuple(int(t) for t in self.drafter(seq, limit))[:limit]
+        while draft and not self.block_manager.can_allocate(seq, 1 + len(draft)):
+            draft = draft[:-1]  # drafts never preempt anyone
+        return draft
+
+    def _take(self, seq: Sequence, num_tokens: int, draft: tuple[int, ...] = ()) -> ScheduledChunk:
+        self.block_manager.allocate(seq, num_tokens + len(draft))
         start = seq.num_computed_tokens
-        return ScheduledChunk(seq, start, num_tokens, samples=start + num_tokens == seq.num_tokens)
+        return ScheduledChunk(seq, start, num_tokens + len(draft), samples=start + num_tokens == seq.num_tokens,
+                              draft=draft)
 
     def _release(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
@@ -281,3 +323,17 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.status = status
         del self._seqs[seq.seq_id]
+
+
+def _emitted(chunk: ScheduledChunk, sampled: int | Tokens[int]) -> list[int]:
+    """A chunk's emitted tokens as a list, checked: a drafted chunk emits its accepted draft
+    tokens (none of them a stop token, within max_tokens) and then one sampled token."""
+    tokens = [int(sampled)] if isinstance(sampled, (int, np.integer)) else [int(t) for t in sampled]
+    seq = chunk.seq
+    if not 1 <= len(tokens) <= 1 + len(chunk.draft) or list(chunk.draft[:len(tokens) - 1]) != tokens[:-1]:
+        raise ValueError(f"{seq.seq_id}: emitted {tokens} do not follow the draft {list(chunk.draft)}")
+    if any(t in seq.params.stop_token_ids for t in tokens[:-1]):
+        raise ValueError(f"{seq.seq_id}: emitted tokens go on past a stop token: {tokens}")
+    if seq.num_output_tokens + len(tokens) > seq.params.max_tokens:
+        raise ValueError(f"{seq.seq_id}: {len(tokens)} emitted tokens exceed max_tokens")
+    return tokens

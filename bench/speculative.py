@@ -1,0 +1,292 @@
+"""Speculative decoding on and off: decode tok/s, acceptance and draft length per workload.
+
+    python bench/speculative.py [--model smollm2-135m] [--threads 2] [--runs 3] [--streams 1 8]
+
+Workloads (greedy, chat template of the model):
+  qa      extractive QA over a ~1,500-token document: answers quote it (prompt lookup's case)
+  code    the prompt holds a function; the answer is the function with a small change
+  json    the same JSON shape for many inputs: the archive's case. Run as `json-1` (learning
+          from the first requests), `json-warm` (after them) and `json-restart` (a fresh worker
+          reading the LMDB archive the first one wrote)
+  free    low-overlap free text (stories on different topics)
+Each runs with the speculator off and on, alternately (--runs times each), at every stream
+count; streams share one engine through the real BatchGenerator (the server's loop). Decode
+tok/s counts tokens emitted by steps without prompt rows, over those steps' wall time
+(drafting and sampling included). Prints medians and the on/off ratio.
+Not a test: shared, noisy machines; read ratios from one run.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from shared import blas_env  # noqa: E402
+
+blas_env.prefer_native_blas()
+
+from benchlib import say  # noqa: E402  (bench/, the script's directory, is on sys.path)
+
+MAX_TOKENS = 128
+
+# ---- workload texts ------------------------------------------------------------------------------
+
+_PLACES = ["Harbor Street", "the north wing", "Lakeview Park", "the old mill", "Station Road", "the east quay",
+           "Maple Avenue", "the river bank", "Hill Court", "the market square"]
+_THINGS = ["water pumps", "solar panels", "bicycle racks", "street lamps", "bus shelters", "heat pumps",
+           "rain gardens", "charging points", "fibre cables", "tram rails"]
+_PEOPLE = ["Maria Lopez", "Tom Becker", "Aiko Tanaka", "Samuel Osei", "Ingrid Holm", "Ravi Patel",
+           "Chloe Martin", "Omar Haddad", "Lena Novak", "Peter Walsh"]
+
+
+def document(rng: random.Random) -> list[str]:
+    """Eighteen numbered sections of a city works report, ~80 tokens each."""
+    sections = []
+    for i in range(18):
+        place, thing, person = rng.choice(_PLACES), rng.choice(_THINGS), rng.choice(_PEOPLE)
+        n, cost, month = rng.randint(3, 90), rng.randint(12, 900), rng.choice(["March", "June", "October"])
+        sections.append(
+            f"Section {i + 1}. At {place}, the council installed {n} new {thing} in {month}. The work cost "
+            f"{cost} thousand euros and was led by {person}, who said the project finished on time. "
+            f"Residents asked for longer opening hours and better signs, and the team agreed to review "
+            f"the {thing} again next year. A second phase near {rng.choice(_PLACES)} depends on funding.")
+    return sections
+
+
+CODE = '''def summarize_orders(orders, currency="EUR"):
+    """Total, average and largest order per customer."""
+    totals = {}
+    counts = {}
+    largest = {}
+    for order in orders:
+        customer = order["customer"]
+        amount = order["amount"]
+        if order.get("currency", currency) != currency:
+            amount = convert(amount, order["currency"], currency)
+        totals[customer] = totals.get(customer, 0) + amount
+        counts[customer] = counts.get(customer, 0) + 1
+        if amount > largest.get(customer, 0):
+            largest[customer] = amount
+    summary = []
+    for customer, total in sorted(totals.items()):
+        average = total / counts[customer]
+        summary.append({"customer": customer, "total": round(total, 2),
+                        "average": round(average, 2), "largest": largest[customer]})
+    return summary
+'''
+_EDITS = ["Rename the variable `totals` to `sums`.", "Rename the parameter `orders` to `order_list`.",
+          "Change the default currency to \"USD\".", "Rename `largest` to `biggest`.",
+          "Round to 3 decimals instead of 2.", "Rename the function to `order_summary`.",
+          "Rename `counts` to `tallies`.", "Rename `summary` to `rows`."]
+_TOPICS = ["a dragon who is afraid of heights", "the first day at a new school", "a storm at sea",
+           "a robot learning to paint", "a lost dog finding its way home", "a chef who cannot taste",
+           "a city under snow", "two friends building a boat", "a clock that runs backwards"]
+_JSON_PEOPLE = [(f"{first} {last}", age, city) for first, last, age, city in [
+    ("Anna", "Berg", 34, "Oslo"), ("Luis", "Gomez", 51, "Madrid"), ("Mei", "Chen", 27, "Taipei"),
+    ("John", "Smith", 45, "Leeds"), ("Fatima", "Ali", 39, "Cairo"), ("Nils", "Olsen", 62, "Bergen"),
+    ("Sara", "Rossi", 23, "Turin"), ("Ken", "Ito", 58, "Osaka"), ("Eva", "Kral", 31, "Brno"),
+    ("Tariq", "Khan", 44, "Lahore"), ("Ola", "Nowak", 29, "Gdansk"), ("Ben", "Cole", 36, "Austin"),
+    ("Ines", "Silva", 48, "Porto"), ("Yuki", "Mori", 26, "Kyoto"), ("Paul", "Roy", 53, "Lyon"),
+    ("Zoe", "Hart", 41, "Perth"), ("Ivan", "Petrov", 37, "Sofia"), ("Lara", "Diaz", 33, "Quito"),
+    ("Omar", "Said", 57, "Tunis"), ("Emma", "Wood", 22, "Cork"), ("Raj", "Iyer", 49, "Pune"),
+    ("Kim", "Park", 35, "Busan"), ("Hugo", "Lind", 60, "Malmo"), ("Ada", "Obi", 28, "Lagos")]]
+_JSON_SYSTEM = ("You convert descriptions of people into JSON. Answer with one JSON object only, with the keys "
+                "\"name\", \"age\", \"city\", \"occupation\" and \"hobbies\" (a list), in that order, nothing else.")
+_JOBS = ["teacher", "nurse", "engineer", "baker", "pilot", "farmer", "lawyer", "painter"]
+_HOBBIES = ["chess", "hiking", "cooking", "cycling", "reading", "gardening", "music", "fishing"]
+
+
+def workloads(rng: random.Random) -> dict[str, list[list[dict]]]:
+    """Workload → chat conversations (a list of messages each), as many as the most streams."""
+    sections = document(rng)
+    doc = "\n".join(sections)
+    qa = [[{"role": "user", "content": f"{doc}\n\nQuote section {i} of the report above exactly, word for word."}]
+          for i in rng.sample(range(1, 19), 8)]
+    code = [[{"role": "user", "content": f"```python\n{CODE}```\n\n{edit} Reply with the whole changed function "
+                                         "in a code block."}] for edit in _EDITS]
+    free = [[{"role": "user", "content": f"Write a short story about {topic}."}] for topic in _TOPICS[:8]]
+    json_requests = []
+    for name, age, city in _JSON_PEOPLE:
+        job, hobbies = rng.choice(_JOBS), rng.sample(_HOBBIES, 2)
+        json_requests.append([{"role": "system", "content": _JSON_SYSTEM},
+                              {"role": "user", "content": f"{name} is {age}, lives in {city}, works as a {job} and "
+                                                          f"likes {hobbies[0]} and {hobbies[1]}."}])
+    return {"qa": qa, "code": code, "free": free, "json": json_requests}
+
+
+# ---- measuring -----------------------------------------------------------------------------------
+
+@dataclass
+class Result:
+    tokens: int = 0
+    seconds: float = 0.0
+    drafts: int = 0
+    drafted: int = 0
+    accepted: int = 0
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+def run_batch(engine, prompts: list[list[int]], stop_ids: tuple[int, ...], speculator, prefix,
+              max_tokens: int | None = None) -> Result:
+    """All prompts at once through one BatchGenerator; decode-only steps measured."""
+    from shared.sampling import SamplingParams
+    from worker.sched.generation import BatchGenerator, TokenEvent
+    from worker.sched.tuning_state import SchedulerKnobs, TuningState
+
+    generator = BatchGenerator(engine, TuningState(SchedulerKnobs(max_batch_size=8, batching_window_ms=0.0)),
+                               prefix=prefix, blocks=prefix.block_manager, speculator=speculator)
+    params = SamplingParams(max_tokens=max_tokens or MAX_TOKENS, temperature=0.0, stop_token_ids=stop_ids)
+    for i, ids in enumerate(prompts):
+        generator.add(f"r{i}", ids, params)
+    before = vars(speculator.counters).copy() if speculator is not None else {}
+    result = Result()
+    while generator.has_work:
+        started = time.perf_counter()
+        events = generator.step()
+        seconds = time.perf_counter() - started
+        step = generator.last_step
+        if step.sequences and step.decode_rows == step.sequences:  # no prompt rows in this step
+            result.tokens += sum(1 for e in events if isinstance(e, TokenEvent))
+            result.seconds += seconds
+    if speculator is not None:
+        after = vars(speculator.counters)
+        result.drafts = after["spec_drafts"] - before["spec_drafts"]
+        result.drafted = after["spec_drafted_tokens"] - before["spec_drafted_tokens"]
+        result.accepted = after["spec_accepted_tokens"] - before["spec_accepted_tokens"]
+    return result
+
+
+def main() -> None:
+    global MAX_TOKENS
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--streams", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--workloads", nargs="+", default=["qa", "code", "json", "free"])
+    parser.add_argument("--max-tokens", type=int, default=128)
+    args = parser.parse_args()
+    MAX_TOKENS = args.max_tokens
+
+    import numba
+    from threadpoolctl import threadpool_limits
+
+    from gateway.chat_template import template_for
+    from gateway.tokenizer import Tokenizer
+    from shared.config import Config
+    from shared.model_store import ensure_model
+    from worker.engine.engine import load_engine
+    from worker.kv.block_manager import BlockManager
+    from worker.kv.prefix_cache import PrefixCache
+    from worker.spec.archive import ORDER, NgramArchive
+    from worker.spec.archive_store import ArchiveStore
+    from worker.spec.speculator import Speculator
+
+    models_dir = Path("~/.cache/reame/models").expanduser()
+    path = ensure_model(args.model, models_dir)
+    engine = load_engine(path, threads=args.threads, context_length=2048, progress=say)
+    numba.set_num_threads(args.threads)
+    tok = Tokenizer.from_gguf(path)
+    template = template_for(tok, Config())
+    stop_ids = tuple(sorted(set(template.stop_ids) | ({tok.eos_id} if tok.eos_id is not None else set())))
+    texts = workloads(random.Random(7))
+    prompts = {name: [tok.encode(template.render(m, add_generation_prompt=True)) for m in convs]
+               for name, convs in texts.items()}
+    say(f"prompt tokens: " + ", ".join(f"{n} {len(p[0])}" for n, p in prompts.items()))
+    blocks = BlockManager.for_pool(engine.kv)
+    prefix = PrefixCache(blocks, b"bench-speculative")  # RAM only: shared documents prefill once
+    archive_dir = Path(tempfile.mkdtemp(prefix="reame-spec-archive-"))
+    model_id = bytes.fromhex(engine.gguf.fingerprint())
+
+    def open_store():
+        return ArchiveStore(archive_dir, model=model_id, order=ORDER, budget_bytes=64 << 20)
+
+    rows = []  # (workload, streams, off Result list, on Result list)
+    with threadpool_limits(limits=args.threads, user_api="blas"):
+        # Compile and warm: one short request each way.
+        run_batch(engine, [prompts["free"][0][:40]], stop_ids, None, prefix, max_tokens=8)
+        for name in args.workloads:
+            for streams in args.streams:
+                if name == "json":
+                    rows += json_rows(engine, prompts["json"], streams, args.runs, stop_ids, prefix, open_store)
+                    continue
+                batch = prompts[name][:streams]
+                say(f"{name} x{streams}: prefilling the prompts into the prefix cache")
+                run_batch(engine, batch, stop_ids, None, prefix, max_tokens=1)
+                off, on = [], []
+                for run in range(args.runs):
+                    off.append(run_batch(engine, batch, stop_ids, None, prefix))
+                    speculator = Speculator(max_draft=8)
+                    on.append(run_batch(engine, batch, stop_ids, speculator, prefix))
+                    stats = speculator.stats()
+                    say(f"{name} x{streams} run {run + 1}: off {off[-1].tok_s:.1f} tok/s, on {on[-1].tok_s:.1f} tok/s; "
+                        f"step fit base {1e3 * (stats['step_base_s'] or 0):.1f} ms + "
+                        f"{1e3 * (stats['step_per_row_s'] or 0):.2f} ms/row, break-even {stats['break_even']:.2f}, "
+                        f"switched off {stats['spec_switched_off']}")
+                rows.append((name, streams, off, on))
+    print_table(rows, args)
+
+
+def json_rows(engine, prompts, streams, runs, stop_ids, prefix, open_store):
+    """json-1: the first requests, learning; json-warm: later ones; json-restart: a new store
+    handle and a new in-RAM archive (a restarted worker) reading what the first one wrote."""
+    from worker.spec.archive import NgramArchive
+    from worker.spec.speculator import Speculator
+
+    store = open_store()
+    speculator = Speculator(max_draft=8, archive=NgramArchive(backing=store))
+    groups = [prompts[i:i + streams] for i in range(0, len(prompts), streams)]
+    first, warm, unseen = groups[0], groups[1:-1][:max(runs, 1)], groups[-1]
+    out = []
+    off = [run_batch(engine, first, stop_ids, None, prefix) for _ in range(runs)]
+    on = [run_batch(engine, first, stop_ids, speculator, prefix)]
+    out.append(("json-1", streams, off, on))
+    off, on = [], []
+    for group in warm:
+        off.append(run_batch(engine, group, stop_ids, None, prefix))
+        on.append(run_batch(engine, group, stop_ids, speculator, prefix))
+    out.append(("json-warm", streams, off, on))
+    store.close()
+    store = open_store()  # the restart: nothing in RAM, the archive on disk
+    restarted = Speculator(max_draft=8, archive=NgramArchive(backing=store))
+    off = [run_batch(engine, unseen, stop_ids, None, prefix)]
+    on = [run_batch(engine, unseen, stop_ids, restarted, prefix)]
+    out.append(("json-restart", streams, off, on))
+    store.close()
+    for name, s, o, n in out:
+        say(f"{name} x{s}: off {statistics.median(r.tok_s for r in o):.1f} tok/s, "
+            f"on {statistics.median(r.tok_s for r in n):.1f} tok/s")
+    return out
+
+
+def print_table(rows, args) -> None:
+    from worker.engine.kernels import matmul_i8
+    isa = {"vnni": "AVX-512 VNNI", "avx2": "AVX2"}.get(matmul_i8.ISA, matmul_i8.ISA)
+    load = os.getloadavg()[0]
+    print(f"\n{args.model}, {args.threads} threads, {isa}, greedy, max_tokens {MAX_TOKENS}, medians of {args.runs} "
+          f"runs, host load average {load:.1f}")
+    print(f"| workload | streams | off tok/s | on tok/s | on/off | acceptance | mean draft | mean accepted |")
+    print(f"|---|---|---|---|---|---|---|---|")
+    for name, streams, off, on in rows:
+        off_s = statistics.median(r.tok_s for r in off)
+        on_s = statistics.median(r.tok_s for r in on)
+        drafts = sum(r.drafts for r in on)
+        drafted = sum(r.drafted for r in on)
+        accepted = sum(r.accepted for r in on)
+        print(f"| {name} | {streams} | {off_s:.1f} | {on_s:.1f} | {on_s / off_s if off_s else 0:.2f}x | "
+              f"{accepted / drafted if drafted else 0:.0%} | {drafted / drafts if drafts else 0:.1f} | "
+              f"{accepted / drafts if drafts else 0:.1f} |")
+
+
+if __name__ == "__main__":
+    main()

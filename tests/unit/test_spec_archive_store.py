@@ -1,0 +1,97 @@
+"""The n-gram archive's LMDB tier: counts merge across writes, survive a restart, are shared with
+another process, stay within their budget (least recently written first out), and a corrupt
+entry is a miss that gets deleted."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import lmdb
+
+from tests.conftest import REPO_ROOT
+from worker.spec.archive import NgramArchive
+from worker.spec.archive_store import ArchiveStore
+
+MODEL = bytes(range(32))
+
+
+def _store(path, budget=1 << 20):
+    return ArchiveStore(path, model=MODEL, order=3, budget_bytes=budget)
+
+
+def test_counts_merge_and_survive_a_restart(tmp_path):
+    store = _store(tmp_path)
+    archive = NgramArchive(order=3, backing=store)
+    archive.learn([1, 2, 3, 4, 1, 2, 3, 4])
+    archive.learn([1, 2, 3, 5])
+    assert store.flush()
+    assert store.get((1, 2, 3)) == {4: 2, 5: 1}
+    store.close()
+
+    again = _store(tmp_path)
+    fresh = NgramArchive(order=3, backing=again)  # a restarted worker: nothing in RAM
+    assert fresh.propose([9, 1, 2, 3], 4) == [4, 1, 2, 3]
+    fresh.learn([7, 1, 2, 3, 5])
+    assert again.flush()
+    assert again.get((1, 2, 3)) == {4: 2, 5: 2}
+    assert again.stats()["entries"] == 5
+    again.close()
+
+
+def test_another_process_reads_what_this_one_wrote(tmp_path):
+    store = _store(tmp_path)
+    NgramArchive(order=3, backing=store).learn([10, 11, 12, 13, 14, 15])
+    assert store.flush()
+    code = ("import sys; from worker.spec.archive import NgramArchive; from worker.spec.archive_store import ArchiveStore;"
+            f"s = ArchiveStore(sys.argv[1], model=bytes(range(32)), order=3, budget_bytes=1 << 20);"
+            "print(NgramArchive(order=3, backing=s).propose([0, 10, 11, 12], 3)); s.close()")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, cwd=REPO_ROOT,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[13, 14, 15]"
+    store.close()
+
+
+def test_another_model_never_sees_these_ngrams(tmp_path):
+    store = _store(tmp_path)
+    NgramArchive(order=3, backing=store).learn([1, 2, 3, 4])
+    store.close()
+    other = ArchiveStore(tmp_path, model=bytes(32), order=3, budget_bytes=1 << 20)
+    assert other.get((1, 2, 3)) is None
+    other.close()
+
+
+def test_the_budget_evicts_the_least_recently_written_contexts(tmp_path):
+    store = _store(tmp_path, budget=5 * 24)  # five one-continuation entries (16-byte header + 8)
+    for first in range(8):
+        store.submit({(first, 0, 0): {1: 1}})
+        assert store.flush()
+    stats = store.stats()
+    assert stats["bytes_used"] <= 5 * 24 and stats["entries"] == 5 and stats["evictions"] == 3
+    assert store.get((0, 0, 0)) is None and store.get((7, 0, 0)) == {1: 1}
+    store.submit({(3, 0, 0): {2: 1}})  # rewritten: young again
+    store.submit({(8, 0, 0): {1: 1}})
+    assert store.flush()
+    assert store.get((3, 0, 0)) == {1: 1, 2: 1} and store.get((4, 0, 0)) is None
+    store.close()
+
+
+def test_a_corrupt_entry_is_a_miss_and_is_deleted(tmp_path):
+    store = _store(tmp_path)
+    store.submit({(1, 2, 3): {4: 9}, (5, 6, 7): {8: 1}})
+    assert store.flush()
+    store.close()
+    env = lmdb.open(str(tmp_path), max_dbs=3, subdir=True)
+    db = env.open_db(b"ngrams")
+    key = MODEL[:8] + (1).to_bytes(4, "little") + (2).to_bytes(4, "little") + (3).to_bytes(4, "little")
+    with env.begin(write=True, db=db) as txn:
+        value = bytearray(txn.get(key))
+        value[-1] ^= 0xFF  # a flipped bit in a count
+        txn.put(key, bytes(value))
+    env.close()
+
+    store = _store(tmp_path)
+    assert store.get((1, 2, 3)) is None and store.corrupt == 1
+    assert store.flush()
+    assert store.stats()["entries"] == 1 and store.get((5, 6, 7)) == {8: 1}
+    store.close()

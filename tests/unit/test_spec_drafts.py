@@ -1,0 +1,179 @@
+"""Draft sources and the speculator's decisions, on synthetic token sequences."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from worker.spec.archive import NgramArchive
+from worker.spec.prompt_lookup import PromptLookup
+from worker.spec.speculator import FIRST_BACKOFF, Speculator, StepCost, draft_length
+
+
+def test_prompt_lookup_proposes_what_followed_the_longest_recurring_ngram():
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8, 9, 2, 3, 4]
+    assert PromptLookup().propose(tokens, 3) == [5, 6, 7]
+    # The 2-gram (9, 2) never recurs but (2, 3, 4) does: the longer match wins over a shorter one.
+    tokens = [7, 3, 4, 0, 2, 3, 4, 1, 1, 2, 3, 4]
+    assert PromptLookup().propose(tokens, 2) == [1, 1]
+
+
+def test_prompt_lookup_prefers_the_latest_occurrence_and_stops_at_the_end():
+    tokens = [5, 6, 1, 9, 5, 6, 2, 8, 5, 6]
+    assert PromptLookup().propose(tokens, 4) == [2, 8, 5, 6]
+    # A match near the end is a period: the copy runs on into its own draft.
+    assert PromptLookup().propose([5, 6, 1, 5, 6], 7) == [1, 5, 6, 1, 5, 6, 1]
+
+
+def test_prompt_lookup_finds_nothing_in_text_without_repeats_and_ignores_single_tokens():
+    assert PromptLookup().propose(list(range(100)), 4) == []
+    assert PromptLookup().propose([3, 1, 2, 3], 4) == []  # a lone repeated token is not a match
+
+
+def test_prompt_lookup_follows_a_growing_sequence_like_a_fresh_one():
+    rng = random.Random(5)
+    tokens = [rng.randrange(6) for _ in range(40)]
+    grown = PromptLookup()
+    for n in range(1, len(tokens) + 1):
+        assert grown.propose(tokens[:n], 5) == PromptLookup().propose(tokens[:n], 5)
+    with pytest.raises(ValueError):
+        grown.propose(tokens[:10], 5)
+
+
+def test_archive_proposes_the_most_frequent_continuation_and_chains_it():
+    archive = NgramArchive(order=2)
+    for _ in range(3):
+        archive.learn([10, 11, 12, 13, 14])
+    archive.learn([10, 11, 99])
+    assert archive.counts((10, 11)) == {12: 3, 99: 1}
+    assert archive.propose([0, 10, 11], 5) == [12, 13, 14]
+    assert archive.propose([0, 13, 14], 5) == []  # nothing ever followed (13, 14)
+
+
+def test_archive_drafts_only_a_clear_favourite():
+    archive = NgramArchive(order=2)
+    archive.learn([1, 2, 3])
+    archive.learn([1, 2, 4])
+    archive.learn([1, 2, 5])
+    assert archive.propose([1, 2], 3) == []  # 1/3 share: below MIN_SHARE
+
+
+def test_archive_keeps_the_most_recently_used_contexts_within_its_bound():
+    archive = NgramArchive(order=1, max_contexts=3)
+    archive.learn([1, 2, 3, 4])  # contexts 1, 2, 3
+    assert archive.propose([1], 1) == [2]  # touches context 1
+    archive.learn([7, 8])  # context 7 evicts the least recently used: 2
+    assert len(archive) == 3
+    assert archive.propose([2], 1) == []
+    assert archive.propose([1], 1) == [2]
+
+
+def test_step_cost_fits_base_and_per_row():
+    cost = StepCost()
+    assert cost.fit() is None
+    for rows in [1, 2, 5, 9, 1, 3, 8, 1]:
+        cost.observe(rows, 0.008 + 0.002 * rows)
+    base, per_row = cost.fit()
+    assert base == pytest.approx(0.008, rel=1e-6) and per_row == pytest.approx(0.002, rel=1e-6)
+    # One stream: a drafted row costs 0.002 s, an accepted token saves 0.010 s.
+    assert cost.break_even(1) == pytest.approx(0.2)
+    assert cost.break_even(8) == pytest.approx(0.016 / 0.024)
+
+
+def _measured(spec: Speculator, base: float = 0.008, per_row: float = 0.002) -> Speculator:
+    for rows in [1, 2, 5, 9, 1, 3, 8, 1]:
+        spec.observe_step(rows, 1, base + per_row * rows)
+    return spec  # one stream: break-even 0.2
+
+
+def test_draft_length_is_the_longest_whose_last_token_still_pays():
+    assert draft_length(0.8, 0.2, 8) == 7  # 0.8^7 = 0.21 > 0.2 > 0.8^8
+    assert draft_length(0.5, 0.2, 8) == 2
+    assert draft_length(0.95, 0.2, 8) == 8  # capped
+    assert draft_length(0.9, 0.7, 8) == 3
+    assert draft_length(0.2, 0.2, 8) == 0 and draft_length(0.1, 0.2, 8) == 0
+    assert draft_length(1.0, 0.2, 5) == 5
+
+
+def test_draft_length_grows_with_acceptance_and_shrinks_after_rejections():
+    spec = _measured(Speculator(max_draft=8))
+    tokens = [1, 2, 3] * 6 + [1, 2]
+    spec.begin("a", tokens)
+    start = len(spec.propose("a", tokens, 99))
+    assert start == draft_length(2 / 3, 0.2, 8) == 3
+    for _ in range(3):
+        spec.observe("a", 4, 4)
+    grown = len(spec.propose("a", tokens, 99))
+    for _ in range(3):
+        spec.observe("a", 4, 1)
+    shrunk = len(spec.propose("a", tokens, 99))
+    assert grown == 8 and 1 <= shrunk < grown
+    assert spec.counters.spec_accepted_tokens == 15 and spec.stats()["mean_accepted_length"] == 2.5
+    assert spec.counters.spec_switched_off == 0
+
+
+def test_a_sequence_whose_drafts_fail_switches_off_and_retries_later():
+    spec = _measured(Speculator(max_draft=4))
+    tokens = [1, 2, 3, 1, 2, 3, 1, 2]
+    spec.begin("a", tokens)
+    for _ in range(10):
+        spec.observe("a", 4, 0)
+        if spec.counters.spec_switched_off:
+            break
+    assert spec.counters.spec_switched_off == 1
+    assert spec.propose("a", tokens, 4) == []
+    for _ in range(FIRST_BACKOFF):
+        spec.observe_step(1, 1, 0.01)
+    assert spec.propose("a", tokens, 4) == [3, 1]  # retried at p = 1/2: two tokens pay at break-even 0.2
+
+
+def test_the_bar_rises_with_the_batch_a_draft_shares_a_step_with():
+    spec = Speculator(max_draft=8)
+    for rows in [8, 9, 12, 16, 8, 10, 14, 8]:
+        spec.observe_step(rows, 8, 0.008 + 0.003 * rows)  # 8 streams: break-even 0.024 / 0.032
+    tokens = [1, 2, 3] * 6 + [1, 2]
+    spec.begin("a", tokens)
+    assert spec.stats()["break_even"] == pytest.approx(0.75)
+    probes = 0
+    while (draft := spec.propose("a", tokens, 99)) and probes < 10:  # p = 2/3 does not pay here:
+        assert len(draft) == 1  # ... one-token probes only, while its own record is short
+        spec.observe("a", 1, 0)
+        probes += 1
+    assert draft == [] and probes == 1 and spec.counters.spec_switched_off == 1  # a failed probe: off
+    other = [4, 5, 6] * 6 + [4, 5]  # another class: a's record is not b's
+    spec.begin("b", other)
+    for _ in range(30):
+        spec.observe("b", 4, 4)  # every draft confirmed: p -> 1
+    assert len(spec.propose("b", other, 99)) == draft_length(spec._seqs["b"].p, 0.75, 8) >= 4  # ... p ~ 0.97 does
+
+
+def test_a_class_that_never_pays_starts_switched_off_and_opted_out_requests_never_draft():
+    spec = _measured(Speculator(max_draft=4))
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2]
+    spec.begin("a", prompt)
+    for _ in range(12):
+        spec.observe("a", 4, 0)
+    spec.end("a")
+    spec.begin("b", prompt)
+    assert spec.propose("b", prompt, 4) == []
+    assert spec.propose("never-begun", prompt, 4) == []
+
+
+def test_without_adaptation_every_draft_is_max_draft_long_and_nothing_switches_off():
+    spec = Speculator(max_draft=3, adaptive=False)
+    tokens = [1, 2, 3, 4, 5, 1, 2]
+    spec.begin("a", tokens)
+    for _ in range(10):
+        spec.observe("a", 3, 0)
+    assert spec.propose("a", tokens, 9) == [3, 4, 5]
+
+
+def test_finished_sequences_teach_the_archive_which_then_drafts_for_others():
+    spec = Speculator(archive=NgramArchive(order=3))
+    spec.begin("a", [40, 41, 42, 50, 51])
+    spec.end("a", [40, 41, 42, 50, 51, 60, 61, 62, 63, 64, 65], num_prompt=5)
+    spec.begin("b", [70, 60, 61, 62])
+    assert spec.propose("b", [70, 60, 61, 62], 2) == [63, 64]
+    assert spec.counters.spec_from_archive == 1
+    # The completion and the 3 prompt tokens before it are learned, not the rest of the prompt.
+    assert spec.archive.counts((42, 50, 51)) == {60: 1} and spec.archive.counts((40, 41, 42)) == {}

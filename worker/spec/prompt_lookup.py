@@ -1,0 +1,55 @@
+"""Prompt lookup: the longest recent n-gram ending the sequence, found earlier in it, proposes
+the tokens that followed it there.
+
+Answers that quote their prompt (extractive QA, code edits) repeat long runs of it; the last
+few generated tokens then also occur in the prompt, and what followed them there is a good draft.
+
+An index per n-gram size maps each n-gram to the position right after its latest occurrence
+that has a follower, so a lookup is one dict probe per size; the index grows with the sequence
+(each new token adds one entry per size), never rescans it.
+"""
+from __future__ import annotations
+
+MIN_NGRAM = 2  # one-token matches propose mostly noise
+MAX_NGRAM = 4
+
+
+class PromptLookup:
+    def __init__(self, min_ngram: int = MIN_NGRAM, max_ngram: int = MAX_NGRAM):
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        self.sizes = tuple(range(max_ngram, min_ngram - 1, -1))  # longest first
+        self._follower: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in self.sizes}
+        self._indexed = 0  # followers of positions [0, _indexed) are in the index
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        """k tokens that followed the longest n-gram ending `tokens` where it last occurred before
+        (continuing the same copy into the draft itself); [] when no n-gram of MIN..MAX tokens
+        recurs. `tokens` only ever grows (or is the
+        same list again) between calls."""
+        if k <= 0:
+            return []
+        self._extend(tokens)
+        length = len(tokens)
+        for n in self.sizes:
+            if length <= n:
+                continue
+            at = self._follower[n].get(tuple(tokens[length - n:]))
+            if at is not None:
+                # Past the end the copy reads its own draft: a match close to the end is a
+                # period, and the draft repeats it.
+                out = tokens[at:at + k]
+                while len(out) < k:
+                    out.append(out[len(out) - (length - at)])
+                return out
+        return []
+
+    def _extend(self, tokens: list[int]) -> None:
+        """Index every position j < len(tokens) as the follower of the n-grams ending before it."""
+        if len(tokens) < self._indexed:
+            raise ValueError("the sequence shrank: a PromptLookup follows one growing sequence")
+        for j in range(max(self._indexed, 1), len(tokens)):
+            for n in self.sizes:
+                if j >= n:
+                    self._follower[n][tuple(tokens[j - n:j])] = j
+        self._indexed = len(tokens)

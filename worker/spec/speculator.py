@@ -1,0 +1,255 @@
+"""Which sequences draft, how many tokens, and from where; learned from what verification accepts.
+
+Per sequence: drafts come from prompt lookup first, then the archive. Its acceptance p is the
+chance that a drafted token is confirmed given the ones before it were (a geometric model:
+accepted tokens over accepted tokens plus rejections, recent drafts weighing most, starting from
+its request class's record or an optimistic prior).
+
+The draft length follows from p and measured step times. A step with R rows takes about
+base + per_row * R seconds (a least-squares fit over recent decode steps). With B sequences
+decoding, a token costs (base + per_row * B) / B; the j-th drafted token of a draft costs one row
+and yields a token with probability p^j, so it pays while
+    p^j > break_even = per_row * B / (base + per_row * B),
+and the draft is k = floor(log(break_even) / log(p)) tokens (at most max_draft). When p falls
+to break_even or below (k = 0), speculation for that sequence switches off, logged with both
+numbers, and is retried after a back-off that doubles on every failed retry. One stream on
+SmolLM2 (AVX2, 1 thread, a loaded host): base ~10 ms, per_row ~3 ms, so break-even ~0.23 and
+p = 0.8 drafts 6 tokens; with 8 streams break-even is ~0.7 and only near-certain drafts pay.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+
+from worker.spec.archive import NgramArchive
+from worker.spec.prompt_lookup import PromptLookup
+
+log = logging.getLogger("reame.spec")
+
+PRIOR = (2.0, 1.0)  # (accepted, rejections) a sequence starts from without a class record: p = 2/3
+DECAY = 0.9  # weight of the older record at each verified draft
+RETRY = (1.0, 1.0)  # the record a retry starts from: p = 1/2
+FIRST_BACKOFF = 16  # steps a sequence waits before retrying after switching off
+MAX_BACKOFF = 512
+DEFAULT_BREAK_EVEN = 0.25  # until the step-time fit has data
+# A drafted token must be expected to save this many times what its row costs: rows cost more
+# than the fit sees (8 streams, 2 threads: k from the bare break-even drafted 4.2 tokens at 65%
+# acceptance and ran 0.78x of plain decoding, though the fit predicted the step times right).
+MARGIN = 1.25
+CLASS_TOKENS = 16  # prompt tokens that name a request class
+MAX_CLASSES = 10_000  # class records kept (the oldest go first)
+PROBE_TOKENS = 4  # one-token drafts a sequence may try while its own record is this short, paying or not
+
+
+def draft_length(p: float, break_even: float, most: int) -> int:
+    """Tokens worth drafting at per-token acceptance p: the j with p^j > break_even."""
+    if p <= break_even:
+        return 0
+    if p >= 1.0 or break_even <= 0.0:
+        return most
+    return max(1, min(most, int(math.log(break_even) / math.log(p))))
+
+
+class StepCost:
+    """seconds ≈ base + per_row * rows, fitted by exponentially forgetting least squares."""
+
+    def __init__(self, forget: float = 0.995):
+        self.forget = forget
+        self._n = self._x = self._y = self._xx = self._xy = 0.0
+
+    def observe(self, rows: int, seconds: float) -> None:
+        if rows <= 0 or seconds <= 0:
+            return
+        f = self.forget
+        self._n = f * self._n + 1.0
+        self._x = f * self._x + rows
+        self._y = f * self._y + seconds
+        self._xx = f * self._xx + rows * rows
+        self._xy = f * self._xy + rows * seconds
+
+    def fit(self) -> tuple[float, float] | None:
+        """(base, per_row) seconds, or None while the rows seen do not vary enough to tell."""
+        n = self._n
+        var = self._xx - self._x * self._x / n if n else 0.0
+        if n < 4 or var < 0.5 * n:  # rows must spread by ~0.7 on average
+            return None
+        per_row = max(0.0, (self._xy - self._x * self._y / n) / var)
+        base = max(0.0, (self._y - per_row * self._x) / n)
+        return base, per_row
+
+    def break_even(self, sequences: int) -> float:
+        """The acceptance rate at which drafting starts to pay in a step of this many sequences."""
+        fit = self.fit()
+        if fit is None:
+            return DEFAULT_BREAK_EVEN
+        base, per_row = fit
+        plain = base + per_row * max(1, sequences)
+        return per_row * max(1, sequences) / plain if plain > 0 else DEFAULT_BREAK_EVEN
+
+
+@dataclass
+class SequenceDrafts:
+    """One sequence's drafting state."""
+    lookup: PromptLookup
+    klass: tuple[int, ...]
+    accepted_w: float = PRIOR[0]  # decayed accepted tokens ...
+    rejected_w: float = PRIOR[1]  # ... and rejections: p = accepted_w / (accepted_w + rejected_w)
+    off_until: int = -1  # step number before which it does not draft
+    backoff: int = FIRST_BACKOFF
+    drafted: int = 0
+    accepted: int = 0
+    since_start: int = 0  # tokens drafted since it started or was last retried
+
+    @property
+    def p(self) -> float:
+        return self.accepted_w / (self.accepted_w + self.rejected_w)
+
+
+@dataclass
+class SpecCounters:
+    """Cumulative since the worker started; the heartbeat carries them to /metrics."""
+    spec_drafts: int = 0  # drafts verified
+    spec_drafted_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_switched_off: int = 0  # sequences whose speculation switched off (each time)
+    spec_from_prompt: int = 0  # drafts by source
+    spec_from_archive: int = 0
+
+
+@dataclass
+class Speculator:
+    """max_draft: the most tokens drafted per sequence and step; archive: None drafts from the
+    prompt only; adaptive: False keeps every draft length at max_draft and never switches off."""
+    max_draft: int = 8
+    archive: NgramArchive | None = None
+    adaptive: bool = True
+    cost: StepCost = field(default_factory=StepCost)
+    counters: SpecCounters = field(default_factory=SpecCounters)
+
+    def __post_init__(self) -> None:
+        if self.max_draft < 1:
+            raise ValueError(f"max_draft must be >= 1, got {self.max_draft}")
+        self._seqs: dict[str, SequenceDrafts] = {}
+        self._classes: dict[tuple[int, ...], tuple[float, float]] = {}  # class -> (accepted_w, rejected_w)
+        self._step = 0
+        self._sequences_per_step = 1
+
+    # ---- a sequence's life ------------------------------------------------------------------------
+
+    def begin(self, seq_id: str, prompt_ids: list[int]) -> None:
+        """A sequence that may draft (requests that opted out are never begun)."""
+        klass = tuple(prompt_ids[:CLASS_TOKENS])
+        state = SequenceDrafts(PromptLookup(), klass)
+        record = self._classes.get(klass)
+        if record is not None:  # its class's record, as much weight as the prior
+            total = sum(PRIOR)
+            state.accepted_w, state.rejected_w = (total * w / sum(record) for w in record)
+            break_even = self._break_even()
+            if self.adaptive and state.p <= break_even:
+                state.off_until = self._step + FIRST_BACKOFF
+                log.info("request %s: starts without speculation: its class's acceptance %.0f%% is at or below "
+                         "break-even %.0f%%", seq_id, 100 * state.p, 100 * break_even)
+        self._seqs[seq_id] = state
+
+    def end(self, seq_id: str, tokens: list[int] | None = None, num_prompt: int = 0) -> None:
+        """The sequence finished (tokens: all of them, the first num_prompt its prompt) or was
+        aborted (None). The archive learns the completion with the context it started from:
+        a prompt is drafted from by its own request's prompt lookup, and counting every prompt
+        would cost a store lookup per prompt token on the step loop."""
+        state = self._seqs.pop(seq_id, None)
+        if state is not None and state.drafted:
+            log.debug("request %s: %d of %d drafted tokens accepted", seq_id, state.accepted, state.drafted)
+        if tokens is not None and self.archive is not None:
+            self.archive.learn(tokens[max(0, num_prompt - self.archive.order):])
+
+    # ---- each step --------------------------------------------------------------------------------
+
+    def propose(self, seq_id: str, tokens: list[int], limit: int) -> list[int]:
+        """Up to min(limit, its draft length) tokens to verify after `tokens`; [] for none."""
+        state = self._seqs.get(seq_id)
+        if state is None or limit <= 0 or self._step < state.off_until:
+            return []
+        k = draft_length(state.p, self._break_even(), self.max_draft) if self.adaptive else self.max_draft
+        if k == 0 and state.since_start < PROBE_TOKENS:
+            k = 1  # its record is still mostly the prior: a one-token probe finds out
+        k = min(limit, k)
+        if k <= 0:
+            return []
+        draft = state.lookup.propose(tokens, k)
+        if draft:
+            self.counters.spec_from_prompt += 1
+            return draft
+        if self.archive is not None:
+            draft = self.archive.propose(tokens, k)
+            if draft:
+                self.counters.spec_from_archive += 1
+        return draft
+
+    def observe(self, seq_id: str, drafted: int, accepted: int) -> None:
+        """A draft of `drafted` tokens was verified; the first `accepted` of them matched."""
+        if drafted <= 0:
+            return
+        c = self.counters
+        c.spec_drafts += 1
+        c.spec_drafted_tokens += drafted
+        c.spec_accepted_tokens += accepted
+        state = self._seqs.get(seq_id)
+        if state is None:
+            return
+        state.drafted += drafted
+        state.accepted += accepted
+        state.since_start += drafted
+        rejected = 1.0 if accepted < drafted else 0.0
+        state.accepted_w = DECAY * state.accepted_w + accepted
+        state.rejected_w = DECAY * state.rejected_w + rejected
+        old = self._classes.pop(state.klass, PRIOR)  # re-inserted: the dict's order is least recent first
+        self._classes[state.klass] = (DECAY * old[0] + accepted, DECAY * old[1] + rejected)
+        if len(self._classes) > MAX_CLASSES:
+            del self._classes[next(iter(self._classes))]
+        if not self.adaptive:
+            return
+        break_even = self._break_even()
+        if rejected and state.p <= break_even:  # a fully confirmed draft never switches it off
+            state.off_until = self._step + state.backoff
+            log.info("request %s: speculation off for %d steps: acceptance %.0f%% (%d of %d drafted tokens) is at "
+                     "or below break-even %.0f%%", seq_id, state.backoff, 100 * state.p, state.accepted,
+                     state.drafted, 100 * break_even)
+            state.backoff = min(MAX_BACKOFF, 2 * state.backoff)
+            state.accepted_w, state.rejected_w = RETRY
+            state.since_start = 0
+            c.spec_switched_off += 1
+        elif accepted == drafted:
+            state.backoff = FIRST_BACKOFF
+
+    def observe_step(self, rows: int, sequences: int, seconds: float) -> None:
+        """Every engine step: its rows, decoding sequences and time. Prompt chunks' steps stay in
+        the fit: decode steps alone vary by a few rows, and on a loaded host (bench, load average
+        12) their slope came out anywhere from 0 to 12 ms per row; a 512-row step pins it."""
+        self._step += 1
+        self.cost.observe(rows, seconds)
+        if sequences > 0:
+            self._sequences_per_step = sequences
+
+    def _break_even(self) -> float:
+        """The acceptance a drafted token needs, with MARGIN (at most 1: only certain drafts)."""
+        return min(1.0, MARGIN * self.cost.break_even(self._sequences_per_step))
+
+    # ---- reporting --------------------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        """For the worker's profile: counters, acceptance, mean accepted length, the step-cost fit."""
+        c = self.counters
+        fit = self.cost.fit()
+        return {
+            **vars(c),
+            "acceptance_rate": c.spec_accepted_tokens / c.spec_drafted_tokens if c.spec_drafted_tokens else 0.0,
+            "mean_accepted_length": c.spec_accepted_tokens / c.spec_drafts if c.spec_drafts else 0.0,
+            "mean_draft_length": c.spec_drafted_tokens / c.spec_drafts if c.spec_drafts else 0.0,
+            "break_even": self.cost.break_even(self._sequences_per_step),
+            "required_acceptance": self._break_even(),
+            "step_base_s": fit[0] if fit else None,
+            "step_per_row_s": fit[1] if fit else None,
+            "sequences": len(self._seqs),
+            "archive_contexts": len(self.archive) if self.archive is not None else 0,
+        }
