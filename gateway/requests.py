@@ -161,7 +161,9 @@ def _int(body: dict, name: str, default: int | None, low: int | None, high: int 
     value = body.get(name)
     if value is None:
         return default
-    if isinstance(value, float) and value.is_integer():
+    # 5.0 is 5; but orjson reads an integer beyond 64 bits as a float, and above 2**53 a float is
+    # no longer the integer that was sent (-2**63 - 1 would become -2**63 and pass the range check).
+    if isinstance(value, float) and value.is_integer() and abs(value) <= 2 ** 53:
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int):
         raise InvalidRequestError(f"'{name}' must be an integer", param=name)

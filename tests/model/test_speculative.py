@@ -41,6 +41,8 @@ class OracleDrafts(Speculator):
         self.prompt_len[seq_id] = len(prompt_ids)
 
     def propose(self, seq_id, tokens, limit):
+        if seq_id not in self.prompt_len:
+            return []  # never begun (opted out, or constrained): as Speculator.propose
         done = len(tokens) - self.prompt_len[seq_id]
         draft = list(self.expected[seq_id][done:done + self.rng.randint(1, min(limit, self.max_draft))])
         if draft and self.rng.random() < self.wrong:
@@ -212,3 +214,46 @@ def test_tokens_sampled_at_drafted_positions_follow_the_target_distribution(tiny
     assert seconds.sum() > 500 and thirds.sum() > 300
     _check_distribution(seconds, probs(after_a))
     _check_distribution(thirds, probs(after_ad))
+
+
+def test_a_constrained_request_never_drafts_and_batches_with_drafted_ones(engines, smollm2_gguf):
+    """Grammars and drafts in one step: the constrained request is sampled under its mask on one
+    row (it is never offered a draft), the drafted one verifies its rows; each gives what it
+    gives alone."""
+    from shared.grammar import regex_grammar
+    from shared.vocab import piece_table, read_vocab
+    from worker.sched.constraint import Constraints
+
+    engine = engines("smollm2")
+    ref = load_reference("smollm2-135m-instruct-q4_1.json")
+    eos = (ref["eos_id"],)
+    prompt = ref["greedy"][0]["prompt_ids"]
+    free = SamplingParams(max_tokens=24, temperature=0.0, stop_token_ids=eos)
+    digits = SamplingParams(max_tokens=24, temperature=0.0, stop_token_ids=eos, grammar=regex_grammar(r"[0-9]{3,6}"))
+    constraints = Constraints.from_gguf(str(smollm2_gguf), engine.vocab_size, 4)
+    try:
+        def generator(speculator=None):
+            return BatchGenerator(engine, TuningState(SchedulerKnobs(batching_window_ms=0.0)),
+                                  constraints=constraints, speculator=speculator)
+
+        alone = {rid: run_requests(generator(), {rid: r}).tokens[rid]
+                 for rid, r in {"free": (prompt, free), "digits": (prompt, digits)}.items()}
+        spec = OracleDrafts({"free": alone["free"], "digits": alone["digits"]}, engine.vocab_size, seed=5)
+        drafted = []  # requests that were given a draft to verify
+        propose = spec.propose
+
+        def recording(seq_id, tokens, limit):
+            draft = propose(seq_id, tokens, limit)
+            if draft:
+                drafted.append(seq_id)
+            return draft
+        spec.propose = recording
+        both = run_requests(generator(spec), {"free": (prompt, free), "digits": (prompt, digits)}).tokens
+    finally:
+        constraints.close()
+    assert both == alone
+    assert "digits" not in drafted and "free" in drafted and spec.counters.spec_accepted_tokens > 0
+    pieces = piece_table(read_vocab(smollm2_gguf))
+    text = b"".join(pieces[t] for t in alone["digits"] if t not in eos)
+    assert text.isdigit() and 3 <= len(text) <= 6
+

@@ -125,3 +125,13 @@ def test_completion_logprobs_is_a_count():
     assert not parse_completion({"prompt": "x"}, max_n=1).logprobs
     with pytest.raises(InvalidRequestError):
         parse_completion({"prompt": "x", "logprobs": 6}, max_n=1)
+
+
+def test_an_integer_beyond_64_bits_is_refused_not_rounded_into_range():
+    import orjson
+
+    body = orjson.loads(b'{"model": "reame", "messages": [{"role": "user", "content": "hi"}], '
+                        b'"seed": -9223372036854775809}')
+    with pytest.raises(InvalidRequestError, match="'seed' must be an integer"):
+        parse_chat(body, max_n=8)
+    assert chat(seed=5.0).sampling.seed == 5
