@@ -1,6 +1,7 @@
 """Draft sources and the speculator's decisions, on synthetic token sequences."""
 from __future__ import annotations
 
+import logging
 import random
 
 import pytest
@@ -177,3 +178,36 @@ def test_finished_sequences_teach_the_archive_which_then_drafts_for_others():
     assert spec.counters.spec_from_archive == 1
     # The completion and the 3 prompt tokens before it are learned, not the rest of the prompt.
     assert spec.archive.counts((42, 50, 51)) == {60: 1} and spec.archive.counts((40, 41, 42)) == {}
+
+
+def test_the_gate_stops_drafting_at_a_batch_size_where_drafted_steps_measure_slower(caplog):
+    from worker.spec.gate import SAMPLES, DraftGate
+
+    gate = DraftGate(random.Random(1))
+    kinds = []
+    with caplog.at_level(logging.INFO, logger="reame.speculator"):
+        for _ in range(400):
+            drafting = gate.allow(8)
+            kinds.append(drafting)
+            # 8 streams: a drafted step emits 12 tokens in 40 ms (300 tok/s), a plain one 8 in 20 ms (400)
+            gate.observe(8, drafting, 12 if drafting else 8, 0.040 if drafting else 0.020)
+            gate.observe(1, True, 3, 0.010)  # 1 stream: drafting 300 tok/s ...
+            gate.observe(1, False, 1, 0.008)  # ... against 125 without
+    late = kinds[4 * SAMPLES:]
+    assert 0 < sum(late) < 0.2 * len(late)  # mostly plain, still sampling the loser
+    assert gate.allow(1) in (True, False) and gate.snapshot() == {"gate_1+": "on", "gate_2+": "measuring",
+                                                                  "gate_4+": "measuring", "gate_8+": "off"}
+    assert any("speculation off for steps of 8+ decoding sequences" in r.getMessage() for r in caplog.records)
+
+
+def test_a_gated_step_gets_no_draft_and_a_speculator_without_adaptation_has_no_gate():
+    spec = Speculator(max_draft=3)
+    tokens = [1, 2, 3, 4, 5, 1, 2]
+    spec.begin("a", tokens)
+    spec.gate.allow = lambda sequences: False
+    spec.before_step(8)
+    assert spec.propose("a", tokens, 9) == []
+    spec.gate.allow = lambda sequences: True
+    spec.before_step(8)
+    assert spec.propose("a", tokens, 9) != []
+    assert Speculator(adaptive=False).gate is None

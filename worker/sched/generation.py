@@ -191,6 +191,8 @@ class BatchGenerator:
     def step(self) -> list[Event]:
         """Run one engine step; return its events in order (tokens before finishes)."""
         warmed = self._warmed()
+        if self.speculator is not None:
+            self.speculator.before_step(self.scheduler.num_running)
         batch = self.scheduler.schedule(self.clock())
         self.preemptions += len(batch.preempted)
         for seq in batch.preempted:
@@ -237,7 +239,10 @@ class BatchGenerator:
         if self.speculator is not None:
             # The engine and the sampling of every row: a drafted row costs both (8 streams,
             # 2 threads: ~0.3 ms of sampling per row beside ~3 ms of engine).
-            self.speculator.observe_step(batch.num_tokens, decoding, time.perf_counter() - started)
+            prompt_rows = sum(c.num_tokens for c in batch.chunks if not c.draft and c.num_tokens > 1)
+            self.speculator.observe_step(batch.num_tokens, decoding, time.perf_counter() - started,
+                                         emitted=sum(len(t) for t in sampled.values()),
+                                         drafted=any(c.draft for c in batch.chunks), prompt_rows=prompt_rows)
         for seq in self.scheduler.update(batch, sampled, completed):
             warm = seq.seq_id in self._warm
             if self.speculator is not None:

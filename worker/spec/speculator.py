@@ -23,6 +23,7 @@ import math
 from dataclasses import dataclass, field
 
 from worker.spec.archive import NgramArchive
+from worker.spec.gate import DraftGate
 from worker.spec.prompt_lookup import PromptLookup
 
 log = logging.getLogger("reame.spec")
@@ -134,6 +135,13 @@ class Speculator:
         self._classes: dict[tuple[int, ...], tuple[float, float]] = {}  # class -> (accepted_w, rejected_w)
         self._step = 0
         self._sequences_per_step = 1
+        # Step-level check of the per-sequence rule (adaptive only): drafting must measure faster.
+        self.gate = DraftGate() if self.adaptive else None
+        self._step_allowed = True
+
+    def before_step(self, decoding: int) -> None:
+        """The next step decodes about this many sequences: may they draft in it?"""
+        self._step_allowed = self.gate is None or self.gate.allow(decoding)
 
     # ---- a sequence's life ------------------------------------------------------------------------
 
@@ -168,7 +176,7 @@ class Speculator:
     def propose(self, seq_id: str, tokens: list[int], limit: int) -> list[int]:
         """Up to min(limit, its draft length) tokens to verify after `tokens`; [] for none."""
         state = self._seqs.get(seq_id)
-        if state is None or limit <= 0 or self._step < state.off_until:
+        if state is None or limit <= 0 or self._step < state.off_until or not self._step_allowed:
             return []
         k = draft_length(state.p, self._break_even(), self.max_draft) if self.adaptive else self.max_draft
         if k == 0 and state.since_start < PROBE_TOKENS:
@@ -222,12 +230,15 @@ class Speculator:
         elif accepted == drafted:
             state.backoff = FIRST_BACKOFF
 
-    def observe_step(self, rows: int, sequences: int, seconds: float) -> None:
+    def observe_step(self, rows: int, sequences: int, seconds: float, emitted: int = 0, drafted: bool = False,
+                     prompt_rows: int = 0) -> None:
         """Every engine step: its rows, decoding sequences and time. Prompt chunks' steps stay in
         the fit: decode steps alone vary by a few rows, and on a loaded host (bench, load average
         12) their slope came out anywhere from 0 to 12 ms per row; a 512-row step pins it."""
         self._step += 1
         self.cost.observe(rows, seconds)
+        if self.gate is not None and prompt_rows == 0:
+            self.gate.observe(sequences, drafted, emitted, seconds)
         if sequences > 0:
             self._sequences_per_step = sequences
 
@@ -252,4 +263,5 @@ class Speculator:
             "step_per_row_s": fit[1] if fit else None,
             "sequences": len(self._seqs),
             "archive_contexts": len(self.archive) if self.archive is not None else 0,
+            **(self.gate.snapshot() if self.gate is not None else {}),
         }

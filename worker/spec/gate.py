@@ -1,0 +1,62 @@
+"""Whether drafting pays at all, measured step against step.
+
+The speculator's per-sequence rule predicts a draft's worth from a fitted step cost; at 8
+streams on AVX2 (2 threads) that fit undercounts what drafted rows cost (their sampling and
+attention beside the batched matmuls), and speculation lost on every workload: 0.97x on QA and
+code, 0.81x on free text (bench/speculative.py). The gate checks the result instead of the model:
+per batch size, decode steps in which sequences drafted and steps in which none did are timed in
+tokens emitted per second; drafting continues only where it measures at least as fast. A share
+of steps keeps sampling the losing side, so a verdict follows the traffic as it changes.
+"""
+from __future__ import annotations
+
+import logging
+import random
+from collections import deque
+from statistics import median
+
+log = logging.getLogger("reame.speculator")
+
+BUCKETS = (1, 2, 4, 8)  # decoding sequences in a step: 1, 2-3, 4-7, 8+
+SAMPLES = 24  # steps of each kind a verdict needs (and the window it reads)
+EXPLORE = 0.1  # share of steps that run the losing side once a verdict stands
+
+
+def bucket_of(sequences: int) -> int:
+    return max(i for i, low in enumerate(BUCKETS) if sequences >= low) if sequences >= 1 else 0
+
+
+class DraftGate:
+    def __init__(self, rng: random.Random | None = None):
+        self.rng = rng or random.Random(0)
+        self._rates = [(deque(maxlen=SAMPLES), deque(maxlen=SAMPLES)) for _ in BUCKETS]  # (plain, drafted)
+        self._verdict: list[bool | None] = [None] * len(BUCKETS)  # drafting pays; None = not measured yet
+
+    def allow(self, sequences: int) -> bool:
+        """May sequences draft in the next step, which decodes about this many?"""
+        b = bucket_of(sequences)
+        plain, drafted = self._rates[b]
+        if len(plain) < SAMPLES or len(drafted) < SAMPLES:
+            return len(drafted) <= len(plain)  # measuring: alternate the two kinds
+        verdict = self._verdict[b]
+        return verdict if self.rng.random() >= EXPLORE else not verdict
+
+    def observe(self, sequences: int, drafted: bool, tokens: int, seconds: float) -> None:
+        """A decode step (no prompt rows): whether any sequence drafted, tokens emitted, its time."""
+        if sequences < 1 or seconds <= 0:
+            return
+        b = bucket_of(sequences)
+        plain_rates, drafted_rates = self._rates[b]
+        (drafted_rates if drafted else plain_rates).append(tokens / seconds)
+        if len(plain_rates) < SAMPLES or len(drafted_rates) < SAMPLES:
+            return
+        plain, spec = median(plain_rates), median(drafted_rates)
+        verdict = spec >= plain
+        if verdict != self._verdict[b]:
+            log.info("speculation %s for steps of %d+ decoding sequences: %.0f tok/s drafting vs %.0f "
+                     "without (%+.0f%%, medians of the last %d steps each)", "on" if verdict else "off",
+                     BUCKETS[b], spec, plain, 100 * (spec / plain - 1), SAMPLES)
+            self._verdict[b] = verdict
+
+    def snapshot(self) -> dict[str, str]:
+        return {f"gate_{low}+": {None: "measuring", True: "on", False: "off"}[v] for low, v in zip(BUCKETS, self._verdict)}
