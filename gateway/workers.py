@@ -74,7 +74,7 @@ class WorkerHandle:
     info: Register
     identity: bytes
     last_seen: float
-    local: bool  # runs on this host, so its pid can be checked
+    local: bool  # runs on this host and the gateway can see its process, so its pid can be checked
     draining: bool = False
     jobs: dict[str, Job] = field(default_factory=dict)
     tuned_capacity: int | None = None  # max_batch_size of a strategy the worker confirmed running
@@ -296,7 +296,13 @@ class WorkerPool:
             known.info = info
             known.last_seen = self.clock()
         else:
-            self.workers[info.worker_id] = WorkerHandle(info, identity, self.clock(), local=info.host == self._host)
+            local = info.host == self._host and _process_alive(info.pid)
+            if info.host == self._host and not local:
+                # Sandboxed services (systemd's PrivateUsers= with ProtectProc=invisible, separate PID
+                # namespaces) hide each other's processes: a pid check would drop a live worker.
+                log.info("worker %s: its process %d is not visible to the gateway; its heartbeats tell "
+                         "whether it is alive", info.worker_id, info.pid)
+            self.workers[info.worker_id] = WorkerHandle(info, identity, self.clock(), local=local)
             log.info("worker %s registered: node %d, cpus %s, model %s, context %d",
                      info.worker_id, info.numa_node, _cpu_ranges(info.cpus), info.model_name, info.n_ctx)
         self.n_ctx = min(w.info.n_ctx for w in self.workers.values())

@@ -112,6 +112,8 @@ def _warm(engine) -> None:
     from shared.sampling import SamplingParams
     from worker.sched.one_request import generate_ids, solo_generator
 
+    log.info("warming up: loading the compiled kernels from %s, or compiling them on a first start "
+             "(a minute or more)", os.environ.get("NUMBA_CACHE_DIR", "numba's cache"))
     started = time.perf_counter()
     generator = solo_generator(engine)
     generator.add("warm-up-1", [1, 2, 3, 4], SamplingParams(max_tokens=3, temperature=0.0))

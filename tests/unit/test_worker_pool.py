@@ -6,7 +6,10 @@ import asyncio
 import dataclasses
 import logging
 import os
+import socket
 import stat
+import subprocess
+import sys
 
 import orjson
 import zmq
@@ -106,3 +109,37 @@ def test_the_socket_and_its_directory_are_owner_only(tmp_path):
                 stat.S_IMODE((tmp_path / "state" / "workers.ipc").stat().st_mode))
 
     assert with_pool(tmp_path, body) == (0o700, 0o600)
+
+
+def test_a_same_host_worker_is_dropped_when_its_process_exits(tmp_path, caplog):
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+
+    async def body(pool, peer):
+        await peer.send(protocol.encode(dataclasses.replace(GOOD, host=socket.gethostname(), pid=child.pid)))
+        await settle(lambda: "w0" in pool.workers)
+        assert pool.workers["w0"].local
+        child.kill()
+        child.wait()
+        await settle(lambda: "w0" not in pool.workers)
+        assert "w0" not in pool.workers
+
+    with caplog.at_level(logging.INFO, "reame.gateway"):
+        with_pool(tmp_path, body, worker_timeout=30)
+    assert "worker w0 dropped: its process exited" in caplog.text
+
+
+def test_a_same_host_worker_whose_process_the_gateway_cannot_see_lives_by_its_heartbeats(tmp_path, caplog):
+    """Sandboxed services (systemd's PrivateUsers= + ProtectProc=invisible) hide each other's
+    processes: the gateway must not drop a live worker because its pid looks gone."""
+    invisible = 2 ** 22 + 7  # above Linux's largest pid_max: no process of this pid is visible
+
+    async def body(pool, peer):
+        await peer.send(protocol.encode(dataclasses.replace(GOOD, host=socket.gethostname(), pid=invisible)))
+        await settle(lambda: "w0" in pool.workers)
+        assert not pool.workers["w0"].local
+        await settle(timeout=0.6)  # several sweeps
+        assert "w0" in pool.workers
+
+    with caplog.at_level(logging.INFO, "reame.gateway"):
+        with_pool(tmp_path, body, worker_timeout=30)
+    assert f"worker w0: its process {invisible} is not visible to the gateway" in caplog.text
