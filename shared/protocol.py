@@ -20,6 +20,15 @@ worker; Drain(done=True) says it is leaving now and that any request it still ha
 Tuning: every `[tuning] profile_interval` a worker's pulse thread sends a Profile of the window
 since the last one; the tuning coordinator answers, when it decides a change, with a Strategy
 (versioned scheduler knobs) that the worker's loop applies between two steps.
+
+A standalone coordinator (`reame-coordinator`, for several gateways) speaks to each gateway on
+its own socket (the gateway a DEALER, the coordinator a ROUTER): the gateway sends Attach every
+`heartbeat_interval` and the coordinator answers Attached (`fresh`: it has not seen this gateway
+since it started, so the gateway forwards a Register for each of its workers again). The gateway
+forwards its workers' Register and Profile frames unchanged; the coordinator answers with
+Advice (a Strategy for one worker, which the gateway relays). The operator's /admin calls travel
+as AdminCall → AdminReply. The workers never talk to the coordinator: they keep the knobs they
+run when it is gone.
 """
 from __future__ import annotations
 
@@ -35,6 +44,7 @@ import orjson
 
 from shared.sampling import SamplingParams
 
+COORDINATOR_PROTOCOL_VERSION = 1  # gateway ↔ standalone coordinator (Attach, Attached, Advice, AdminCall, AdminReply)
 PROTOCOL_VERSION = 5  # 2: Generate.warm, Finished.prefix_tokens, Heartbeat counters; 3: params.grammar; 4: Profile, Strategy; 5: Generate.speculative, spec_* counters
 
 
@@ -60,6 +70,11 @@ class Kind(IntEnum):
     DRAIN = 8
     PROFILE = 9
     STRATEGY = 10
+    ATTACH = 11
+    ATTACHED = 12
+    ADVICE = 13
+    ADMIN_CALL = 14
+    ADMIN_REPLY = 15
 
 
 @dataclass(frozen=True)
@@ -227,12 +242,57 @@ class Strategy:
     threads: Count = 0  # threads of the engine's parallel kernels (0: as the worker started)
 
 
-Message = Union[Register, Heartbeat, Generate, TokenChunk, Finished, Error, Abort, Drain, Profile, Strategy]
+@dataclass(frozen=True)
+class Attach:
+    """Gateway → standalone coordinator, every heartbeat_interval: "I am here"."""
+    gateway_id: str
+    version: int = COORDINATOR_PROTOCOL_VERSION
+
+
+@dataclass(frozen=True)
+class Attached:
+    """Coordinator → gateway, the answer to each Attach."""
+    fresh: bool  # the coordinator did not know this gateway: forward your workers' Register again
+    version: int = COORDINATOR_PROTOCOL_VERSION
+
+
+@dataclass(frozen=True)
+class Advice:
+    """Coordinator → gateway: relay this Strategy to one of your workers."""
+    worker_id: str
+    strategy: Strategy
+
+
+AdminAction = Literal["strategy", "import", "freeze", "unfreeze", "report", "series"]
+
+
+@dataclass(frozen=True)
+class AdminCall:
+    """Gateway → coordinator: one operator call (/admin/...); `argument` is JSON (the imported
+    strategy, the series' bucket seconds) or ""."""
+    call_id: str
+    action: AdminAction
+    argument: str = ""
+
+
+@dataclass(frozen=True)
+class AdminReply:
+    """Coordinator → gateway: the JSON answer, or the shared.errors class and message of a refusal."""
+    call_id: str
+    body: str = ""
+    error: str = ""
+    message: str = ""
+
+
+Message = Union[Register, Heartbeat, Generate, TokenChunk, Finished, Error, Abort, Drain, Profile, Strategy,
+                Attach, Attached, Advice, AdminCall, AdminReply]
 
 _KIND_OF: dict[type, Kind] = {
     Register: Kind.REGISTER, Heartbeat: Kind.HEARTBEAT, Generate: Kind.GENERATE,
     TokenChunk: Kind.TOKEN_CHUNK, Finished: Kind.FINISHED, Error: Kind.ERROR,
     Abort: Kind.ABORT, Drain: Kind.DRAIN, Profile: Kind.PROFILE, Strategy: Kind.STRATEGY,
+    Attach: Kind.ATTACH, Attached: Kind.ATTACHED, Advice: Kind.ADVICE, AdminCall: Kind.ADMIN_CALL,
+    AdminReply: Kind.ADMIN_REPLY,
 }
 _CLASS_OF: dict[int, type] = {int(kind): cls for cls, kind in _KIND_OF.items()}
 
