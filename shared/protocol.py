@@ -45,7 +45,10 @@ import orjson
 from shared.sampling import SamplingParams
 
 COORDINATOR_PROTOCOL_VERSION = 1  # gateway ↔ standalone coordinator (Attach, Attached, Advice, AdminCall, AdminReply)
-PROTOCOL_VERSION = 5  # 2: Generate.warm, Finished.prefix_tokens, Heartbeat counters; 3: params.grammar; 4: Profile, Strategy; 5: Generate.speculative, spec_* counters
+# 2: Generate.warm, Finished.prefix_tokens, Heartbeat counters; 3: params.grammar; 4: Profile, Strategy;
+# 5: Generate.speculative, spec_* counters; 6: CPU placement (Strategy.cpus, bind_memory; Profile.cpus_in_use,
+# cpu_others_each, numa_nodes, memory_bound)
+PROTOCOL_VERSION = 6
 
 
 class Range(NamedTuple):
@@ -218,11 +221,15 @@ class Profile:
     prefix_hit_tokens: Count = 0  # RAM and store together
     prefix_hit_tokens_store: Count = 0
     store_evictions: Count = 0
-    cpus: list[Count] = field(default_factory=list)  # the CPUs the worker may run on
+    cpus: list[Count] = field(default_factory=list)  # the CPUs the worker may run on (its slot: fixed at start)
     cpu_busy: float = 0.0  # share of those CPUs' time this worker used
     cpu_others: float = 0.0  # share used by other processes (neighbours)
     cpu_steal: float = 0.0  # share taken by the hypervisor
     threads: Count = 0  # threads of the engine's parallel kernels now
+    cpus_in_use: list[Count] = field(default_factory=list)  # of `cpus`, those its threads run on now ([]: all)
+    cpu_others_each: list[float] = field(default_factory=list)  # per CPU of `cpus`: share other processes used
+    numa_nodes: Count = 1  # NUMA nodes of the worker's host
+    memory_bound: bool = False  # its memory is bound to its node
     sources: dict[str, dict[str, float | str]] = field(default_factory=dict)  # kernels, speculation, ...
 
 
@@ -240,6 +247,8 @@ class Strategy:
     batching_window_ms: float
     frozen: bool = False  # an operator froze the strategy: whatever else learns (kernels) stops too
     threads: Count = 0  # threads of the engine's parallel kernels (0: as the worker started)
+    cpus: list[Count] = field(default_factory=list)  # the CPUs of its node it runs on ([]: all it started with)
+    bind_memory: bool = False  # bind its memory (and move what it has) to its NUMA node
 
 
 @dataclass(frozen=True)
