@@ -206,3 +206,18 @@ def test_reame_coordinator_without_an_endpoint_says_so():
 
     with pytest.raises(ConfigError, match=r"\[tuning\] coordinator is empty"):
         CoordinatorServer(Config())
+
+
+def test_a_gateway_with_adaptivity_off_keeps_no_link_to_the_coordinator(tmp_path):
+    """--adaptive off: nothing to coordinate, so the in-process service only reports (no decision)."""
+    from gateway.coordinator.remote import RemoteTuning
+    from gateway.coordinator.service import TuningService
+    from gateway.state import tuning_service
+
+    class Pool:
+        on_profile = on_register = None
+
+    on = parse_config("[tuning]\ncoordinator = tcp://127.0.0.1:5560\n")
+    off = parse_config("[tuning]\ncoordinator = tcp://127.0.0.1:5560\nadaptive = false\n")
+    assert isinstance(tuning_service(on, Pool()), RemoteTuning)
+    assert isinstance(tuning_service(off, Pool()), TuningService)
