@@ -1,7 +1,7 @@
 """Agentic traffic against Reame with adaptivity on and off: does it get faster as it runs?
 
     python bench/agentic.py [--model PATH] [--threads 2] [--minutes 10] [--bucket 60]
-                            [--workload agentic|low-overlap|both] [--modes on,off]
+                            [--workload agentic|low-overlap|both] [--modes on,off] [--repeats N]
                             [--peer URL] [--json FILE] [--png FILE]
 
 agentic: several long system prompts (an agent's rules and a list of tool descriptions, ~700
@@ -16,6 +16,12 @@ default) it records output tokens/s, TTFT p50/p95, request latency p95 and the c
 prompt tokens; prints a table per run and a comparison, writes the per-bucket JSON and a PNG of
 the curves. With --peer URL the same traffic also runs against that server (an OpenAI-compatible
 one already running). The last adaptive report of each Reame run is printed too.
+
+On a shared host the load drifts between runs, so --repeats N runs the modes N times in
+alternating order (on,off then off,on, ...): each on/off pair is compared over its whole run
+(the output tokens of every request over the time from the first request to the last answer, not
+per-minute buckets of a few requests), and the comparison is the median of the pairs' ratios,
+with each ratio listed.
 """
 from __future__ import annotations
 
@@ -91,6 +97,7 @@ class Run:
     samples: list[Sample] = field(default_factory=list)
     errors: int = 0
     report: str = ""
+    elapsed: float = 0.0  # seconds from the first request to the last answer (traffic, then its drain)
 
 
 async def chat(session: aiohttp.ClientSession, url: str, messages: list[dict], run: Run, t0: float) -> str:
@@ -159,6 +166,7 @@ async def drive(url: str, workload: str, seconds: float, run: Run) -> None:
         return active
 
     await asyncio.gather(*(client(url, workload, 7919 * i + 1, run, t0, stop_at, active_for(i)) for i in range(most)))
+    run.elapsed = time.perf_counter() - t0
 
 
 def buckets(run: Run, seconds: float, bucket: float) -> list[dict]:
@@ -213,6 +221,28 @@ def print_table(name: str, rows: list[dict], errors: int) -> None:
               f"{r['ttft_p95_ms']:>7}ms {r['latency_p95_ms']:>6}ms {r['cached_fraction']:>7.2f}")
 
 
+def whole_run(run: Run) -> dict:
+    """The run as one number per metric, over every request: output tokens over the time from the
+    first request to the last answer. (On a loaded host a request of the low-overlap workload can
+    outlast a bucket, or the whole traffic window: counting only what finished inside it says nothing.)"""
+    done = run.samples
+    return {"requests": len(done), "errors": run.errors, "elapsed_s": round(run.elapsed, 1),
+            "output_tok_s": round(sum(s.output_tokens for s in done) / run.elapsed, 2) if run.elapsed else 0.0,
+            "latency_p50_ms": round(1000 * percentile([s.latency for s in done], 0.5, 0.0)),
+            "latency_p95_ms": round(1000 * percentile([s.latency for s in done], 0.95, 0.0)),
+            "ttft_p95_ms": round(1000 * percentile([s.ttft for s in done], 0.95, 0.0))}
+
+
+def pair_ratios(totals: list[tuple[str, dict]]) -> list[float]:
+    """on/off output tok/s of consecutive on-off (or off-on) runs of one workload."""
+    ratios = []
+    for (mode_a, a), (mode_b, b) in zip(totals[::2], totals[1::2]):
+        on, off = (a, b) if mode_a == "on" else (b, a)
+        if {mode_a, mode_b} == {"on", "off"} and off["output_tok_s"]:
+            ratios.append(round(on["output_tok_s"] / off["output_tok_s"], 3))
+    return ratios
+
+
 def steady(rows: list[dict]) -> dict:
     """The second half of the run, the 'steady state' (medians of its buckets)."""
     half = rows[len(rows) // 2:] or rows
@@ -249,6 +279,8 @@ def main() -> int:
     parser.add_argument("--bucket", type=float, default=60.0, help="seconds per row of the tables")
     parser.add_argument("--workload", choices=("agentic", "low-overlap", "both"), default="both")
     parser.add_argument("--modes", default="on,off", help="adaptivity settings to run, in order")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="run the modes this many times, alternating their order (load drifts on a shared host)")
     parser.add_argument("--peer", help="also drive this OpenAI-compatible server's URL")
     parser.add_argument("--json", type=Path, default=Path("bench-agentic.json"))
     parser.add_argument("--png", type=Path, default=Path("bench-agentic.png"))
@@ -257,15 +289,22 @@ def main() -> int:
     workloads = ("agentic", "low-overlap") if args.workload == "both" else (args.workload,)
     results: dict[str, list[dict]] = {}
     summary: dict[str, dict] = {}
+    totals: dict[str, list[tuple[str, dict]]] = {w: [] for w in workloads}  # workload → (mode, whole run)
+    modes = args.modes.split(",")
     with tempfile.TemporaryDirectory(prefix="reame-agentic-") as tmp:
         for workload in workloads:
-            for mode in args.modes.split(","):
-                run, rows = run_reame(Path(args.model), args.threads, mode == "on", workload, seconds, args.bucket,
-                                      Path(tmp) / f"{workload}-{mode}")
-                print_table(run.name, rows, run.errors)
-                if run.report:
-                    print(run.report)
-                results[run.name], summary[run.name] = rows, steady(rows)
+            for repeat in range(args.repeats):
+                for mode in (modes if repeat % 2 == 0 else modes[::-1]):
+                    run, rows = run_reame(Path(args.model), args.threads, mode == "on", workload, seconds,
+                                          args.bucket, Path(tmp) / f"{workload}-{mode}-{repeat}")
+                    if args.repeats > 1:
+                        run.name += f" #{repeat + 1}"
+                    print_table(run.name, rows, run.errors)
+                    if run.report:
+                        print(run.report)
+                    results[run.name], summary[run.name] = rows, steady(rows)
+                    totals[workload].append((mode, whole_run(run)))
+                    say(f"{run.name}: whole run {totals[workload][-1][1]}")
             if args.peer:
                 run, rows = run_peer(args.peer, workload, seconds, args.bucket)
                 print_table(run.name, rows, run.errors)
@@ -274,14 +313,27 @@ def main() -> int:
     for name, s in summary.items():
         print(f"  {name:45} {s['output_tok_s']:8.1f} tok/s  latency p95 {s['latency_p95_ms']:6.0f} ms  "
               f"TTFT p95 {s['ttft_p95_ms']:6.0f} ms")
+    whole: dict[str, dict] = {}
     for workload in workloads:
+        ratios = pair_ratios(totals[workload])
+        if ratios:
+            whole[workload] = {"runs": totals[workload], "on_off_ratios": ratios,
+                               "median_on_off": statistics.median(ratios)}
+            print(f"  {workload}: adaptive on / off over whole runs (output tok/s), pairs {ratios}: "
+                  f"median {statistics.median(ratios):.2f}x")
+            for mode, t in totals[workload]:
+                print(f"    {mode:3} {t['requests']:4} requests  {t['output_tok_s']:7.1f} tok/s  "
+                      f"latency p50 {t['latency_p50_ms']:6} ms  p95 {t['latency_p95_ms']:6} ms  errors {t['errors']}")
+    for workload in workloads:
+        if args.repeats > 1:
+            continue  # the per-run names carry #N: the whole-run pairs above are the comparison
         on, off = (summary.get(f"reame adaptive {m} ({workload})") for m in ("on", "off"))
         if on and off and off["output_tok_s"]:
             print(f"  {workload}: adaptive on / off = {on['output_tok_s'] / off['output_tok_s']:.2f}x output tok/s")
         rows = results.get(f"reame adaptive on ({workload})")
         if rows and rows[0]["output_tok_s"]:
             print(f"  {workload}: adaptive on, steady / first bucket = {on['output_tok_s'] / rows[0]['output_tok_s']:.2f}x")
-    args.json.write_text(json.dumps({"buckets": results, "steady": summary, "bucket_s": args.bucket,
+    args.json.write_text(json.dumps({"buckets": results, "steady": summary, "whole_runs": whole, "bucket_s": args.bucket,
                                      "phases": PHASES, "phase_s": PHASE_S}, indent=1))
     plot(results, args.png)
     say(f"wrote {args.json} and {args.png}")

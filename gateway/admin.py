@@ -1,6 +1,8 @@
 """The operator's routes: the tuning strategy (read, freeze, import), the adaptive report, and
 the dashboard. All need the API key when one is set (gateway.auth), except the dashboard page
-itself, which holds no data: it asks for the key and sends it with each of its requests.
+itself, which holds no data: it asks for the key and sends it with each of its requests. With a
+standalone coordinator ([tuning] coordinator) every call is answered by it: any gateway shows and
+changes the one strategy all of them share (503 while it is unreachable).
 
     GET  /admin/strategy           the knobs per worker, the version, frozen or not
     POST /admin/strategy           pin a strategy, frozen (`reame strategy import FILE`)
@@ -25,7 +27,7 @@ MAX_STRATEGY_BYTES = 1 << 20
 
 
 async def get_strategy(request: web.Request) -> web.Response:
-    return _json(request.app[STATE].tuning.strategy())
+    return _json(await request.app[STATE].tuning.call("strategy"))
 
 
 async def put_strategy(request: web.Request) -> web.Response:
@@ -37,31 +39,29 @@ async def put_strategy(request: web.Request) -> web.Response:
     except orjson.JSONDecodeError as exc:
         raise InvalidRequestError(f"the strategy is not valid JSON: {exc}") from None
     try:
-        tuning.import_strategy(doc)
+        body = await tuning.call("import", doc)
     except ConfigError as exc:
         raise (ConflictError if "adaptivity is off" in exc.message else InvalidRequestError)(exc.message) from None
-    return _json(tuning.strategy())
+    return _json(body)
 
 
 async def freeze(request: web.Request) -> web.Response:
-    return _set_frozen(request, True)
+    return await _set_frozen(request, "freeze")
 
 
 async def unfreeze(request: web.Request) -> web.Response:
-    return _set_frozen(request, False)
+    return await _set_frozen(request, "unfreeze")
 
 
-def _set_frozen(request: web.Request, frozen: bool) -> web.Response:
-    tuning = request.app[STATE].tuning
+async def _set_frozen(request: web.Request, action: str) -> web.Response:
     try:
-        tuning.set_frozen(frozen)
+        return _json(await request.app[STATE].tuning.call(action))
     except ConfigError as exc:
         raise ConflictError(exc.message) from None
-    return _json(tuning.strategy())
 
 
 async def report(request: web.Request) -> web.Response:
-    return _json(request.app[STATE].tuning.report_json())
+    return _json(await request.app[STATE].tuning.call("report"))
 
 
 async def series(request: web.Request) -> web.Response:
@@ -72,7 +72,7 @@ async def series(request: web.Request) -> web.Response:
         bucket = 0.0
     if not 1.0 <= bucket <= 3600.0:
         raise InvalidRequestError(f"bucket must be seconds in 1..3600, got {raw!r}", param="bucket")
-    return _json(request.app[STATE].tuning.series(bucket))
+    return _json(await request.app[STATE].tuning.call("series", bucket))
 
 
 async def dashboard(request: web.Request) -> web.Response:

@@ -20,7 +20,7 @@ from pathlib import Path
 from aiohttp import web
 
 from shared.config import Config, adaptive_flag, add_adaptive_flag, is_loopback, load_config, model_flag, override
-from shared.curve import check_transport, exposed_tcp, server_keys
+from shared.curve import check_coordinator_transport, check_transport, coordinator_client_keys, exposed_tcp, server_keys
 from shared.curve import enabled as curve_enabled
 from shared.errors import ConfigError, ReameError
 from shared.logs import setup_logging
@@ -69,6 +69,8 @@ def check_exposure(config: Config) -> list[str]:
                             f"{config.gateway.port} may use this server (set [gateway] api_key or $REAME_API_KEY)")
     check_transport(config)
     server_keys(config)  # the key files are checked before the model loads
+    check_coordinator_transport(config)
+    coordinator_client_keys(config)
     if exposed_tcp(config.endpoint) and not curve_enabled(config):
         # Allowed by insecure_tcp: whoever reaches the port can register as a worker and see prompts.
         warnings.append(f"workers connect over {config.endpoint} without CURVE (insecure_tcp = true): "

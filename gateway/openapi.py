@@ -134,13 +134,21 @@ def _admin_paths(secured: bool) -> Schema:
                              "schema": {"type": "number", "minimum": 1, "maximum": 3600},
                              "description": "seconds per point (default 5)"}]
     series["responses"]["400"] = _error("bucket is not a number of seconds in 1..3600")
-    return {
+    paths = {
         "/admin/strategy": {"get": _operation("The tuning strategy: knobs per worker, version, frozen", ok, secured),
                             "post": control("Pin a strategy (and freeze it)", body=True)},
         "/admin/strategy/freeze": {"post": control("Stop every adaptive change (knobs and kernels)")},
         "/admin/strategy/unfreeze": {"post": control("Let adaptive changes resume")},
         "/admin/report": {"get": _operation("The adaptive report, with the strategy history", ok, secured)},
         "/admin/series": {"get": series},
+    }
+    gone = _error("the standalone tuning coordinator ([tuning] coordinator) is unreachable; the workers keep "
+                  "their strategy")
+    for operations in paths.values():
+        for operation in operations.values():
+            operation["responses"]["503"] = gone
+    return {
+        **paths,
         "/dashboard": {"get": _open_operation("Live charts of throughput, latency, prefix hits and strategy changes",
                                               {"200": {"description": "a self-contained HTML page", "content": {
                                                   "text/html": {"schema": {"type": "string"}}}}})},

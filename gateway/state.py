@@ -9,6 +9,7 @@ from typing import Any, Callable
 from aiohttp import web
 
 from gateway.choice import Decoder
+from gateway.coordinator.remote import RemoteTuning
 from gateway.coordinator.service import TuningService
 from gateway.metrics import Metrics
 from gateway.prompts import EncodeProcesses, PromptEncoder
@@ -33,7 +34,7 @@ class GatewayState:
     chat_stops: tuple[str, ...]  # end-of-turn markers the template writes as text, not as one token
     created: int
     prompts: PromptEncoder  # messages and prompts → token ids, off the event loop
-    tuning: TuningService  # the tuning coordinator: profiles in, strategies out, the adaptive report
+    tuning: TuningService | RemoteTuning  # the tuning coordinator (here or standalone): profiles in, strategies out
     grammars: GrammarCache = field(default_factory=GrammarCache)  # response_format / grammar → llguidance
 
 
@@ -61,7 +62,15 @@ def build_state(config: Config, tokenizer: Any, template: Any, decoder: Callable
         stop_token_ids=tuple(sorted(end_ids)), hidden_ids=frozenset(end_ids),
         chat_stops=tuple(getattr(template, "stop_strings", ())), created=int(time.time()),
         prompts=PromptEncoder(tokenizer, template, config.gateway.content_specials, encode_processes),
-        tuning=TuningService(config, pool))
+        tuning=tuning_service(config, pool))
+
+
+def tuning_service(config: Config, pool: WorkerPool) -> TuningService | RemoteTuning:
+    """The coordinator in this process, or the link to a standalone one ([tuning] coordinator).
+    With adaptivity off there is nothing to coordinate: the in-process service only reports."""
+    if config.tuning.coordinator and config.tuning.adaptive:
+        return RemoteTuning(config, pool)
+    return TuningService(config, pool)
 
 
 def load_state(config: Config, model_path: Path) -> GatewayState:

@@ -27,8 +27,10 @@ _VERSION = b"1.0"
 class WorkerAuthenticator:
     """Answers ZAP requests on the context of the workers' socket; start before that socket binds."""
 
-    def __init__(self, context: zmq.asyncio.Context, authorized_dir: Path):
+    def __init__(self, context: zmq.asyncio.Context, authorized_dir: Path, peer: str = "worker"):
+        """peer: what connects ("worker"; "gateway" at a standalone coordinator), for the log."""
         self.context = context
+        self.peer = peer
         self.authorized_dir = authorized_dir
         self.refused = 0  # handshakes refused so far
         self._keys: dict[bytes, str] = {}
@@ -42,7 +44,7 @@ class WorkerAuthenticator:
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.bind(ZAP_ENDPOINT)
         self._reload()
-        log.info("gateway: workers authenticate with CURVE; %d authorized keys in %s", len(self._keys),
+        log.info("%ss authenticate with CURVE; %d authorized keys in %s", self.peer, len(self._keys),
                  self.authorized_dir)
         self._task = asyncio.create_task(self._serve())
 
@@ -89,7 +91,7 @@ class WorkerAuthenticator:
         self.refused += 1
         if (peer, key) not in self._logged:
             self._logged.add((peer, key))
-            log.warning("gateway: refused a worker from %s (CURVE public key %s): %s", peer,
+            log.warning("refused a %s from %s (CURVE public key %s): %s", self.peer, peer,
                         key.decode() or "-", why)
         return reply(b"400", "not authorized")
 
@@ -99,7 +101,7 @@ class WorkerAuthenticator:
             entries = sorted(self.authorized_dir.glob("*.key"))
             stamp = tuple((p.name, p.stat().st_mtime_ns, p.stat().st_size) for p in entries)
         except OSError as exc:
-            log.error("gateway: cannot read the authorized worker keys in %s: %s", self.authorized_dir, exc)
+            log.error("cannot read the authorized %s keys in %s: %s", self.peer, self.authorized_dir, exc)
             return
         if stamp == self._stamp:
             return
@@ -108,5 +110,5 @@ class WorkerAuthenticator:
         if unreadable:
             log.warning("gateway: not ZeroMQ public keys, ignored: %s", ", ".join(sorted(unreadable)))
         if self._stamp is not None:
-            log.info("gateway: authorized worker keys reloaded: %d (%s)", len(keys), ", ".join(keys.values()))
+            log.info("authorized %s keys reloaded: %d (%s)", self.peer, len(keys), ", ".join(keys.values()))
         self._keys, self._stamp = keys, stamp

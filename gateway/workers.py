@@ -140,7 +140,7 @@ class WorkerPool:
             self.authenticator.start()  # before the bind: libzmq lets everyone in while no handler answers
             secure_server(self._socket, self.curve)
         if self.endpoint.startswith("ipc://") and not self.endpoint.startswith("ipc://@"):  # @: abstract, no file
-            _bind_private(self._socket, Path(self.endpoint[len("ipc://"):]))
+            bind_private(self._socket, Path(self.endpoint[len("ipc://"):]))
         else:
             self._socket.bind(self.endpoint)
         self._tasks = [asyncio.create_task(self._receive_loop()), asyncio.create_task(self._sweep_loop())]
@@ -436,7 +436,7 @@ class WorkerPool:
         future.add_done_callback(_consume_result)
 
 
-def _bind_private(sock: zmq.Socket, path: Path) -> None:
+def bind_private(sock: zmq.Socket, path: Path) -> None:
     """Bind an ipc:// socket that only this user can reach: a directory of 0700, a socket of 0600.
 
     Anyone who can connect can register as a worker and read prompts, so the directory is made

@@ -134,6 +134,11 @@ class TuningSection:
     kernel_rollback: float = 0.10  # undo a switch when step time per row gets this much worse after it
     kernel_ban_seconds: float = 60.0  # how long a rolled-back choice may not be tried again
     kernel_calibration_seconds: float = 15.0  # most seconds start-up calibration may take (0: none)
+    # A standalone coordinator for several gateways (`reame-coordinator` binds it, gateways connect):
+    # "" = the coordinator runs inside the gateway.
+    coordinator: str = ""  # ZeroMQ endpoint, e.g. tcp://10.0.0.5:5560
+    curve_coordinator_key: str = ""  # the coordinator's .key_secret on its host, its .key on gateways' hosts
+    curve_authorized_gateways: str = ""  # the coordinator's directory of the gateways' .key files
 
 
 @dataclass(frozen=True)

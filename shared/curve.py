@@ -120,6 +120,47 @@ def client_keys(config: Config) -> ClientKeys | None:
     return ClientKeys(server_public, public, secret)
 
 
+def coordinator_server_keys(config: Config) -> ServerKeys | None:
+    """A standalone coordinator's CURVE keys ([tuning] curve_coordinator_key), or None when off."""
+    tuning = config.tuning
+    if not tuning.curve_coordinator_key:
+        return None
+    public, secret = load_key(config.resolve_path(tuning.curve_coordinator_key), need_secret=True,
+                              what="[tuning] curve_coordinator_key")
+    if not tuning.curve_authorized_gateways:
+        raise ConfigError("[tuning] curve_coordinator_key is set but curve_authorized_gateways is not: name the "
+                          "directory of the gateways' public keys (.key files)")
+    directory = config.resolve_path(tuning.curve_authorized_gateways)
+    if not directory.is_dir():
+        raise ConfigError(f"[tuning] curve_authorized_gateways = {directory}: not a directory")
+    return ServerKeys(public, secret, directory)
+
+
+def coordinator_client_keys(config: Config) -> ClientKeys | None:
+    """What a gateway needs to reach a CURVE coordinator: its public key, and the gateway's own
+    pair ([server] curve_gateway_key, the one its workers know); None when off."""
+    if not config.tuning.curve_coordinator_key:
+        return None
+    server_public, _ = load_key(config.resolve_path(config.tuning.curve_coordinator_key), need_secret=False,
+                                what="[tuning] curve_coordinator_key")
+    if not config.server.curve_gateway_key:
+        raise ConfigError("[tuning] curve_coordinator_key is set but [server] curve_gateway_key is not: the gateway "
+                          "authenticates to the coordinator with its own key pair (`reame keys generate`)")
+    public, secret = load_key(config.resolve_path(config.server.curve_gateway_key), need_secret=True,
+                              what="[server] curve_gateway_key")
+    return ClientKeys(server_public, public, secret)
+
+
+def check_coordinator_transport(config: Config) -> None:
+    """As check_transport, for [tuning] coordinator: strategies and the operator's calls (freeze,
+    import) would otherwise be open to whoever reaches the port."""
+    endpoint = config.tuning.coordinator
+    if exposed_tcp(endpoint) and not config.tuning.curve_coordinator_key and not config.server.insecure_tcp:
+        raise ConfigError(f"[tuning] coordinator = {endpoint} is reachable from other machines without "
+                          "authentication: set curve_coordinator_key and curve_authorized_gateways "
+                          "(`reame keys generate`), or [server] insecure_tcp = true on a network you trust")
+
+
 def secure_server(sock: zmq.Socket, keys: ServerKeys) -> None:
     """Make `sock` a CURVE server whose peers are checked by the ZAP handler (set before bind)."""
     sock.curve_server = True

@@ -20,6 +20,15 @@ worker; Drain(done=True) says it is leaving now and that any request it still ha
 Tuning: every `[tuning] profile_interval` a worker's pulse thread sends a Profile of the window
 since the last one; the tuning coordinator answers, when it decides a change, with a Strategy
 (versioned scheduler knobs) that the worker's loop applies between two steps.
+
+A standalone coordinator (`reame-coordinator`, for several gateways) speaks to each gateway on
+its own socket (the gateway a DEALER, the coordinator a ROUTER): the gateway sends Attach every
+`heartbeat_interval` and the coordinator answers Attached (`fresh`: it has not seen this gateway
+since it started, so the gateway forwards a Register for each of its workers again). The gateway
+forwards its workers' Register and Profile frames unchanged; the coordinator answers with
+Advice (a Strategy for one worker, which the gateway relays). The operator's /admin calls travel
+as AdminCall → AdminReply. The workers never talk to the coordinator: they keep the knobs they
+run when it is gone.
 """
 from __future__ import annotations
 
@@ -35,7 +44,11 @@ import orjson
 
 from shared.sampling import SamplingParams
 
-PROTOCOL_VERSION = 5  # 2: Generate.warm, Finished.prefix_tokens, Heartbeat counters; 3: params.grammar; 4: Profile, Strategy; 5: Generate.speculative, spec_* counters
+COORDINATOR_PROTOCOL_VERSION = 1  # gateway ↔ standalone coordinator (Attach, Attached, Advice, AdminCall, AdminReply)
+# 2: Generate.warm, Finished.prefix_tokens, Heartbeat counters; 3: params.grammar; 4: Profile, Strategy;
+# 5: Generate.speculative, spec_* counters; 6: CPU placement (Strategy.cpus, bind_memory; Profile.cpus_in_use,
+# cpu_others_each, numa_nodes, memory_bound)
+PROTOCOL_VERSION = 6
 
 
 class Range(NamedTuple):
@@ -60,6 +73,11 @@ class Kind(IntEnum):
     DRAIN = 8
     PROFILE = 9
     STRATEGY = 10
+    ATTACH = 11
+    ATTACHED = 12
+    ADVICE = 13
+    ADMIN_CALL = 14
+    ADMIN_REPLY = 15
 
 
 @dataclass(frozen=True)
@@ -203,11 +221,15 @@ class Profile:
     prefix_hit_tokens: Count = 0  # RAM and store together
     prefix_hit_tokens_store: Count = 0
     store_evictions: Count = 0
-    cpus: list[Count] = field(default_factory=list)  # the CPUs the worker may run on
+    cpus: list[Count] = field(default_factory=list)  # the CPUs the worker may run on (its slot: fixed at start)
     cpu_busy: float = 0.0  # share of those CPUs' time this worker used
     cpu_others: float = 0.0  # share used by other processes (neighbours)
     cpu_steal: float = 0.0  # share taken by the hypervisor
     threads: Count = 0  # threads of the engine's parallel kernels now
+    cpus_in_use: list[Count] = field(default_factory=list)  # of `cpus`, those its threads run on now ([]: all)
+    cpu_others_each: list[float] = field(default_factory=list)  # per CPU of `cpus`: share other processes used
+    numa_nodes: Count = 1  # NUMA nodes of the worker's host
+    memory_bound: bool = False  # its memory is bound to its node
     sources: dict[str, dict[str, float | str]] = field(default_factory=dict)  # kernels, speculation, ...
 
 
@@ -225,14 +247,61 @@ class Strategy:
     batching_window_ms: float
     frozen: bool = False  # an operator froze the strategy: whatever else learns (kernels) stops too
     threads: Count = 0  # threads of the engine's parallel kernels (0: as the worker started)
+    cpus: list[Count] = field(default_factory=list)  # the CPUs of its node it runs on ([]: all it started with)
+    bind_memory: bool = False  # bind its memory (and move what it has) to its NUMA node
 
 
-Message = Union[Register, Heartbeat, Generate, TokenChunk, Finished, Error, Abort, Drain, Profile, Strategy]
+@dataclass(frozen=True)
+class Attach:
+    """Gateway → standalone coordinator, every heartbeat_interval: "I am here"."""
+    gateway_id: str
+    version: int = COORDINATOR_PROTOCOL_VERSION
+
+
+@dataclass(frozen=True)
+class Attached:
+    """Coordinator → gateway, the answer to each Attach."""
+    fresh: bool  # the coordinator did not know this gateway: forward your workers' Register again
+    version: int = COORDINATOR_PROTOCOL_VERSION
+
+
+@dataclass(frozen=True)
+class Advice:
+    """Coordinator → gateway: relay this Strategy to one of your workers."""
+    worker_id: str
+    strategy: Strategy
+
+
+AdminAction = Literal["strategy", "import", "freeze", "unfreeze", "report", "series"]
+
+
+@dataclass(frozen=True)
+class AdminCall:
+    """Gateway → coordinator: one operator call (/admin/...); `argument` is JSON (the imported
+    strategy, the series' bucket seconds) or ""."""
+    call_id: str
+    action: AdminAction
+    argument: str = ""
+
+
+@dataclass(frozen=True)
+class AdminReply:
+    """Coordinator → gateway: the JSON answer, or the shared.errors class and message of a refusal."""
+    call_id: str
+    body: str = ""
+    error: str = ""
+    message: str = ""
+
+
+Message = Union[Register, Heartbeat, Generate, TokenChunk, Finished, Error, Abort, Drain, Profile, Strategy,
+                Attach, Attached, Advice, AdminCall, AdminReply]
 
 _KIND_OF: dict[type, Kind] = {
     Register: Kind.REGISTER, Heartbeat: Kind.HEARTBEAT, Generate: Kind.GENERATE,
     TokenChunk: Kind.TOKEN_CHUNK, Finished: Kind.FINISHED, Error: Kind.ERROR,
     Abort: Kind.ABORT, Drain: Kind.DRAIN, Profile: Kind.PROFILE, Strategy: Kind.STRATEGY,
+    Attach: Kind.ATTACH, Attached: Kind.ATTACHED, Advice: Kind.ADVICE, AdminCall: Kind.ADMIN_CALL,
+    AdminReply: Kind.ADMIN_REPLY,
 }
 _CLASS_OF: dict[int, type] = {int(kind): cls for cls, kind in _KIND_OF.items()}
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import zmq
 from aiohttp import web
 
-from shared.config import Config, parse_config
+from shared.config import Config, override, parse_config
 from shared.errors import ContextLengthError, InvalidRequestError
 from shared.protocol import Register
 from shared.sampling import SamplingParams
@@ -196,8 +196,11 @@ max_body_bytes = 20000
 class FakeWorker:
     """A real WorkerService around a FakeGenerator, in a thread."""
 
-    def __init__(self, config: Config, name: str, step_s: float = 0.0):
+    def __init__(self, config: Config, name: str, step_s: float = 0.0, profile=None):
+        """profile(service) → Profile: what the pulse sends every [tuning] profile_interval; with it
+        the worker also takes Strategies (a TuningState at the shipped knobs, as worker.main gives)."""
         from worker.pulse import Pulse
+        from worker.sched.tuning_state import SchedulerKnobs, TuningState
         from worker.service import WorkerService
 
         self.generator = FakeGenerator(step_s)
@@ -208,9 +211,12 @@ class FakeWorker:
         sock.connect(config.endpoint)
         info = Register(name, 0, [0], self.generator.model_name, "/fake.gguf", "fake", self.generator.n_ctx,
                         self.generator.vocab_size, 1, "elsewhere", 0)
-        self.service = WorkerService(self.generator, sock, info, drain_timeout=5.0)
+        tuning = TuningState(SchedulerKnobs()) if profile is not None else None
+        self.service = WorkerService(self.generator, sock, info, drain_timeout=5.0, tuning=tuning)
         self.pulse = Pulse(self.context, config.endpoint, self.service, config.server.heartbeat_interval,
-                           counters=self.generator.heartbeat_counters)
+                           counters=self.generator.heartbeat_counters,
+                           profile=None if profile is None else lambda: profile(self.service),
+                           profile_interval=config.tuning.profile_interval)
         self.pulse.start()
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
@@ -239,8 +245,12 @@ class FakeWorker:
 class FakeServer:
     """Gateway (aiohttp, own event loop in a thread) + fake workers; `url` is its base URL."""
 
-    def __init__(self, tmp: Path, extra: str = "", workers: int = 1, step_s: float = 0.0):
+    def __init__(self, tmp: Path, extra: str = "", workers: int = 1, step_s: float = 0.0,
+                 server: dict | None = None):
+        """server: [server] keys to set besides fake_config's (CURVE key files)."""
         self.config = fake_config(tmp, extra)
+        if server:
+            self.config = override(self.config, "server", **server)
         self._start_gateway()
         self.workers = [FakeWorker(self.config, f"w{i}", step_s) for i in range(workers)]
         self.wait_until(lambda: len(self.state.pool.ready) == workers)
@@ -273,8 +283,8 @@ class FakeServer:
         started.set()
         self.loop.run_forever()
 
-    def add_worker(self, name: str, step_s: float = 0.0) -> FakeWorker:
-        worker = FakeWorker(self.config, name, step_s)
+    def add_worker(self, name: str, step_s: float = 0.0, profile=None) -> FakeWorker:
+        worker = FakeWorker(self.config, name, step_s, profile)
         self.workers.append(worker)
         return worker
 

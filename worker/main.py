@@ -23,7 +23,7 @@ from shared import curve
 from shared.config import Config, adaptive_flag, add_adaptive_flag, load_config, model_flag, override
 from shared.errors import ConfigError, ReameError
 from shared.logs import setup_logging
-from worker.numa import node_cpus, parse_cpulist
+from worker.numa import list_nodes, node_cpus, parse_cpulist
 
 log = logging.getLogger("reame.worker")
 
@@ -130,6 +130,7 @@ def serve(config: Config, node: int, cpus: list[int], engine, path: Path) -> Non
     from shared.protocol import Error, Register, encode
     from worker.kv.block_manager import BlockManager
     from worker.kv.prefix_setup import build_prefix_cache
+    from worker.placement import Placement
     from worker.profiler import ProfileCollector
     from worker.pulse import Pulse
     from worker.refusal_watch import RefusalWatch
@@ -173,7 +174,8 @@ def serve(config: Config, node: int, cpus: list[int], engine, path: Path) -> Non
              "on" if config.tuning.adaptive else "off")
     # Profiles are sent with adaptivity off too (the report and the dashboard show them); only the
     # coordinator's decisions are off then.
-    profiler = ProfileCollector(worker_id, cpus)
+    placement = Placement(node, cpus, numa_nodes=len(list_nodes()))
+    profiler = ProfileCollector(worker_id, cpus, placement=placement)
     profiler.add_source("kernels", lambda: kernel_profile(generator.kernel_tuner.snapshot()))
     if speculator is not None:
         profiler.add_source("speculative", speculator.stats)
@@ -183,7 +185,7 @@ def serve(config: Config, node: int, cpus: list[int], engine, path: Path) -> Non
     service = WorkerService(generator, sock, info, drain_timeout=config.worker.drain_timeout, tuning=tuning,
                             profiler=profiler, adaptive=config.tuning.adaptive,
                             set_threads=None if tuner_owns_threads else _set_threads,
-                            threads=config.engine.threads)
+                            threads=config.engine.threads, placement=placement)
     service.on_freeze(generator.kernel_tuner.freeze)  # a frozen strategy freezes the kernel table too
 
     def profile():

@@ -19,6 +19,7 @@ from typing import Callable
 import psutil
 
 from shared.protocol import Profile
+from worker.placement import Placement
 from worker.sched.generation import Event, FinishEvent, StepStats, TokenEvent
 
 log = logging.getLogger("reame.worker")
@@ -59,9 +60,12 @@ class _Window:
 
 
 class ProfileCollector:
-    def __init__(self, worker_id: str, cpus: list[int], clock: Callable[[], float] = time.monotonic):
+    def __init__(self, worker_id: str, cpus: list[int], clock: Callable[[], float] = time.monotonic,
+                 placement: Placement | None = None):
+        """placement: where the worker runs now (worker.placement), when a strategy may move it."""
         self.worker_id = worker_id
         self.cpus = list(cpus)
+        self.placement = placement
         self.clock = clock
         self._lock = threading.Lock()
         self._window = _Window(clock())
@@ -141,7 +145,8 @@ class ProfileCollector:
         delta = {k: v - self._last_counters.get(k, 0) for k, v in counters.items()}
         self._last_counters = dict(counters)
         new_preemptions, self._preemptions_seen = preemptions - self._preemptions_seen, preemptions
-        busy, others, steal = self._cpu.sample()
+        in_use = list(self.placement.in_use) if self.placement is not None else list(self.cpus)
+        busy, others, steal, others_each = self._cpu.sample(in_use)
         hits = delta.get("prefix_hit_tokens_ram", 0) + delta.get("prefix_hit_tokens_store", 0)
         return Profile(
             worker_id=self.worker_id, seconds=max(now - w.started, 1e-6), knobs_version=knobs_version,
@@ -164,6 +169,9 @@ class ProfileCollector:
             prefix_hit_tokens_store=max(0, delta.get("prefix_hit_tokens_store", 0)),
             store_evictions=max(0, delta.get("store_evictions", 0)),
             cpus=self.cpus, cpu_busy=busy, cpu_others=others, cpu_steal=steal, threads=threads,
+            cpus_in_use=in_use, cpu_others_each=[round(x, 4) for x in others_each],
+            numa_nodes=self.placement.numa_nodes if self.placement is not None else 1,
+            memory_bound=self.placement.bound if self.placement is not None else False,
             sources=self._read_sources())
 
     def _read_sources(self) -> dict[str, dict[str, SourceValue]]:
@@ -183,35 +191,53 @@ class ProfileCollector:
 
 
 class _CpuShare:
-    """Who used this worker's CPUs since the last sample: the worker, other processes, the hypervisor."""
+    """Who used this worker's CPUs since the last sample: the worker, other processes, the hypervisor;
+    in all over the CPUs it runs on now, and the share of other processes on each of its CPUs."""
 
     def __init__(self, cpus: list[int]):
         self.cpus = cpus
         self._process = psutil.Process()
         self._last = self._read()
 
-    def _read(self) -> tuple[float, float, float, float]:
+    def _read(self) -> tuple[list[tuple[float, float, float]], float]:
+        """([(total, busy, steal) per CPU of self.cpus], the process's own CPU seconds)."""
         try:
             per_cpu = psutil.cpu_times(percpu=True)
             own = self._process.cpu_times()
         except (psutil.Error, OSError):
-            return 0.0, 0.0, 0.0, 0.0
-        chosen = [per_cpu[c] for c in self.cpus if c < len(per_cpu)] or per_cpu
-        total = sum(sum(t) for t in chosen)
-        idle = sum(t.idle + getattr(t, "iowait", 0.0) for t in chosen)
-        steal = sum(getattr(t, "steal", 0.0) for t in chosen)
-        return total, total - idle - steal, steal, own.user + own.system
+            return [], 0.0
+        chosen = [per_cpu[c] for c in self.cpus if c < len(per_cpu)]
+        if len(chosen) != len(self.cpus):  # CPU numbers psutil does not list: the whole host instead
+            chosen = per_cpu
+        each = []
+        for t in chosen:
+            total, steal = sum(t), getattr(t, "steal", 0.0)
+            each.append((total, total - t.idle - getattr(t, "iowait", 0.0) - steal, steal))
+        return each, own.user + own.system
 
-    def sample(self) -> tuple[float, float, float]:
-        """(own, others, steal) shares of the CPUs' time since the last sample, each in [0, 1]."""
-        now = self._read()
-        total, busy, steal, own = (a - b for a, b in zip(now, self._last))
-        self._last = now
+    def sample(self, in_use: list[int] | None = None) -> tuple[float, float, float, list[float]]:
+        """(own, others, steal) shares of the time of the CPUs in use since the last sample, and
+        the share other processes used on each CPU of self.cpus; each in [0, 1]."""
+        (each, own), (last_each, last_own) = self._read(), self._last
+        self._last = (each, own)
+        if not each or len(each) != len(last_each):
+            return 0.0, 0.0, 0.0, []
+        delta = [tuple(a - b for a, b in zip(now, then)) for now, then in zip(each, last_each)]
+        use = set(in_use or self.cpus)
+        mine = [d for cpu, d in zip(self.cpus, delta) if cpu in use] if len(delta) == len(self.cpus) else delta
+        total = sum(d[0] for d in mine)
         if total <= 0:
-            return 0.0, 0.0, 0.0
-        own_share = min(1.0, max(0.0, own / total))
-        others = min(1.0, max(0.0, busy / total - own_share))
-        return own_share, others, min(1.0, max(0.0, steal / total))
+            return 0.0, 0.0, 0.0, []
+        own_share = _share(own - last_own, total)
+        others = _share(sum(d[1] for d in mine), total) - own_share
+        # The worker's own time is spread over the CPUs it runs on (psutil has no per-CPU split of it).
+        others_each = [max(0.0, _share(d[1], d[0]) - (own_share if cpu in use else 0.0))
+                       for cpu, d in zip(self.cpus, delta)] if len(delta) == len(self.cpus) else []
+        return own_share, max(0.0, others), _share(sum(d[2] for d in mine), total), others_each
+
+
+def _share(part: float, whole: float) -> float:
+    return min(1.0, max(0.0, part / whole)) if whole > 0 else 0.0
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -19,6 +19,7 @@ from shared import protocol
 from shared.errors import ConfigError, InvalidRequestError, ReameError
 from shared.protocol import Abort, Drain, Error, Finished, Generate, Heartbeat, Register, Strategy, TokenChunk
 from shared.sampling import SamplingParams
+from worker.placement import Placement
 from worker.profiler import ProfileCollector
 from worker.sched.generation import Event, FinishEvent, TokenEvent
 from worker.sched.tuning_state import SchedulerKnobs, TuningState
@@ -49,11 +50,13 @@ class WorkerService:
     def __init__(self, generator: GeneratorLike, socket: zmq.Socket, info: Register, *, drain_timeout: float = 120.0,
                  clock: Callable[[], float] = time.monotonic, tuning: TuningState | None = None,
                  profiler: ProfileCollector | None = None, adaptive: bool = True,
-                 set_threads: Callable[[int], int] | None = None, threads: int = 0):
+                 set_threads: Callable[[int], int] | None = None, threads: int = 0,
+                 placement: Placement | None = None):
         """tuning: where a coordinator's Strategy lands (None: Strategies are ignored); adaptive
         False ignores them too ([tuning] adaptive = false: the knobs stay as reame.conf says).
         set_threads(n): use n threads in the engine's parallel kernels from the next step on;
-        returns the number now in use (`threads`, the one at start)."""
+        returns the number now in use (`threads`, the one at start). placement: where a Strategy's
+        CPU set and memory binding land (None: they are ignored)."""
         self.generator = generator
         self.tuning = tuning
         self._started = tuning.current() if tuning is not None else None  # what the engine was sized for
@@ -62,6 +65,8 @@ class WorkerService:
         self.frozen = False  # an operator froze the strategy: nothing here may learn until unfrozen
         self.set_threads = set_threads
         self.threads = threads
+        self._started_threads = threads
+        self.placement = placement
         self._freeze_listeners: list[Callable[[bool], None]] = []
         self.socket = socket
         self.info = info
@@ -201,8 +206,16 @@ class WorkerService:
             return
         if not adopted:
             return
-        if strategy.threads and strategy.threads != self.threads and self.set_threads is not None:
-            self.threads = self.set_threads(strategy.threads)
+        if self.placement is not None:
+            self._place(strategy)
+        if self.set_threads is not None:
+            # 0: as the worker started (a revert to the defaults restores it); never more threads
+            # than CPUs to run them on.
+            wanted = strategy.threads or self._started_threads
+            if self.placement is not None:
+                wanted = min(wanted, len(self.placement.in_use))
+            if wanted and wanted != self.threads:
+                self.threads = self.set_threads(wanted)
         log.info("worker %s: strategy %d (%s): %s, threads=%d", self.info.worker_id, strategy.version,
                  strategy.reason, ", ".join(f"{k}={v}" for k, v in knobs.as_dict().items()), self.threads)
         if strategy.frozen != self.frozen:
@@ -212,6 +225,23 @@ class WorkerService:
                     listener(self.frozen)
                 except Exception:  # a listener's bug must not stop the serve loop
                     log.exception("worker %s: a freeze listener failed", self.info.worker_id)
+
+    def _place(self, strategy: Strategy) -> None:
+        """Move the worker's threads to the strategy's CPUs and bind (or unbind) its memory; a
+        placement this host refuses is logged and the worker stays where it is."""
+        placement = self.placement
+        before, was_bound = list(placement.in_use), placement.bound
+        try:
+            changed = placement.apply(strategy.cpus, strategy.bind_memory)
+        except ConfigError as exc:
+            log.warning("worker %s: strategy %d: placement unchanged (CPUs %s): %s", self.info.worker_id,
+                        strategy.version, _cpus(placement.in_use), exc.message)
+            return
+        if changed:
+            log.info("worker %s: strategy %d: runs on CPUs %s (was %s), memory %s", self.info.worker_id,
+                     strategy.version, _cpus(placement.in_use), _cpus(before),
+                     f"bound to node {placement.node}" if placement.bound else
+                     ("unbound" if was_bound else "not bound"))
 
     def _accept(self, request: Generate) -> None:
         # Validated on arrival, so a bad request fails at once, not after the requests ahead of it.
@@ -272,3 +302,7 @@ def _namespace(text: str) -> bytes:
     if namespace is None or len(namespace) > 32:
         raise InvalidRequestError("cache_namespace must be the hex of at most 32 bytes", param="cache_namespace")
     return namespace
+
+
+def _cpus(cpus: list[int]) -> str:
+    return ",".join(map(str, cpus))

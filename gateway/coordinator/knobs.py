@@ -10,6 +10,8 @@ from shared.errors import ConfigError
 from shared.protocol import Strategy
 
 MAX_BATCH_GROWTH = 2  # the window-KV pool of sliding-window models holds twice the configured batch
+MAX_CPUS = 4096
+OPTIONAL = {"threads", "cpus", "bind_memory"}  # knobs added after strategies were first saved
 
 
 @dataclass(frozen=True)
@@ -20,6 +22,8 @@ class Knobs:
     attention_chunk: int  # keys per online-softmax chunk
     batching_window_ms: float  # how long a lone arrival may wait for company
     threads: int = 0  # threads of the engine's parallel kernels (0: every CPU of the worker)
+    cpus: tuple[int, ...] = ()  # the CPUs of its node the worker runs on (empty: all it started with)
+    bind_memory: bool = False  # its memory bound (and moved) to its NUMA node
 
     @classmethod
     def from_config(cls, config: Config) -> "Knobs":
@@ -35,20 +39,28 @@ class Knobs:
             raise ConfigError(f"{where}: expected an object of knobs")
         names = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - names)
-        missing = sorted(names - set(data) - {"threads"})  # threads came later: optional
+        missing = sorted(names - set(data) - OPTIONAL)
         if unknown or missing:
             raise ConfigError(f"{where}: unknown knobs {unknown}" if unknown else f"{where}: missing knobs {missing}")
         threads = data.get("threads", 0)
         if not isinstance(threads, int) or isinstance(threads, bool) or not 0 <= threads <= 1024:
             raise ConfigError(f"{where}.threads: expected an integer in 0..1024, got {threads!r}")
-        for name in names - {"batching_window_ms", "threads"}:
+        cpus = data.get("cpus", [])
+        if (not isinstance(cpus, (list, tuple)) or len(cpus) > MAX_CPUS or len(set(cpus)) != len(cpus)
+                or not all(isinstance(c, int) and not isinstance(c, bool) and 0 <= c < MAX_CPUS for c in cpus)):
+            raise ConfigError(f"{where}.cpus: expected a list of distinct CPU numbers, got {cpus!r}")
+        bind_memory = data.get("bind_memory", False)
+        if not isinstance(bind_memory, bool):
+            raise ConfigError(f"{where}.bind_memory: expected true or false, got {bind_memory!r}")
+        for name in names - {"batching_window_ms"} - OPTIONAL:
             value = data[name]
             if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 1 << 20:
                 raise ConfigError(f"{where}.{name}: expected an integer in 1..{1 << 20}, got {value!r}")
         window = data["batching_window_ms"]
         if not isinstance(window, (int, float)) or isinstance(window, bool) or not 0 <= window <= 1000:
             raise ConfigError(f"{where}.batching_window_ms: expected a number in 0..1000, got {window!r}")
-        return cls(**{**data, "batching_window_ms": float(window), "threads": threads})
+        return cls(**{**data, "batching_window_ms": float(window), "threads": threads, "cpus": tuple(sorted(cpus)),
+                      "bind_memory": bind_memory})
 
     def check_within(self, started: "Knobs", where: str = "knobs") -> None:
         """ConfigError unless a worker started with `started` can take these: its engine sized the
@@ -70,11 +82,20 @@ class Knobs:
         return Strategy(version=version, reason=reason, max_batch_size=self.max_batch_size,
                         token_budget=self.token_budget, prefill_chunk=self.prefill_chunk,
                         attention_chunk=self.attention_chunk, batching_window_ms=self.batching_window_ms,
-                        frozen=frozen, threads=self.threads)
+                        frozen=frozen, threads=self.threads, cpus=list(self.cpus), bind_memory=self.bind_memory)
 
     def describe(self, before: "Knobs | None" = None) -> str:
         """"max_batch_size 8→16, batching_window_ms 2→4" (only what changed), or every knob."""
         if before is None:
-            return ", ".join(f"{k}={v:g}" for k, v in self.as_dict().items())
+            return ", ".join(f"{k}={_show(v)}" for k, v in self.as_dict().items())
         old = before.as_dict()
-        return ", ".join(f"{k} {old[k]:g}→{v:g}" for k, v in self.as_dict().items() if old[k] != v)
+        return ", ".join(f"{k} {_show(old[k])}→{_show(v)}" for k, v in self.as_dict().items() if old[k] != v)
+
+
+def _show(value: Any) -> str:
+    """8, 2.5, cpus "0-1"/"all", true."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (tuple, list)):
+        return ",".join(map(str, value)) or "all"
+    return f"{value:g}"

@@ -12,6 +12,10 @@ which its effect is judged afterwards (coordinator.py reverts a change whose goa
 - neighbours: other processes take much of the worker's CPUs → one thread fewer (a parallel
   kernel waits for its slowest thread, and a thread whose CPU is taken stalls all of them); back
   to every CPU once they are quiet again.
+- busy CPUs: other processes take most of one CPU the worker runs on → run on its node's other
+  CPUs only (one thread per CPU left); quiet CPUs: such a CPU is quiet again → take it back.
+- memory binding: on a host of several NUMA nodes, bind the worker's memory to its node (pages
+  moved there); kept only if tokens per busy second do not drop.
 - long prompts: prompts feeding more than a chunk (after prefix hits) while decoders wait in the same steps → smaller
   prefill chunks (and a budget of one chunk plus every decoder), so decoders are not stalled.
 Steps are doublings and halvings within fixed bounds, so the knobs take few distinct values and
@@ -75,7 +79,8 @@ def propose(profile: Profile, knobs: Knobs, defaults: Knobs) -> list[Proposal]:
     """Every policy that fires on this profile, most urgent first (memory before the rest)."""
     if profile.steps == 0 and profile.arrivals == 0:
         return []  # an idle window says nothing about traffic
-    found = [p for rule in (_memory, _neighbours, _bursts, _short_requests, _long_generations, _long_prompts)
+    found = [p for rule in (_memory, _busy_cpus, _quiet_cpus, _memory_binding, _neighbours, _bursts, _short_requests,
+                            _long_generations, _long_prompts)
              if (p := rule(profile, knobs, defaults)) is not None and p.knobs != knobs]
     return found
 
@@ -101,10 +106,55 @@ def _memory(profile: Profile, knobs: Knobs, defaults: Knobs) -> Proposal | None:
                     f"sequences of {profile.prompt_tokens_p95:.0f}+{profile.output_tokens_p95:.0f} tokens")
 
 
+def _others_by_cpu(profile: Profile) -> dict[int, float]:
+    return dict(zip(profile.cpus, profile.cpu_others_each)) if len(profile.cpu_others_each) == len(profile.cpus) \
+        else {}
+
+
+def _busy_cpus(profile: Profile, knobs: Knobs, defaults: Knobs) -> Proposal | None:
+    in_use = knobs.cpus or tuple(profile.cpus)
+    others = _others_by_cpu(profile)
+    if len(in_use) < 2 or not others or profile.steps == 0:
+        return None
+    worst = max(in_use, key=lambda c: others.get(c, 0.0))
+    if others.get(worst, 0.0) < BUSY_NEIGHBOURS:
+        return None
+    keep = tuple(c for c in in_use if c != worst)
+    threads = min(knobs.threads, len(keep)) if knobs.threads else 0
+    return Proposal("busy CPUs", knobs.with_(cpus=keep, threads=threads), THROUGHPUT,
+                    f"other processes used {100 * others[worst]:.0f}% of CPU {worst}: every parallel kernel "
+                    f"waits for its thread there, so run on CPUs {_cpu_list(keep)} only")
+
+
+def _quiet_cpus(profile: Profile, knobs: Knobs, defaults: Knobs) -> Proposal | None:
+    others = _others_by_cpu(profile)
+    if not knobs.cpus or not others:
+        return None
+    quiet = [c for c in profile.cpus if c not in knobs.cpus and others.get(c, 1.0) <= QUIET_NEIGHBOURS]
+    if not quiet:
+        return None
+    cpus = tuple(sorted(set(knobs.cpus) | set(quiet)))
+    return Proposal("quiet CPUs", knobs.with_(cpus=() if set(cpus) == set(profile.cpus) else cpus), THROUGHPUT,
+                    f"other processes used only {100 * max(others[c] for c in quiet):.0f}% of CPUs "
+                    f"{_cpu_list(quiet)}: take them back")
+
+
+def _memory_binding(profile: Profile, knobs: Knobs, defaults: Knobs) -> Proposal | None:
+    if profile.numa_nodes < 2 or knobs.bind_memory or profile.steps == 0:
+        return None
+    return Proposal("memory binding", knobs.with_(bind_memory=True), THROUGHPUT,
+                    f"{profile.numa_nodes} NUMA nodes: weights and KV on the worker's own node are read "
+                    f"without crossing the interconnect")
+
+
+def _cpu_list(cpus) -> str:
+    return ",".join(map(str, cpus))
+
+
 def _neighbours(profile: Profile, knobs: Knobs, defaults: Knobs) -> Proposal | None:
     if not profile.cpus or profile.steps == 0:
         return None
-    everyone = len(profile.cpus)
+    everyone = len(knobs.cpus or profile.cpus)
     threads = profile.threads or knobs.threads or everyone
     if profile.cpu_others >= BUSY_NEIGHBOURS and threads > 1:
         return Proposal("neighbours", knobs.with_(threads=threads - 1), THROUGHPUT,

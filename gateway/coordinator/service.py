@@ -121,6 +121,25 @@ class TuningService:
                              "slot": d.slot, "outcome": d.outcome, "version": d.version}
                             for d in self.coordinator.history if d.at >= self.boot_wall]}
 
+    def dispatch(self, action: str, argument: Any = None) -> dict[str, Any]:
+        """One operator call by name (shared.protocol.AdminAction): the /admin routes, and the
+        AdminCalls a standalone coordinator gets from its gateways. ConfigError when refused."""
+        if action == "import":
+            self.import_strategy(argument)
+        elif action in ("freeze", "unfreeze"):
+            self.set_frozen(action == "freeze")
+        elif action == "report":
+            return self.report_json()
+        elif action == "series":
+            return self.series(float(argument))
+        elif action != "strategy":
+            raise ValueError(f"unknown tuning action {action!r}")
+        return self.strategy()
+
+    async def call(self, action: str, argument: Any = None) -> dict[str, Any]:
+        """dispatch(), as gateway.admin awaits it (the remote twin, RemoteTuning, waits on a socket)."""
+        return self.dispatch(action, argument)
+
     def report_lines(self) -> list[str]:
         return self.report.lines(self.clock() - self.report.boot, self.coordinator.history, self.boot_wall)
 

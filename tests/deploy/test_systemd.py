@@ -19,7 +19,7 @@ from shared.config import parse_config
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 UNITS = DEPLOY / "systemd"
 # systemd 252 (Debian 12), scored 2026-12-03. 0 is best, 10 is an unconfined service.
-EXPOSURE_LIMITS = {"reame-gateway.service": 1.4, "reame-worker@0.service": 1.4}
+EXPOSURE_LIMITS = {"reame-gateway.service": 1.4, "reame-worker@0.service": 1.4, "reame-coordinator.service": 1.4}
 # What the units create for the services; every path of the shipped reame.conf must lie inside one.
 SERVICE_DIRECTORIES = (Path("/var/lib/reame"), Path("/var/cache/reame"), Path("/run/reame"))
 
@@ -62,7 +62,8 @@ def analyze(root: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 def test_units_verify_without_warnings(root):
-    result = analyze(root, "verify", "--man=no", "reame.target", "reame-gateway.service", "reame-worker@0.service")
+    result = analyze(root, "verify", "--man=no", "reame.target", "reame-gateway.service", "reame-worker@0.service",
+                     "reame-coordinator.service")
     assert result.returncode == 0, result.stderr
     assert result.stderr.strip() == "" and result.stdout.strip() == "", result.stderr + result.stdout
 
@@ -94,6 +95,32 @@ def test_exposure_is_no_worse_than_recorded(root, unit):
 @pytest.mark.parametrize("unit", ["reame-gateway.service", "reame-worker@.service"])
 def test_services_keep_the_hardening_the_issue_asks_for(unit, directive):
     assert directive in (UNITS / unit).read_text()
+
+
+@pytest.mark.parametrize("directive", ["ProtectSystem=strict", "ProtectHome=yes", "PrivateTmp=yes",
+                                       "NoNewPrivileges=yes", "CapabilityBoundingSet=\n", "MemoryDenyWriteExecute=yes",
+                                       "SystemCallFilter=@system-service", "RestrictAddressFamilies=",
+                                       "Restart=on-failure", "User=reame", "StateDirectory=reame",
+                                       "ExecStart=/opt/reame/.venv/bin/reame-coordinator --config /etc/reame/reame.conf"])
+def test_the_coordinator_is_hardened_like_the_gateway(directive):
+    assert directive in (UNITS / "reame-coordinator.service").read_text()
+
+
+def test_the_worker_may_move_its_threads_and_bind_its_memory():
+    """The coordinator's placement knob (worker.placement) needs these calls; @system-service
+    allows them through @resources, and no later filter may take them away."""
+    listed = subprocess.run(["systemd-analyze", "syscall-filter", "@system-service"], capture_output=True,
+                            text=True, timeout=60).stdout
+    resources = subprocess.run(["systemd-analyze", "syscall-filter", "@resources"], capture_output=True,
+                               text=True, timeout=60).stdout
+    privileged = subprocess.run(["systemd-analyze", "syscall-filter", "@privileged"], capture_output=True,
+                                text=True, timeout=60).stdout
+    assert "@resources" in listed and privileged
+    for call in ("sched_setaffinity", "set_mempolicy", "migrate_pages"):
+        assert re.search(rf"^\s+{call}$", resources, re.MULTILINE), call
+        assert not re.search(rf"^\s+{call}$", privileged, re.MULTILINE), call  # the worker's ~@privileged
+    filters = re.findall(r"^SystemCallFilter=(.*)$", (UNITS / "reame-worker@.service").read_text(), re.MULTILINE)
+    assert filters == ["@system-service", "~@privileged"]
 
 
 def test_worker_keeps_the_numba_cache_in_its_cache_directory():

@@ -216,3 +216,57 @@ def test_busy_neighbours_get_one_thread_fewer_and_quiet_ones_every_cpu_back():
     [back] = policy.propose(profile(cpu_others=0.05, threads=1), DEFAULTS.with_(threads=1), DEFAULTS)
     assert back.knobs.threads == 2  # the worker's CPUs
     assert policy.propose(profile(cpu_others=0.3, threads=1), DEFAULTS.with_(threads=1), DEFAULTS) == []  # between: stay
+
+
+# ---- placement: the CPU set and memory binding ----------------------------------------------------
+
+def test_a_neighbour_on_one_cpu_moves_the_worker_off_it_and_a_quiet_one_brings_it_back():
+    [off] = policy.propose(profile(cpu_others=0.4, cpu_others_each=[0.02, 0.8], threads=2), DEFAULTS, DEFAULTS)
+    assert off.policy == "busy CPUs" and off.knobs.cpus == (0,) and off.goal == policy.THROUGHPUT
+    assert "CPU 1" in off.reason
+    pinned = DEFAULTS.with_(threads=2, cpus=(0,))
+    assert policy.propose(profile(cpu_others=0.02, cpu_others_each=[0.02, 0.8], cpus_in_use=[0], threads=1),
+                          pinned, DEFAULTS) == []  # still busy there: stay off it
+    assert policy.propose(profile(cpu_others=0.02, cpu_others_each=[0.02, 0.3], cpus_in_use=[0], threads=1),
+                          DEFAULTS.with_(cpus=(0,)), DEFAULTS) == []  # between the two thresholds: stay
+    [back] = policy.propose(profile(cpu_others=0.02, cpu_others_each=[0.02, 0.05], cpus_in_use=[0], threads=1),
+                            DEFAULTS.with_(cpus=(0,)), DEFAULTS)
+    assert back.policy == "quiet CPUs" and back.knobs.cpus == ()  # () = every CPU it started with
+    assert policy.propose(profile(cpus=[0], cpu_others=0.9, cpu_others_each=[0.9], threads=1),
+                          DEFAULTS, DEFAULTS) == []  # one CPU: nowhere to go
+
+
+def test_a_thread_count_shrinks_with_the_cpu_set():
+    [off] = policy.propose(profile(cpu_others=0.4, cpu_others_each=[0.02, 0.8], threads=2),
+                           DEFAULTS.with_(threads=2), DEFAULTS)
+    assert off.knobs.cpus == (0,) and off.knobs.threads == 1
+
+
+def test_memory_binds_to_the_node_only_on_a_host_of_several_nodes():
+    [bind] = policy.propose(profile(numa_nodes=2), DEFAULTS, DEFAULTS)
+    assert bind.policy == "memory binding" and bind.knobs.bind_memory and bind.goal == policy.THROUGHPUT
+    assert policy.propose(profile(numa_nodes=2), DEFAULTS.with_(bind_memory=True), DEFAULTS) == []
+    assert policy.propose(profile(numa_nodes=1), DEFAULTS, DEFAULTS) == []
+
+
+def test_a_cpu_set_that_costs_throughput_is_reverted_and_one_that_helps_is_kept():
+    busy = dict(cpu_others_each=[0.02, 0.8], cpu_others=0.4)
+    hurt = Coordinator(DEFAULTS)
+    [move] = feed(hurt, CONFIRM, **busy)
+    assert move.strategy.cpus == [0] and move.strategy.version == 1
+    [revert] = feed(hurt, MEASURE + 1, **{**busy, "output_tokens": 700})  # fewer tokens per busy second
+    assert revert.strategy.cpus == [] and hurt.history[0].outcome == "reverted"
+    assert feed(hurt, 20, start=100, **busy) == []  # not tried again while the evidence is the same
+
+    helped = Coordinator(DEFAULTS)
+    feed(helped, CONFIRM, **busy)
+    assert feed(helped, MEASURE + 1, **{**busy, "output_tokens": 2500}) == []
+    assert helped.history[0].outcome == "kept" and helped.slots[slot_of(WORKER, [0, 1])].knobs.cpus == (0,)
+    restored = Coordinator(DEFAULTS)
+    restored.restore(helped.export())  # a persisted CPU set survives a restart
+    assert restored.strategy_for(WORKER, [0, 1]).cpus == [0]
+
+
+def test_adaptive_off_never_moves_a_worker():
+    coordinator = Coordinator(DEFAULTS, adaptive=False)
+    assert feed(coordinator, 20, cpu_others_each=[0.02, 0.9], numa_nodes=2) == []
