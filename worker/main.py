@@ -187,6 +187,8 @@ def serve(config: Config, node: int, cpus: list[int], engine, path: Path) -> Non
                             set_threads=None if tuner_owns_threads else _set_threads,
                             threads=config.engine.threads, placement=placement)
     service.on_freeze(generator.kernel_tuner.freeze)  # a frozen strategy freezes the kernel table too
+    if tuner_owns_threads:
+        service.on_cpus(generator.kernel_tuner.limit_threads)  # no more threads than the CPUs it is placed on
 
     def profile():
         counters = generator.heartbeat_counters()

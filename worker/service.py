@@ -67,6 +67,7 @@ class WorkerService:
         self.threads = threads
         self._started_threads = threads
         self.placement = placement
+        self._cpu_listeners: list[Callable[[int], None]] = []
         self._freeze_listeners: list[Callable[[bool], None]] = []
         self.socket = socket
         self.info = info
@@ -92,6 +93,12 @@ class WorkerService:
         """Call listener(frozen) when a Strategy freezes or unfreezes learning (the kernel tuner
         stops exploring while frozen). Called from the serve loop, between steps."""
         self._freeze_listeners.append(listener)
+
+    def on_cpus(self, listener: Callable[[int], None]) -> None:
+        """Call listener(n) when a Strategy's placement changes how many CPUs the worker runs on
+        (the kernel tuner, which owns the thread count, keeps it within them). Called from the
+        serve loop, between steps."""
+        self._cpu_listeners.append(listener)
 
     def load(self) -> tuple[int, int]:
         """(running, queued), for heartbeats."""
@@ -242,6 +249,12 @@ class WorkerService:
                      strategy.version, _cpus(placement.in_use), _cpus(before),
                      f"bound to node {placement.node}" if placement.bound else
                      ("unbound" if was_bound else "not bound"))
+        if len(placement.in_use) != len(before):
+            for listener in self._cpu_listeners:
+                try:
+                    listener(len(placement.in_use))
+                except Exception:  # a listener's bug must not stop the serve loop
+                    log.exception("worker %s: a CPU-count listener failed", self.info.worker_id)
 
     def _accept(self, request: Generate) -> None:
         # Validated on arrival, so a bad request fails at once, not after the requests ahead of it.

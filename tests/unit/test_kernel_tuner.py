@@ -326,3 +326,20 @@ def test_worker_tuner_calibrates_once_then_starts_on_the_saved_table(tmp_path):
     engine.gguf, engine.time_matmul = _GGUF(), time_matmul
     restarted = build_kernel_tuner(config, engine)
     assert calls == [] and restarted.choices() == tuner.choices()  # no calibration: the saved table
+
+
+def test_a_worker_moved_to_fewer_cpus_runs_no_more_threads_than_cpus(caplog):
+    """The coordinator's placement left one CPU: two threads would time-share it at every barrier."""
+    tuner, engine, clock = make(TunerSettings(explore_share=0.3))
+    two_threads_faster = lambda arm, now: 0.006 if arm[1] == 2 else 0.010
+    run(tuner, engine, clock, two_threads_faster, 500)
+    assert tuner.choices()["1"][1] == 2
+    with caplog.at_level(logging.INFO, "reame.kernel_tuner"):
+        tuner.limit_threads(1)
+    assert all(arm[1] == 1 for arm in tuner.choices().values()) and engine.threads == 1
+    assert "the worker now runs on 1 CPU" in caplog.text
+    seen = run(tuner, engine, clock, two_threads_faster, 2000)  # 2 threads still "measure" faster
+    assert {threads for _, threads in seen} == {1}
+    tuner.limit_threads(2)  # the CPU is back: two threads are candidates again, and win again
+    run(tuner, engine, clock, two_threads_faster, 3000)
+    assert tuner.choices()["1"][1] == 2

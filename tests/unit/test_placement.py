@@ -96,15 +96,19 @@ def test_the_serve_loop_applies_a_strategys_placement_between_steps(child, caplo
     service = WorkerService(FakeGenerator(), ScriptedSocket(), INFO, tuning=TuningState(SchedulerKnobs()),
                             placement=placement, set_threads=lambda n: threads_set.append(n) or n,
                             threads=len(CPUS))
+    cpu_counts = []  # what a kernel tuner owning the threads is told (KernelTuner.limit_threads)
+    service.on_cpus(cpu_counts.append)
     with caplog.at_level(logging.INFO, "reame.worker"):
         service._handle(strategy(1, cpus=[CPUS[0]]))
     assert affinities(child.pid) == {frozenset([CPUS[0]])} and threads_set == [1]  # one thread per CPU left
+    assert cpu_counts == [1]
     assert any(f"runs on CPUs {CPUS[0]} (was {','.join(map(str, CPUS))})" in r.getMessage() for r in caplog.records)
     with caplog.at_level(logging.WARNING, "reame.worker"):
         service._handle(strategy(2, cpus=[4095]))
     assert placement.in_use == [CPUS[0]] and "placement unchanged" in caplog.text
     service._handle(strategy(3))  # the defaults again: every CPU, the threads it started with
     assert affinities(child.pid) == {frozenset(CPUS)} and threads_set == [1, len(CPUS)]
+    assert cpu_counts == [1, len(CPUS)]
     ignoring = WorkerService(FakeGenerator(), ScriptedSocket(), INFO, tuning=TuningState(SchedulerKnobs()),
                              placement=Placement(0, CPUS, pid=child.pid), adaptive=False)
     ignoring._handle(strategy(4, cpus=[CPUS[0]]))  # --adaptive off: strategies change nothing

@@ -174,6 +174,7 @@ class KernelTuner:
         self.promotions = 0
         self.rollbacks = 0
         self.frozen = False  # a frozen strategy (POST /admin/strategy/freeze): no exploration, no change
+        self.thread_limit = self.max_threads  # CPUs the worker may run on (the coordinator's placement)
         self._install(engine.threads)
 
     def freeze(self, frozen: bool) -> None:
@@ -181,6 +182,27 @@ class KernelTuner:
         if frozen != self.frozen:
             log.info("kernel tuning %s", "frozen: the current table stays" if frozen else "resumed")
         self.frozen = frozen
+
+    def limit_threads(self, cpus: int) -> None:
+        """The worker now runs on `cpus` CPUs (the coordinator moved it): arms with more threads
+        than that stop being tried, and a bucket whose choice has more moves to the same variant
+        at `cpus` threads (two threads time-sharing one CPU wait on each other at every barrier:
+        the placement that caused it lost 47-98% on AVX2). Raising the limit again makes the
+        higher thread counts candidates once more; the measurements decide. Between steps."""
+        cpus = max(1, min(int(cpus), self.max_threads))
+        if cpus == self.thread_limit:
+            return
+        self.thread_limit = cpus
+        for bucket in self.buckets:
+            variant, threads = bucket.incumbent
+            if threads > cpus:
+                bucket.incumbent = (variant, cpus)
+                bucket.recent.clear()  # timings of the old arm say nothing about the new one
+                bucket.switch = None
+                bucket.reset_candidates()
+                log.info("bucket %s rows: %s -> %s: the worker now runs on %d CPU%s", bucket.name,
+                         arm_name((variant, threads)), arm_name(bucket.incumbent), cpus, "s" if cpus > 1 else "")
+        self._install(self.buckets[0].incumbent[1])
 
     # ---- the step hooks ------------------------------------------------------------------------
 
@@ -249,7 +271,7 @@ class KernelTuner:
         now = self.clock()
         best = None
         for arm, c in bucket.candidates.items():
-            if arm == bucket.incumbent:
+            if arm == bucket.incumbent or arm[1] > self.thread_limit:
                 continue
             if c.paused_until > now:
                 continue
