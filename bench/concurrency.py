@@ -456,7 +456,8 @@ def main() -> int:
                 cpu_before = server_cpu(reame)
                 lv = asyncio.run(run_level("reame", url, headers, n, args.requests_per_stream, first,
                                            args.max_tokens, end_ids, args.timeout))
-                lv.server_cpu = {role: seconds - cpu_before.get(role, 0.0) for role, seconds in server_cpu(reame).items()}
+                lv.server_cpu = {role: seconds - cpu_before.get(role, 0.0)
+                                 for role, seconds in server_cpu(reame).items()}
                 ours.append(lv)
                 say(f"  reame: {lv.tok_s:.1f} tok/s, TTFT p50 {lv.ttft_p50:.2f} s, errors {lv.errors}")
                 if peer_binary:
