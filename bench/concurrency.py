@@ -14,7 +14,8 @@ llama-server's `ignore_eos`) so that every request yields exactly `--max-tokens`
 Per request: TTFT (request sent -> first streamed text), the gaps between successive text chunks
 (ITL), and the completion tokens (`usage` of the last chunk, else the chunk count). Per level:
 aggregate tok/s = all completion tokens / wall time of the level, TTFT and ITL p50/p95, and the
-median per-request decode rate.
+median per-request decode rate; for a server it started, the CPU its gateway and its workers spent
+per completion token (CPU time moves far less than tok/s with a shared host's load).
 
 After the last level it reads the workers' KV pool from /metrics: with no request running, no block
 may be held (a leak fails the run when the benchmark started the server itself).
@@ -42,6 +43,7 @@ from pathlib import Path
 
 import aiohttp
 import orjson
+import psutil
 
 from benchlib import percentile, say  # bench/, the script's directory, is on sys.path
 
@@ -129,6 +131,7 @@ class Level:
     wall: float
     client_cpu: float  # seconds of this process's CPU during the level
     results: list[Result]
+    server_cpu: dict[str, float] = field(default_factory=dict)  # CPU seconds by server role (started servers)
     requests: int = 0
     errors: int = 0
     short: int = 0  # requests that ended with fewer tokens than asked
@@ -266,6 +269,44 @@ def print_table(levels: list[Level], title: str) -> None:
         print(f"{lv.streams:>7} {lv.requests:>8} {lv.errors:>6} {lv.tokens:>6} {lv.wall:>7.1f} {lv.tok_s:>7.1f} "
               f"{lv.tok_s / max(base.tok_s, 1e-9):>6.2f} {lv.ttft_p50:>10.2f} {lv.ttft_p95:>10.2f} "
               f"{ms(lv.itl_p50):>10} {ms(lv.itl_p95):>10} {lv.decode_p50:>9.1f}")
+
+
+def server_cpu(server: Server | None) -> dict[str, float]:
+    """CPU seconds (user + system) so far of a started server's processes, by role: the gateway,
+    the workers, the rest (`reame serve` itself). Unlike tok/s these hardly move with a shared
+    host's load, so they show where each token's CPU goes (None: a --url server, not ours)."""
+    totals: dict[str, float] = {}
+    if server is None:
+        return totals
+    for process in server.processes:
+        try:
+            root = psutil.Process(process.pid)
+            tree = [root] + root.children(recursive=True)
+        except psutil.NoSuchProcess:
+            continue
+        for p in tree:
+            try:
+                cmdline = " ".join(p.cmdline())
+                times = p.cpu_times()
+            except psutil.NoSuchProcess:  # a process that just left
+                continue
+            role = "gateway" if "gateway.main" in cmdline else "workers" if "worker.main" in cmdline else "other"
+            totals[role] = totals.get(role, 0.0) + times.user + times.system
+    return totals
+
+
+def print_cpu(levels: list[Level]) -> None:
+    """CPU per completion token by server role: what each token costs whatever the load."""
+    if not any(lv.server_cpu for lv in levels):
+        return
+    roles = sorted({role for lv in levels for role in lv.server_cpu})
+    print("\nReame's CPU per completion token by process (CPU seconds of the level / its tokens)")
+    print(f"{'streams':>7} " + " ".join(f"{role + ' ms/tok':>16}" for role in roles) + f" {'gateway share':>13}")
+    for lv in levels:
+        per_token = {role: 1e3 * lv.server_cpu.get(role, 0.0) / max(lv.tokens, 1) for role in roles}
+        total = sum(lv.server_cpu.values())
+        share = lv.server_cpu.get("gateway", 0.0) / total if total else float("nan")
+        print(f"{lv.streams:>7} " + " ".join(f"{per_token[role]:>16.2f}" for role in roles) + f" {share:>13.1%}")
 
 
 def print_comparison(ours: list[Level], peer: list[Level]) -> None:
@@ -412,8 +453,11 @@ def main() -> int:
             for i, (n, first) in enumerate(zip(args.levels, firsts)):
                 say(f"level {i + 1}/{len(args.levels)}: {n} streams x {args.requests_per_stream} requests "
                     f"x {args.max_tokens} tokens on reame")
+                cpu_before = server_cpu(reame)
                 lv = asyncio.run(run_level("reame", url, headers, n, args.requests_per_stream, first,
                                            args.max_tokens, end_ids, args.timeout))
+                lv.server_cpu = {role: seconds - cpu_before.get(role, 0.0)
+                                 for role, seconds in server_cpu(reame).items()}
                 ours.append(lv)
                 say(f"  reame: {lv.tok_s:.1f} tok/s, TTFT p50 {lv.ttft_p50:.2f} s, errors {lv.errors}")
                 if peer_binary:
@@ -450,6 +494,7 @@ def main() -> int:
           f"(mean {info['prompt_tokens']['mean']}), {args.max_tokens} output tokens each (greedy, end-of-text banned), "
           f"{args.requests_per_stream} request(s) per stream one after another")
     print_table(ours, "Reame through the gateway (/v1/completions, streamed)")
+    print_cpu(ours)
     if peer_binary:
         print_table(peers, f"llama-server ({peer_binary}; slots = streams, {slot_ctx} context per slot)")
         print_comparison(ours, peers)

@@ -274,13 +274,27 @@ class WorkerService:
         """Send one step's events as one multipart message (a frame each, in order): the gateway
         wakes once per step instead of once per running request."""
         if events:
-            self._send_many([self._message_of(event) for event in events])
+            self._send_many(self._messages_of(events))
+
+    def _messages_of(self, events: list[Event]) -> list[protocol.Message]:
+        """One message per event, except that a request's consecutive tokens (a drafted chunk's
+        accepted tokens and the one sampled after them) share one TokenChunk: one frame to
+        encode, send and decode instead of one per token (up to 1 + max_draft per step)."""
+        messages: list[protocol.Message] = []
+        for event in events:
+            if (isinstance(event, TokenEvent) and messages and isinstance(messages[-1], TokenChunk)
+                    and messages[-1].request_id == event.request_id):
+                chunk = messages[-1]
+                chunk.tokens.append(int(event.token))
+                chunk.logprobs.append(_logprob(event))
+                chunk.top_logprobs.append(_top_logprobs(event))
+            else:
+                messages.append(self._message_of(event))
+        return messages
 
     def _message_of(self, event: Event) -> protocol.Message:
         if isinstance(event, TokenEvent):
-            top = [[int(t), float(lp)] for t, lp in (event.top_logprobs or ())]
-            logprob = None if event.logprob is None else float(event.logprob)
-            return TokenChunk(event.request_id, [int(event.token)], [logprob], [top])
+            return TokenChunk(event.request_id, [int(event.token)], [_logprob(event)], [_top_logprobs(event)])
         if isinstance(event, FinishEvent):
             log.debug("request %s: %s after %d tokens", event.request_id, event.reason, event.completion_tokens)
             return Finished(event.request_id, event.reason, event.prompt_tokens, event.completion_tokens,
@@ -304,6 +318,14 @@ class WorkerService:
 
     def _send_many(self, messages: list[protocol.Message]) -> None:
         self.socket.send_multipart([protocol.encode(m) for m in messages])
+
+
+def _logprob(event: TokenEvent) -> float | None:
+    return None if event.logprob is None else float(event.logprob)
+
+
+def _top_logprobs(event: TokenEvent) -> list[list[float]]:
+    return [[int(t), float(lp)] for t, lp in (event.top_logprobs or ())]
 
 
 def _namespace(text: str) -> bytes:

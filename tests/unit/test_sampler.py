@@ -41,6 +41,42 @@ def test_greedy_ties_go_to_the_lowest_id():
     assert Sampler(SamplingParams(temperature=0.0), VOCAB).sample(logits) == 3
 
 
+def _biased_argmax(logits: np.ndarray, bias: dict[int, float]) -> int:
+    x = logits.copy()
+    for token, value in bias.items():
+        x[token] += np.float32(value)
+    return int(np.argmax(x))
+
+
+@pytest.mark.parametrize("case", range(40))
+def test_greedy_with_logit_bias_is_the_argmax_of_the_biased_logits(case):
+    # The greedy path skips the copy of the vocabulary; its choice must be the full chain's,
+    # ties and infinities included.
+    rng = np.random.default_rng(case)
+    logits = np.round(rng.standard_normal(VOCAB) * 3).astype(np.float32)  # rounded: many exact ties
+    if case % 5 == 1:
+        logits[rng.integers(VOCAB)] = np.inf
+    ids = rng.choice(VOCAB, size=int(rng.integers(1, 6)), replace=False)
+    if case % 3 == 0:  # bias the unbiased winner (down or up)
+        ids[0] = int(np.argmax(logits))
+    bias = {int(t): float(rng.choice([-100.0, -1.0, 0.5, 1.0, 3.0, 100.0])) for t in ids}
+    if case % 4 == 2:  # a biased id that lands exactly on the unbiased best, below it in id order
+        top = int(np.argmax(logits))
+        low = int(np.argmin(logits[:top])) if top else 0
+        if low < top:
+            bias[low] = float(logits[top] - logits[low])
+    sampler = Sampler(SamplingParams(temperature=0.0, logit_bias=bias), VOCAB)
+    assert sampler.sample(logits) == _biased_argmax(logits, bias)
+
+
+def test_greedy_with_penalties_still_applies_them():
+    logits = np.zeros(VOCAB, np.float32)
+    logits[[4, 9]] = [2.0, 1.5]
+    sampler = Sampler(SamplingParams(temperature=0.0, repetition_penalty=2.0), VOCAB)
+    sampler.observe_prompt([4])
+    assert sampler.sample(logits) == 9  # 4's logit is halved to 1.0
+
+
 def test_same_seed_same_tokens_and_different_seeds_differ():
     logits = _logits(1, scale=1.0)
     params = SamplingParams(temperature=1.0, seed=1234)

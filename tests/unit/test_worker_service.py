@@ -13,6 +13,7 @@ from shared.protocol import Abort, Drain, Error, Finished, Generate, Heartbeat, 
 from shared.sampling import SamplingParams
 from tests.fakes import EOS, FakeGenerator
 from worker.pulse import Pulse
+from worker.sched.generation import FinishEvent, TokenEvent
 from worker.service import WorkerService
 
 INFO = Register("w", 0, [0], "fake", "/f.gguf", "fake", 256, 259, 1, "h", 1)
@@ -90,6 +91,20 @@ def test_one_step_goes_out_as_one_message():
         [("TokenChunk", "a"), ("Finished", "a"), ("TokenChunk", "b")],
         [("TokenChunk", "b"), ("Finished", "b")],
     ]
+
+
+def test_a_requests_consecutive_tokens_share_one_chunk():
+    """A drafted chunk emits several tokens of one request in one step: one TokenChunk carries
+    them (tokens, logprobs and top_logprobs aligned); order across requests is kept."""
+    service, sock, _ = make()
+    service._emit([TokenEvent("a", 5, -0.25, [(5, -0.25), (6, -1.5)]), TokenEvent("a", 6, -0.5, [(6, -0.5)]),
+                   TokenEvent("b", 7), TokenEvent("a", 8, -1.0), FinishEvent("a", "length", 2, 3)])
+    assert sock.batches == [[
+        TokenChunk("a", [5, 6], [-0.25, -0.5], [[[5, -0.25], [6, -1.5]], [[6, -0.5]]]),
+        TokenChunk("b", [7], [None], [[]]),
+        TokenChunk("a", [8], [-1.0], [[]]),
+        Finished("a", "length", 2, 3),
+    ]]
 
 
 def test_queued_requests_run_in_order_and_abort_removes_from_queue():
