@@ -12,7 +12,7 @@ Workloads (greedy, chat template of the model):
           group), `json-warm` (the second half of the first run), `json-restart-1` (the first
           group after the restart: it should run at json-warm's speed) and `json-restart`
           (every group after it). Per group: on and off tok/s, printed and plotted
-          (--plot, default bench/speculative_json.png)
+          (--plot, default bench-speculative-json.png)
   free    low-overlap free text (stories on different topics)
 Each runs with the speculator off and on, alternately (--runs times each), at every stream
 count; streams share one engine through the real BatchGenerator (the server's loop). Decode
@@ -192,7 +192,7 @@ def main() -> None:
     parser.add_argument("--workloads", nargs="+", default=["qa", "code", "json", "free"])
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--json-requests", type=int, default=24, help="requests per json run (two runs)")
-    parser.add_argument("--plot", default=str(Path(__file__).with_name("speculative_json.png")),
+    parser.add_argument("--plot", default="bench-speculative-json.png",
                         help="the json workload's tok/s by request group (PNG); '' for none")
     args = parser.parse_args()
     MAX_TOKENS = args.max_tokens
