@@ -15,7 +15,8 @@ Workloads (greedy, chat template of the model):
           (--plot, default bench-speculative-json.png)
   free    low-overlap free text (stories on different topics)
 Each runs with the speculator off and on, alternately (--runs times each), at every stream
-count; streams share one engine through the real BatchGenerator (the server's loop). Decode
+count; streams share one engine through the real BatchGenerator (the server's loop), and one
+speculator serves a workload's runs as a worker's serves its traffic (--fresh: one per run). Decode
 tok/s counts tokens emitted by steps without prompt rows, over those steps' wall time
 (drafting and sampling included). Prints medians and the on/off ratio.
 Not a test: shared, noisy machines; read ratios from one run.
@@ -191,6 +192,9 @@ def main() -> None:
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--workloads", nargs="+", default=["qa", "code", "json", "free"])
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--fresh", action="store_true",
+                        help="a new speculator for every run (default: one per workload and stream count, kept "
+                             "across its runs as a worker keeps it; its gate then decides from the first run)")
     parser.add_argument("--json-requests", type=int, default=24, help="requests per json run (two runs)")
     parser.add_argument("--plot", default="bench-speculative-json.png",
                         help="the json workload's tok/s by request group (PNG); '' for none")
@@ -238,9 +242,11 @@ def main() -> None:
                 say(f"{name} x{streams}: prefilling the prompts into the prefix cache")
                 run_batch(engine, batch, stop_ids, None, prefix, max_tokens=1)
                 off, on = [], []
+                speculator = Speculator(max_draft=8)
                 for run in range(args.runs):
                     off.append(run_batch(engine, batch, stop_ids, None, prefix))
-                    speculator = Speculator(max_draft=8)
+                    if args.fresh or run == 0:
+                        speculator = Speculator(max_draft=8)
                     on.append(run_batch(engine, batch, stop_ids, speculator, prefix))
                     stats = speculator.stats()
                     say(f"{name} x{streams} run {run + 1}: off {off[-1].tok_s:.1f} tok/s, on {on[-1].tok_s:.1f} tok/s; "
