@@ -252,7 +252,8 @@ def main() -> None:
                     say(f"{name} x{streams} run {run + 1}: off {off[-1].tok_s:.1f} tok/s, on {on[-1].tok_s:.1f} tok/s; "
                         f"step fit base {1e3 * (stats['step_base_s'] or 0):.1f} ms + "
                         f"{1e3 * (stats['step_per_row_s'] or 0):.2f} ms/row, break-even {stats['break_even']:.2f}, "
-                        f"switched off {stats['spec_switched_off']}")
+                        f"switched off {stats['spec_switched_off']}, gate "
+                        + ", ".join(f"{k[5:]} {v}" for k, v in stats.items() if k.startswith("gate_")))
                 rows.append((name, streams, off, on))
     print_table(rows, args)
     if series:
