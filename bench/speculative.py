@@ -5,12 +5,18 @@
 Workloads (greedy, chat template of the model):
   qa      extractive QA over a ~1,500-token document: answers quote it (prompt lookup's case)
   code    the prompt holds a function; the answer is the function with a small change
-  json    the same JSON shape for many inputs: the archive's case. Run as `json-1` (learning
-          from the first requests), `json-warm` (after them) and `json-restart` (a fresh worker
-          reading the LMDB archive the first one wrote)
+  json    the same JSON shape for many inputs: the archive's case. --json-requests requests
+          (default 24) in groups of `streams`, then a restart (the speculator saves what it
+          learned, the archive store closes; a new one is built as a worker builds it, from
+          [speculative]) and as many requests again with other inputs. Rows: `json-1` (the first
+          group), `json-warm` (the second half of the first run), `json-restart-1` (the first
+          group after the restart: it should run at json-warm's speed) and `json-restart`
+          (every group after it). Per group: on and off tok/s, printed and plotted
+          (--plot, default bench-speculative-json.png)
   free    low-overlap free text (stories on different topics)
 Each runs with the speculator off and on, alternately (--runs times each), at every stream
-count; streams share one engine through the real BatchGenerator (the server's loop). Decode
+count; streams share one engine through the real BatchGenerator (the server's loop), and one
+speculator serves a workload's runs as a worker's serves its traffic (--fresh: one per run). Decode
 tok/s counts tokens emitted by steps without prompt rows, over those steps' wall time
 (drafting and sampling included). Prints medians and the on/off ratio.
 Not a test: shared, noisy machines; read ratios from one run.
@@ -88,7 +94,7 @@ _EDITS = ["Rename the variable `totals` to `sums`.", "Rename the parameter `orde
 _TOPICS = ["a dragon who is afraid of heights", "the first day at a new school", "a storm at sea",
            "a robot learning to paint", "a lost dog finding its way home", "a chef who cannot taste",
            "a city under snow", "two friends building a boat", "a clock that runs backwards"]
-_JSON_PEOPLE = [(f"{first} {last}", age, city) for first, last, age, city in [
+_JSON_NAMED = [(f"{first} {last}", age, city) for first, last, age, city in [
     ("Anna", "Berg", 34, "Oslo"), ("Luis", "Gomez", 51, "Madrid"), ("Mei", "Chen", 27, "Taipei"),
     ("John", "Smith", 45, "Leeds"), ("Fatima", "Ali", 39, "Cairo"), ("Nils", "Olsen", 62, "Bergen"),
     ("Sara", "Rossi", 23, "Turin"), ("Ken", "Ito", 58, "Osaka"), ("Eva", "Kral", 31, "Brno"),
@@ -103,7 +109,18 @@ _JOBS = ["teacher", "nurse", "engineer", "baker", "pilot", "farmer", "lawyer", "
 _HOBBIES = ["chess", "hiking", "cooking", "cycling", "reading", "gardening", "music", "fishing"]
 
 
-def workloads(rng: random.Random) -> dict[str, list[list[dict]]]:
+def json_people(rng: random.Random, n: int) -> list[tuple[str, int, str]]:
+    """n (name, age, city): the named ones first, then recombinations of them."""
+    people = list(_JSON_NAMED[:n])
+    firsts = [p[0].split()[0] for p in _JSON_NAMED]
+    lasts = [p[0].split()[1] for p in _JSON_NAMED]
+    cities = [p[2] for p in _JSON_NAMED]
+    while len(people) < n:
+        people.append((f"{rng.choice(firsts)} {rng.choice(lasts)}", rng.randint(20, 70), rng.choice(cities)))
+    return people
+
+
+def workloads(rng: random.Random, json_requests: int = 48) -> dict[str, list[list[dict]]]:
     """Workload → chat conversations (a list of messages each), as many as the most streams."""
     sections = document(rng)
     doc = "\n".join(sections)
@@ -112,13 +129,13 @@ def workloads(rng: random.Random) -> dict[str, list[list[dict]]]:
     code = [[{"role": "user", "content": f"```python\n{CODE}```\n\n{edit} Reply with the whole changed function "
                                          "in a code block."}] for edit in _EDITS]
     free = [[{"role": "user", "content": f"Write a short story about {topic}."}] for topic in _TOPICS[:8]]
-    json_requests = []
-    for name, age, city in _JSON_PEOPLE:
+    json_convs = []
+    for name, age, city in json_people(rng, json_requests):
         job, hobbies = rng.choice(_JOBS), rng.sample(_HOBBIES, 2)
-        json_requests.append([{"role": "system", "content": _JSON_SYSTEM},
+        json_convs.append([{"role": "system", "content": _JSON_SYSTEM},
                               {"role": "user", "content": f"{name} is {age}, lives in {city}, works as a {job} and "
                                                           f"likes {hobbies[0]} and {hobbies[1]}."}])
-    return {"qa": qa, "code": code, "free": free, "json": json_requests}
+    return {"qa": qa, "code": code, "free": free, "json": json_convs}
 
 
 # ---- measuring -----------------------------------------------------------------------------------
@@ -175,6 +192,12 @@ def main() -> None:
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--workloads", nargs="+", default=["qa", "code", "json", "free"])
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--fresh", action="store_true",
+                        help="a new speculator for every run (default: one per workload and stream count, kept "
+                             "across its runs as a worker keeps it; its gate then decides from the first run)")
+    parser.add_argument("--json-requests", type=int, default=24, help="requests per json run (two runs)")
+    parser.add_argument("--plot", default="bench-speculative-json.png",
+                        help="the json workload's tok/s by request group (PNG); '' for none")
     args = parser.parse_args()
     MAX_TOKENS = args.max_tokens
 
@@ -188,8 +211,6 @@ def main() -> None:
     from worker.engine.engine import load_engine
     from worker.kv.block_manager import BlockManager
     from worker.kv.prefix_cache import PrefixCache
-    from worker.spec.archive import ORDER, NgramArchive
-    from worker.spec.archive_store import ArchiveStore
     from worker.spec.speculator import Speculator
 
     models_dir = Path("~/.cache/reame/models").expanduser()
@@ -199,18 +220,13 @@ def main() -> None:
     tok = Tokenizer.from_gguf(path)
     template = template_for(tok, Config())
     stop_ids = tuple(sorted(set(template.stop_ids) | ({tok.eos_id} if tok.eos_id is not None else set())))
-    texts = workloads(random.Random(7))
+    texts = workloads(random.Random(7), 2 * args.json_requests)
     prompts = {name: [tok.encode(template.render(m, add_generation_prompt=True)) for m in convs]
                for name, convs in texts.items()}
     say(f"prompt tokens: " + ", ".join(f"{n} {len(p[0])}" for n, p in prompts.items()))
     blocks = BlockManager.for_pool(engine.kv)
     prefix = PrefixCache(blocks, b"bench-speculative")  # RAM only: shared documents prefill once
-    archive_dir = Path(tempfile.mkdtemp(prefix="reame-spec-archive-"))
-    model_id = bytes.fromhex(engine.gguf.fingerprint())
-
-    def open_store():
-        return ArchiveStore(archive_dir, model=model_id, order=ORDER, budget_bytes=64 << 20)
-
+    series = {}  # streams -> (off Results, on Results) by json group, the restart after half of them
     rows = []  # (workload, streams, off Result list, on Result list)
     with threadpool_limits(limits=args.threads, user_api="blas"):
         # Compile and warm: one short request each way.
@@ -218,55 +234,98 @@ def main() -> None:
         for name in args.workloads:
             for streams in args.streams:
                 if name == "json":
-                    rows += json_rows(engine, prompts["json"], streams, args.runs, stop_ids, prefix, open_store)
+                    json_out, series[streams] = json_rows(engine, prompts["json"], streams, stop_ids, prefix,
+                                                          engine.gguf.fingerprint())
+                    rows += json_out
                     continue
                 batch = prompts[name][:streams]
                 say(f"{name} x{streams}: prefilling the prompts into the prefix cache")
                 run_batch(engine, batch, stop_ids, None, prefix, max_tokens=1)
                 off, on = [], []
+                speculator = Speculator(max_draft=8)
                 for run in range(args.runs):
                     off.append(run_batch(engine, batch, stop_ids, None, prefix))
-                    speculator = Speculator(max_draft=8)
+                    if args.fresh or run == 0:
+                        speculator = Speculator(max_draft=8)
                     on.append(run_batch(engine, batch, stop_ids, speculator, prefix))
                     stats = speculator.stats()
                     say(f"{name} x{streams} run {run + 1}: off {off[-1].tok_s:.1f} tok/s, on {on[-1].tok_s:.1f} tok/s; "
                         f"step fit base {1e3 * (stats['step_base_s'] or 0):.1f} ms + "
                         f"{1e3 * (stats['step_per_row_s'] or 0):.2f} ms/row, break-even {stats['break_even']:.2f}, "
-                        f"switched off {stats['spec_switched_off']}")
+                        f"switched off {stats['spec_switched_off']}, gate "
+                        + ", ".join(f"{k[5:]} {v}" for k, v in stats.items() if k.startswith("gate_")))
                 rows.append((name, streams, off, on))
     print_table(rows, args)
+    if series:
+        print_series(series)
+        if args.plot:
+            plot_series(series, args.plot, args)
 
 
-def json_rows(engine, prompts, streams, runs, stop_ids, prefix, open_store):
-    """json-1: the first requests, learning; json-warm: later ones; json-restart: a new store
-    handle and a new in-RAM archive (a restarted worker) reading what the first one wrote."""
-    from worker.spec.archive import NgramArchive
-    from worker.spec.speculator import Speculator
+def json_rows(engine, prompts, streams, stop_ids, prefix, model_sha256):
+    """Two runs of the json workload with a restart between, each group of `streams` requests
+    off then on. The speculator is built as a worker builds it (build_speculator, an archive in
+    a fresh directory) and shut down as a worker shuts down (save, then close the store)."""
+    from shared.config import Config, override
+    from worker.spec.setup import build_speculator
 
-    store = open_store()
-    speculator = Speculator(max_draft=8, archive=NgramArchive(backing=store))
+    config = override(Config(), "speculative", archive_path=tempfile.mkdtemp(prefix="reame-spec-archive-"),
+                      archive_budget="64MiB")
+    half = len(prompts) // 2
     groups = [prompts[i:i + streams] for i in range(0, len(prompts), streams)]
-    first, warm, unseen = groups[0], groups[1:-1][:max(runs, 1)], groups[-1]
-    out = []
-    off = [run_batch(engine, first, stop_ids, None, prefix) for _ in range(runs)]
-    on = [run_batch(engine, first, stop_ids, speculator, prefix)]
-    out.append(("json-1", streams, off, on))
+    restart_at = half // streams
     off, on = [], []
-    for group in warm:
+    speculator, store = build_speculator(config, model_sha256)
+    for g, group in enumerate(groups):
+        if g == restart_at:
+            speculator.save()
+            store.close()
+            say(f"json x{streams}: restart")
+            speculator, store = build_speculator(config, model_sha256)
         off.append(run_batch(engine, group, stop_ids, None, prefix))
         on.append(run_batch(engine, group, stop_ids, speculator, prefix))
-    out.append(("json-warm", streams, off, on))
+        say(f"json x{streams} group {g + 1}/{len(groups)}: off {off[-1].tok_s:.1f} tok/s, on {on[-1].tok_s:.1f} "
+            f"tok/s ({on[-1].tok_s / off[-1].tok_s if off[-1].tok_s else 0:.2f}x), acceptance "
+            f"{on[-1].accepted / on[-1].drafted if on[-1].drafted else 0:.0%}")
+    speculator.save()
     store.close()
-    store = open_store()  # the restart: nothing in RAM, the archive on disk
-    restarted = Speculator(max_draft=8, archive=NgramArchive(backing=store))
-    off = [run_batch(engine, unseen, stop_ids, None, prefix)]
-    on = [run_batch(engine, unseen, stop_ids, restarted, prefix)]
-    out.append(("json-restart", streams, off, on))
-    store.close()
-    for name, s, o, n in out:
-        say(f"{name} x{s}: off {statistics.median(r.tok_s for r in o):.1f} tok/s, "
-            f"on {statistics.median(r.tok_s for r in n):.1f} tok/s")
-    return out
+    warm = slice(max(1, restart_at // 2), restart_at)
+    out = [("json-1", streams, off[:1], on[:1]), ("json-warm", streams, off[warm], on[warm]),
+           ("json-restart-1", streams, off[restart_at:restart_at + 1], on[restart_at:restart_at + 1]),
+           ("json-restart", streams, off[restart_at:], on[restart_at:])]
+    return out, (off, on, restart_at)
+
+
+def print_series(series) -> None:
+    print("\njson workload by request group (a restart before the marked group)")
+    print("| streams | group | off tok/s | on tok/s | on/off | acceptance |")
+    print("|---|---|---|---|---|---|")
+    for streams, (off, on, restart_at) in series.items():
+        for g, (o, n) in enumerate(zip(off, on)):
+            mark = " (restarted)" if g == restart_at else ""
+            print(f"| {streams} | {g + 1}{mark} | {o.tok_s:.1f} | {n.tok_s:.1f} | "
+                  f"{n.tok_s / o.tok_s if o.tok_s else 0:.2f}x | {n.accepted / n.drafted if n.drafted else 0:.0%} |")
+
+
+def plot_series(series, path: str, args) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(series), figsize=(6 * len(series), 4), squeeze=False)
+    for ax, (streams, (off, on, restart_at)) in zip(axes[0], series.items()):
+        x = range(1, len(off) + 1)
+        ax.plot(x, [r.tok_s for r in off], "o-", label="off")
+        ax.plot(x, [r.tok_s for r in on], "o-", label="on")
+        ax.axvline(restart_at + 0.5, color="grey", linestyle="--", label="restart")
+        ax.set_title(f"json, {streams} stream{'s' if streams > 1 else ''}")
+        ax.set_xlabel(f"request group ({streams} request{'s' if streams > 1 else ''} each)")
+        ax.set_ylabel("decode tok/s")
+        ax.legend()
+    fig.suptitle(f"{args.model}, {args.threads} threads: speculative decoding across a restart")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    say(f"wrote {path}")
 
 
 def print_table(rows, args) -> None:

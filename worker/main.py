@@ -225,6 +225,7 @@ def serve(config: Config, node: int, cpus: list[int], engine, path: Path) -> Non
         if prefix is not None:
             prefix.close()
         if archive_store is not None:
+            speculator.save()  # what it learned since the last periodic save
             archive_store.close()
         sock.close()
         context.term()

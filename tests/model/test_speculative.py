@@ -257,3 +257,51 @@ def test_a_constrained_request_never_drafts_and_batches_with_drafted_ones(engine
     text = b"".join(pieces[t] for t in alone["digits"] if t not in eos)
     assert text.isdigit() and 3 <= len(text) <= 6
 
+
+
+def test_a_restarted_worker_drafts_from_its_first_request_as_it_did_before_the_restart(tiny, tmp_path):
+    """The archive, the class records and the gate's verdicts outlive the worker (built and shut
+    down as worker.main does); after a restart the first request drafts on nearly every decode
+    step, where a cold speculator spends half its first steps measuring plain ones."""
+    from shared.config import Config, override
+    from worker.spec.gate import SAMPLES
+    from worker.spec.setup import build_speculator
+
+    config = override(Config(), "speculative", archive_path=str(tmp_path / "archive"), archive_budget="1MiB")
+    model = tiny.gguf.fingerprint()
+    shared_start = [5, 9, 2, 7, 11, 3, 8, 1, 14, 6, 10, 4, 12, 13, 15, 0]  # one request class
+    params = SamplingParams(max_tokens=30, temperature=0.0)
+    requests = {f"r{i}": (shared_start + [i % 16, (3 * i) % 16], params) for i in range(12)}
+
+    def drafting_steps(speculator, rid):
+        """(decode steps, steps in which it verified a draft) of one request run alone."""
+        counts = [0, 0]
+        last = [speculator.counters.spec_drafts]
+
+        def each_step(generator):
+            if generator.last_step.decode_rows:
+                counts[0] += 1
+                counts[1] += speculator.counters.spec_drafts > last[0]
+            last[0] = speculator.counters.spec_drafts
+        out = run_requests(_generator(tiny, speculator), {rid: requests[rid]}, each_step)
+        return out.tokens[rid], counts
+
+    speculator, store = build_speculator(config, model)
+    plain = {rid: run_requests(_generator(tiny), {rid: r}).tokens[rid] for rid, r in requests.items()}
+    for rid in requests:
+        assert drafting_steps(speculator, rid)[0] == plain[rid]
+    # Which way the gate goes on this host is a measurement; this worker found drafting faster.
+    speculator.gate.restore([([100.0] * SAMPLES, [300.0] * SAMPLES)])
+    speculator.save()
+    store.close()
+
+    restarted, store = build_speculator(config, model)
+    assert restarted.gate.snapshot()["gate_1+"] == "on"
+    tokens, (steps, drafted) = drafting_steps(restarted, "r0")
+    assert tokens == plain["r0"] and restarted.counters.spec_from_archive + restarted.counters.spec_from_prompt > 0
+    assert drafted >= 0.8 * steps, (drafted, steps)
+    store.close()
+
+    cold = Speculator(max_draft=8)  # no memory: what a restart was before
+    tokens, (cold_steps, cold_drafted) = drafting_steps(cold, "r0")
+    assert tokens == plain["r0"] and cold_drafted <= 0.6 * cold_steps, (cold_drafted, cold_steps)

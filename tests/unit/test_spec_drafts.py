@@ -34,11 +34,26 @@ def test_prompt_lookup_finds_nothing_in_text_without_repeats_and_ignores_single_
 def test_prompt_lookup_follows_a_growing_sequence_like_a_fresh_one():
     rng = random.Random(5)
     tokens = [rng.randrange(6) for _ in range(40)]
-    grown = PromptLookup()
+    grown = PromptLookup(follow_copy=False)
     for n in range(1, len(tokens) + 1):
         assert grown.propose(tokens[:n], 5) == PromptLookup().propose(tokens[:n], 5)
     with pytest.raises(ValueError):
         grown.propose(tokens[:10], 5)
+
+
+def test_prompt_lookup_follows_the_copy_in_progress_over_a_later_occurrence():
+    # Two "sections" share the n-grams (1, 2, 3, 4) and (5, 6, 7, 8) but differ in their details.
+    first, second = [1, 2, 3, 4, 10, 5, 6, 7, 8, 11, 12], [1, 2, 3, 4, 20, 5, 6, 7, 8, 21, 22]
+    prompt = [9] + first + [0] + second + [0]
+    quoting = prompt + [1, 2, 3, 4, 10]  # the answer quotes the first section
+    lookup = PromptLookup()
+    assert lookup.propose(quoting, 4) == [5, 6, 7, 8]  # (4, 10) occurs only in the first
+    # The copy goes on; the latest occurrence of (5, 6, 7, 8) would say 21, 22.
+    assert lookup.propose(quoting + [5, 6], 4) == [7, 8, 11, 12]
+    assert PromptLookup(follow_copy=False).propose(quoting + [5, 6, 7, 8], 2) == [21, 22]
+    # A token the copy did not predict ends it: the latest occurrence decides again.
+    diverged = quoting + [5, 6, 7, 8, 11, 0, 1, 2]
+    assert lookup.propose(diverged, 2) == PromptLookup(follow_copy=False).propose(diverged, 2) == [3, 4]
 
 
 def test_archive_proposes_the_most_frequent_continuation_and_chains_it():

@@ -270,7 +270,9 @@ class BatchGenerator:
         chunks: list[StepChunk] = []
         spans = []
         for c in batch.chunks:
-            table, window = c.seq.block_table, window_table(c.seq.block_table)
+            # Converted once: a drafted chunk's 1 + k rows share it (a 1,500-token prompt: 94 blocks).
+            table = np.asarray(c.seq.block_table, np.int32)
+            window = window_table(table)
             lo = len(chunks)
             if c.draft:
                 chunks += [StepChunk.of([token], c.start + i, table, True, window) for i, token in enumerate(c.token_ids)]

@@ -5,6 +5,7 @@ Sub-databases, changed only inside one write transaction:
   ngrams  model(8) + context (order x int32 LE) -> entry
   lru     stamp (8-byte big-endian time_ns) + key -> b""   oldest first
   meta    b"bytes_used" -> u64 big-endian                  sum of len(entry) over ngrams
+  state   model(8) -> the speculator's learned state (worker.spec.learned; small, outside the budget)
 An entry is magic b"NG", version, count of pairs, CRC32 of the pairs, the stamp of its `lru`
 row, then (token int32, count uint32) pairs, most frequent first, at most MAX_CONTINUATIONS.
 
@@ -24,6 +25,7 @@ import threading
 import time
 import zlib
 from collections import deque
+from typing import Callable
 from pathlib import Path
 
 import lmdb
@@ -37,7 +39,7 @@ MAX_PENDING = 4096  # completions' count sets waiting for the writer; more are d
 _HEADER = struct.Struct("<2sBBIQ")  # magic, version, pairs, crc32, stamp
 _PAIR = struct.Struct("<iI")
 _U64 = struct.Struct(">Q")
-_DB_NAMES = (b"ngrams", b"lru", b"meta")
+_DB_NAMES = (b"ngrams", b"lru", b"meta", b"state")
 
 Counts = dict[int, int]
 
@@ -62,10 +64,10 @@ class ArchiveStore:
                                   subdir=True, mode=0o600, readahead=False, metasync=False)
             self._env.reader_check()
             with self._env.begin(write=True) as txn:
-                self._ngrams, self._lru, self._meta = (self._env.open_db(n, txn=txn) for n in _DB_NAMES)
+                self._ngrams, self._lru, self._meta, self._state = (self._env.open_db(n, txn=txn) for n in _DB_NAMES)
         except (lmdb.Error, OSError) as exc:
             raise ArchiveUnavailable(f"n-gram archive at {self.path} cannot be opened: {exc}") from exc
-        self._ops: deque[tuple] = deque()  # ("add", {context: counts}) | ("delete", key)
+        self._ops: deque[tuple] = deque()  # ("add", {context: counts}) | ("delete", key) | ("state", encode)
         self._cond = threading.Condition()
         self._pending = 0  # ops queued or being applied
         self._closing = False
@@ -96,6 +98,19 @@ class ArchiveStore:
     def submit(self, counts: dict[tuple[int, ...], Counts]) -> None:
         """Counts to add (one finished sequence's), written behind the request path."""
         self._enqueue(("add", {self._key(ctx): row for ctx, row in counts.items()}))
+
+    def load_state(self) -> bytes | None:
+        """The speculator's saved state for this model (worker.spec.learned decodes and checks it)."""
+        try:
+            with self._env.begin(db=self._state) as txn:
+                return txn.get(self.model)
+        except lmdb.Error as exc:
+            log.warning("n-gram archive: the speculator's state cannot be read: %s", exc)
+            return None
+
+    def save_state(self, encode: Callable[[], bytes]) -> None:
+        """Replace the saved state with encode()'s, called on the writer thread."""
+        self._enqueue(("state", encode))
 
     # ---- control ----------------------------------------------------------------------------------
 
@@ -164,9 +179,13 @@ class ArchiveStore:
     def _apply(self, batch: list[tuple]) -> None:
         merged: dict[bytes, Counts] = {}
         deletes: set[bytes] = set()
+        state = None  # only the newest of the batch's saved states is written
         for op in batch:
             if op[0] == "delete":
                 deletes.add(op[1])
+                continue
+            if op[0] == "state":
+                state = op[1]
                 continue
             for key, row in op[1].items():
                 mine = merged.setdefault(key, {})
@@ -199,6 +218,8 @@ class ArchiveStore:
                     txn.delete(key, db=self._ngrams)
                     self.evictions += 1
             txn.put(b"bytes_used", _U64.pack(max(0, used)), db=self._meta)
+            if state is not None:
+                txn.put(self.model, state(), db=self._state)
 
     def _remove(self, txn, key: bytes) -> int:
         """Delete an entry and its lru row; its size (0 if absent)."""

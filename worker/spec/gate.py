@@ -43,7 +43,7 @@ class DraftGate:
 
     def observe(self, sequences: int, drafted: bool, tokens: int, seconds: float) -> None:
         """A decode step (no prompt rows): whether any sequence drafted, tokens emitted, its time."""
-        if sequences < 1 or seconds <= 0:
+        if sequences < 1 or seconds <= 0 or tokens < 1:  # a step whose requests all failed says nothing
             return
         b = bucket_of(sequences)
         plain_rates, drafted_rates = self._rates[b]
@@ -57,6 +57,20 @@ class DraftGate:
                      "without (%+.0f%%, medians of the last %d steps each)", "on" if verdict else "off",
                      BUCKETS[b], spec, plain, 100 * (spec / plain - 1), SAMPLES)
             self._verdict[b] = verdict
+
+    def export(self) -> list[tuple[list[float], list[float]]]:
+        """Each bucket's (plain, drafted) step rates, oldest first: what a restart resumes from."""
+        return [(list(plain), list(drafted)) for plain, drafted in self._rates]
+
+    def restore(self, rates: list[tuple[list[float], list[float]]]) -> None:
+        """Resume from exported rates: a bucket with enough of both kinds has its verdict at once
+        (new steps push the old rates out, and exploration goes on as before)."""
+        for b, (plain, drafted) in enumerate(rates[:len(BUCKETS)]):
+            plain_rates, drafted_rates = self._rates[b]
+            plain_rates.extend(v for v in plain if v > 0)
+            drafted_rates.extend(v for v in drafted if v > 0)
+            if len(plain_rates) == SAMPLES and len(drafted_rates) == SAMPLES:
+                self._verdict[b] = median(drafted_rates) >= median(plain_rates)
 
     def snapshot(self) -> dict[str, str]:
         return {f"gate_{low}+": {None: "measuring", True: "on", False: "off"}[v] for low, v in zip(BUCKETS, self._verdict)}

@@ -7,6 +7,12 @@ few generated tokens then also occur in the prompt, and what followed them there
 An index per n-gram size maps each n-gram to the position right after its latest occurrence
 that has a follower, so a lookup is one dict probe per size; the index grows with the sequence
 (each new token adds one entry per size), never rescans it.
+
+A copy in progress is followed: once a draft came from some place, the next draft continues from
+that same place while the sequence still agrees with it, rather than from the latest occurrence of
+its last n-gram. Quoted text repeats its short n-grams across the source ("the council installed",
+"[customer] = "), and the latest occurrence is then often another section or line, whose draft
+fails at the first detail that differs.
 """
 from __future__ import annotations
 
@@ -15,12 +21,16 @@ MAX_NGRAM = 4
 
 
 class PromptLookup:
-    def __init__(self, min_ngram: int = MIN_NGRAM, max_ngram: int = MAX_NGRAM):
+    """follow_copy: False drafts from the latest occurrence every time (no copy in progress)."""
+
+    def __init__(self, min_ngram: int = MIN_NGRAM, max_ngram: int = MAX_NGRAM, follow_copy: bool = True):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.sizes = tuple(range(max_ngram, min_ngram - 1, -1))  # longest first
+        self.follow_copy = follow_copy
         self._follower: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in self.sizes}
         self._indexed = 0  # followers of positions [0, _indexed) are in the index
+        self._copy: tuple[int, int] | None = None  # (source of the last draft, sequence length then)
 
     def propose(self, tokens: list[int], k: int) -> list[int]:
         """k tokens that followed the longest n-gram ending `tokens` where it last occurred before
@@ -31,18 +41,41 @@ class PromptLookup:
             return []
         self._extend(tokens)
         length = len(tokens)
+        at, matched = self._continued(tokens)
         for n in self.sizes:
+            if n <= matched:
+                break  # the copy in progress agrees on at least as many tokens
             if length <= n:
                 continue
-            at = self._follower[n].get(tuple(tokens[length - n:]))
-            if at is not None:
-                # Past the end the copy reads its own draft: a match close to the end is a
-                # period, and the draft repeats it.
-                out = tokens[at:at + k]
-                while len(out) < k:
-                    out.append(out[len(out) - (length - at)])
-                return out
-        return []
+            found = self._follower[n].get(tuple(tokens[length - n:]))
+            if found is not None:
+                at = found
+                break
+        if at is None:
+            self._copy = None
+            return []
+        self._copy = (at, length)
+        # Past the end the copy reads its own draft: a match close to the end is a period, and
+        # the draft repeats it.
+        out = tokens[at:at + k]
+        while len(out) < k:
+            out.append(out[len(out) - (length - at)])
+        return out
+
+    def _continued(self, tokens: list[int]) -> tuple[int | None, int]:
+        """Where the last draft's copy continues now, and on how many of the last tokens (up to
+        the longest n-gram size) it agrees with the sequence; (None, 0) below the shortest."""
+        if not self.follow_copy or self._copy is None:
+            return None, 0
+        source, then = self._copy
+        length = len(tokens)
+        at = source + (length - then)  # the copy moved on with the sequence
+        if at >= length:
+            return None, 0
+        matched = 0
+        while matched < self.sizes[0] and matched < at and tokens[at - 1 - matched] == tokens[length - 1 - matched]:
+            matched += 1
+        return (at, matched) if matched >= self.sizes[-1] else (None, 0)
 
     def _extend(self, tokens: list[int]) -> None:
         """Index every position j < len(tokens) as the follower of the n-grams ending before it."""

@@ -35,7 +35,7 @@ def build_speculator(config: Config, model_sha256: str) -> tuple[Speculator | No
             stats = store.stats()
             log.info("n-gram archive %s: %d contexts, %.1f of %.1f MiB", path, stats["entries"],
                      stats["bytes_used"] / 2**20, budget / 2**20)
-    speculator = Speculator(max_draft=settings.max_draft, archive=NgramArchive(backing=store))
+    speculator = Speculator(max_draft=settings.max_draft, archive=NgramArchive(backing=store), memory=store)
     log.info("speculative decoding: on (up to %d drafted tokens; prompt lookup, archive %s)", settings.max_draft,
              "in RAM and on disk" if store is not None else "in RAM only")
     return speculator, store

@@ -21,9 +21,12 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
+from typing import Callable, Protocol
 
+from worker.spec import learned
 from worker.spec.archive import NgramArchive
 from worker.spec.gate import DraftGate
+from worker.spec.learned import LearnedState
 from worker.spec.prompt_lookup import PromptLookup
 
 log = logging.getLogger("reame.spec")
@@ -41,6 +44,15 @@ MARGIN = 1.25
 CLASS_TOKENS = 16  # prompt tokens that name a request class
 MAX_CLASSES = 10_000  # class records kept (the oldest go first)
 PROBE_TOKENS = 4  # one-token drafts a sequence may try while its own record is this short, paying or not
+SAVE_EVERY = 16  # finished sequences between saves of what was learned (learned.py; ~1 ms to snapshot)
+
+
+class LearnedStore(Protocol):
+    """Where what the speculator learned outlives the process (archive_store.ArchiveStore)."""
+
+    def load_state(self) -> bytes | None: ...
+
+    def save_state(self, encode: Callable[[], bytes]) -> None: ...
 
 
 def draft_length(p: float, break_even: float, most: int) -> int:
@@ -78,6 +90,12 @@ class StepCost:
         per_row = max(0.0, (self._xy - self._x * self._y / n) / var)
         base = max(0.0, (self._y - per_row * self._x) / n)
         return base, per_row
+
+    def export(self) -> tuple[float, float, float, float, float]:
+        return self._n, self._x, self._y, self._xx, self._xy
+
+    def restore(self, sums: tuple[float, float, float, float, float]) -> None:
+        self._n, self._x, self._y, self._xx, self._xy = sums
 
     def break_even(self, sequences: int) -> float:
         """The acceptance rate at which drafting starts to pay in a step of this many sequences."""
@@ -121,10 +139,13 @@ class SpecCounters:
 @dataclass
 class Speculator:
     """max_draft: the most tokens drafted per sequence and step; archive: None drafts from the
-    prompt only; adaptive: False keeps every draft length at max_draft and never switches off."""
+    prompt only; adaptive: False keeps every draft length at max_draft and never switches off;
+    memory: where class records, gate rates and the cost fit are resumed from at start and saved
+    every SAVE_EVERY finished sequences (and by save()), so a restart starts as warm as it stopped."""
     max_draft: int = 8
     archive: NgramArchive | None = None
     adaptive: bool = True
+    memory: LearnedStore | None = None
     cost: StepCost = field(default_factory=StepCost)
     counters: SpecCounters = field(default_factory=SpecCounters)
 
@@ -138,6 +159,9 @@ class Speculator:
         # Step-level check of the per-sequence rule (adaptive only): drafting must measure faster.
         self.gate = DraftGate() if self.adaptive else None
         self._step_allowed = True
+        self._finished = 0  # sequences ended, for SAVE_EVERY
+        if self.memory is not None:
+            self._resume()
 
     def before_step(self, decoding: int) -> None:
         """The next step decodes about this many sequences: may they draft in it?"""
@@ -170,6 +194,9 @@ class Speculator:
             log.debug("request %s: %d of %d drafted tokens accepted", seq_id, state.accepted, state.drafted)
         if tokens is not None and self.archive is not None:
             self.archive.learn(tokens[max(0, num_prompt - self.archive.order):])
+        self._finished += 1
+        if self._finished % SAVE_EVERY == 0:
+            self.save()
 
     # ---- each step --------------------------------------------------------------------------------
 
@@ -245,6 +272,43 @@ class Speculator:
     def _break_even(self) -> float:
         """The acceptance a drafted token needs, with MARGIN (at most 1: only certain drafts)."""
         return min(1.0, MARGIN * self.cost.break_even(self._sequences_per_step))
+
+    # ---- across restarts --------------------------------------------------------------------------
+
+    def learned(self) -> LearnedState:
+        """A copy of what should outlive this process."""
+        classes = [(list(klass), a, r) for klass, (a, r) in self._classes.items()]
+        return LearnedState(classes, self.gate.export() if self.gate is not None else [], self.cost.export())
+
+    def restore(self, state: LearnedState) -> None:
+        """Start from what an earlier process learned (before any sequence begins)."""
+        for klass, a, r in state.classes[-MAX_CLASSES:]:
+            self._classes[tuple(klass)] = (a, r)
+        if self.gate is not None:
+            self.gate.restore(state.gate)
+        self.cost.restore(state.cost)
+
+    def save(self) -> None:
+        """Hand a snapshot to the memory; it encodes and writes it behind the step loop."""
+        if self.memory is not None:
+            snapshot = self.learned()
+            self.memory.save_state(lambda: learned.encode(snapshot))
+
+    def _resume(self) -> None:
+        blob = self.memory.load_state()
+        if blob is None:
+            return
+        state = learned.decode(blob)
+        if state is None:
+            log.warning("speculation: the saved state (%d bytes) is damaged or of another version; starting fresh",
+                        len(blob))
+            return
+        self.restore(state)
+        gate = self.gate.snapshot() if self.gate is not None else {}
+        fit = self.cost.fit()
+        log.info("speculation resumes: %d request classes, gate %s, step cost %s", len(self._classes),
+                 ", ".join(f"{k[5:]} {v}" for k, v in gate.items()) or "none",
+                 f"{1e3 * fit[0]:.1f} ms + {1e3 * fit[1]:.2f} ms/row" if fit else "not fitted")
 
     # ---- reporting --------------------------------------------------------------------------------
 

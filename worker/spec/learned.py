@@ -1,0 +1,57 @@
+"""What the speculator learned that should outlive its process: request classes' acceptance,
+the gate's measured step rates and the step-cost fit, kept beside the n-gram archive.
+
+Without it a restarted worker drafted from a warm archive but decided from nothing: the gate
+spent its first 48 decode steps per batch size measuring (half of them not drafting), every class
+started at the prior's 2-token drafts, and the cost fit started from a default. On the repeated-
+JSON workload the first requests after a restart ran at the speed of a cold start
+(bench/speculative.py, json-restart).
+
+Encoded as magic b"SL", version, CRC32 of the body, then the body as JSON; a blob that fails any
+check decodes to None (the worker then starts fresh, with a warning).
+"""
+from __future__ import annotations
+
+import json
+import struct
+import zlib
+from dataclasses import dataclass, field
+
+MAGIC = b"SL"
+VERSION = 1
+MAX_CLASSES = 1000  # most recently used class records kept across a restart (~80 bytes each)
+_HEADER = struct.Struct("<2sBI")  # magic, version, crc32 of the body
+
+
+@dataclass
+class LearnedState:
+    # (class prompt tokens, decayed accepted tokens, decayed rejections), least recently used first
+    classes: list[tuple[list[int], float, float]] = field(default_factory=list)
+    # per gate bucket: (plain steps' tok/s, drafted steps' tok/s), oldest first
+    gate: list[tuple[list[float], list[float]]] = field(default_factory=list)
+    # StepCost's forgetting sums: (n, x, y, xx, xy)
+    cost: tuple[float, float, float, float, float] = (0.0, 0.0, 0.0, 0.0, 0.0)
+
+
+def encode(state: LearnedState) -> bytes:
+    body = json.dumps({"classes": state.classes[-MAX_CLASSES:], "gate": state.gate, "cost": list(state.cost)},
+                      separators=(",", ":")).encode()
+    return _HEADER.pack(MAGIC, VERSION, zlib.crc32(body)) + body
+
+
+def decode(blob: bytes | None) -> LearnedState | None:
+    """The state in a blob, or None when it is absent, of another version, or damaged."""
+    if blob is None or len(blob) < _HEADER.size:
+        return None
+    magic, version, crc = _HEADER.unpack_from(blob)
+    body = blob[_HEADER.size:]
+    if magic != MAGIC or version != VERSION or zlib.crc32(body) != crc:
+        return None
+    try:
+        raw = json.loads(body)
+        classes = [([int(t) for t in klass], float(a), float(r)) for klass, a, r in raw["classes"]]
+        gate = [([float(v) for v in plain], [float(v) for v in drafted]) for plain, drafted in raw["gate"]]
+        n, x, y, xx, xy = (float(v) for v in raw["cost"])
+    except (ValueError, TypeError, KeyError):
+        return None
+    return LearnedState(classes, gate, (n, x, y, xx, xy))
