@@ -7,8 +7,9 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 
 from tests.kernels.quant_cases import batch_inputs, packed_table, random_tensor
-from worker.engine.kernels.matmul_i8 import (_quantize_rows, batch_scratch_i8, linear_batch_i8,
-                                             quantize_reference, scratch_size_i8)
+from worker.engine.kernels.matmul_i8 import (ROW_BLOCK, _quantize_rows, batch_scratch_i8, linear_batch_i8,
+                                             linear_batch_i8_blocked, linear_batch_i8_serial, quantize_reference,
+                                             scratch_size_i8)
 from worker.engine.kernels.packing import TILE
 from worker.engine.kernels.registry import ALL_QUANT_TYPES
 from worker.engine.quants import dequantize
@@ -17,10 +18,10 @@ ROWS, COLS = 100, 512  # rows not a multiple of TILE: padding is exercised
 FLOAT_TYPES = (QT.F32, QT.F16, QT.BF16)
 
 
-def _batch(table, mats, x):
+def _batch(table, mats, x, kernel=linear_batch_i8):
     width = sum(table.padded_rows(int(i)) for i in mats)
     out = np.full((x.shape[0], width), np.nan, np.float32)  # every output must be written
-    linear_batch_i8(table.data, table.scales, table.scales16, table.meta, np.asarray(mats), x, out,
+    kernel(table.data, table.scales, table.scales16, table.meta, np.asarray(mats), x, out,
                     batch_scratch_i8(width // TILE, x.shape[0], x.shape[1]))
     return out
 
@@ -82,6 +83,20 @@ def test_a_row_does_not_depend_on_the_rows_batched_with_it(batch):
         assert np.array_equal(together[b], _batch(table, mats, x[b:b + 1])[0])
     reordered = _batch(table, mats, x[::-1].copy())
     assert np.array_equal(reordered, together[::-1])
+
+
+@pytest.mark.parametrize("batch", [1, ROW_BLOCK, 2 * ROW_BLOCK + 7])
+def test_the_int8_variants_give_the_same_bits(batch):
+    # Row blocks that split a 4-row micro-kernel step, a last block shorter than ROW_BLOCK, every
+    # format (q4 with fp16 scales, q8 with group 16 and f32 scales, q8 without bias, f32).
+    types = (QT.Q4_1, QT.Q6_K, QT.Q8_0, QT.BF16, QT.Q4_K, QT.Q5_0)
+    table = packed_table([(random_tensor(q, 64 + 8 * i, 256, i), q) for i, q in enumerate(types)])
+    mats = list(range(len(types)))
+    x = batch_inputs(batch, 256, seed=9)
+    plain = _batch(table, mats, x)
+    assert not np.isnan(plain).any()
+    for kernel in (linear_batch_i8_blocked, linear_batch_i8_serial):
+        assert np.array_equal(_batch(table, mats, x, kernel), plain), kernel.__name__
 
 
 def test_several_matrices_of_different_formats_lie_side_by_side():

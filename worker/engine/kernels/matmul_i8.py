@@ -60,7 +60,7 @@ from numba import njit, prange, types
 from numba.core import cgutils, config
 from numba.extending import intrinsic
 
-from worker.engine.kernels.matmul_batch import _tile_f32
+from worker.engine.kernels.matmul_batch import _tile_f32, locate_tile
 from worker.engine.kernels.packing import (FMT_F32, FMT_Q4, FMT_Q8, M_BIAS, M_DATA, M_FMT, M_GROUP,
                                            M_HALF, M_K, M_SCALE, M_TILES, TILE)
 
@@ -111,6 +111,14 @@ _VECTORS_AT_ONCE = 2 if ISA == "avx2" else 4
 
 _VEC = 16
 PREFETCH_GROUPS = 4
+
+# Rows of x one work item of linear_batch_i8_blocked computes for one tile: their outputs (32 rows ×
+# 64 floats = 8 KB) stay in L1 across the tile's groups, where linear_batch_i8 re-reads and writes
+# back a whole 512-row chunk's outputs (128 KB, from L2) once per group. AVX2, 1 thread, 512 rows,
+# CPU time vs linear_batch_i8 (bench/matmul_profile.py --clock cpu, loaded host): 32 rows 0.85-1.03
+# per matrix of SmolLM2 and Gemma 3 (7 of 8 faster); 64 rows 0.74-0.91 on SmolLM2 but 0.92-1.10 on
+# Gemma 3, whose q8 tiles (640 inputs: 40 KB) then no longer share L1 with the outputs.
+ROW_BLOCK = 32
 
 
 def scratch_size_i8(batch: int, k: int) -> int:
@@ -532,16 +540,15 @@ def _unpermute(typingctx, out, row, col0):
 
 
 @njit(**_JIT)
-def _tile_i8(data, scales, scales16, meta, tile, xq, xs, fsum16, fsum32, corr16, corr32, out, col0):
-    """out[:, col0:col0 + TILE] = tile `tile` of a q4/q8 matrix times every row of x (quantized)."""
+def _tile_i8(data, scales, scales16, meta, tile, xq, xs, fsum16, fsum32, corr16, corr32, out, col0, r0, r1):
+    """out[r0:r1, col0:col0 + TILE] = tile `tile` of a q4/q8 matrix times rows r0..r1 of x (quantized)."""
     k = meta[M_K]
     group = meta[M_GROUP]
     groups = k // group
-    batch = xq.shape[0]
     q4 = meta[M_FMT] == FMT_Q4
     group_bytes = (group // 2 if q4 else group) * TILE
     base = meta[M_DATA] + tile * groups * group_bytes
-    for b in range(batch):
+    for b in range(r0, r1):
         o = out[b, col0:col0 + TILE]
         for t in range(TILE):
             o[t] = 0.0
@@ -550,9 +557,9 @@ def _tile_i8(data, scales, scales16, meta, tile, xq, xs, fsum16, fsum32, corr16,
         at = (tile * groups + g) * TILE
         s_off = meta[M_SCALE] + at
         m_off = meta[M_BIAS] + at if meta[M_BIAS] >= 0 else -1
-        b0 = 0
-        while b0 < batch:  # blocks of BLOCK rows
-            rows = min(BLOCK, batch - b0)
+        b0 = r0
+        while b0 < r1:  # blocks of BLOCK rows
+            rows = min(BLOCK, r1 - b0)
             if q4:
                 _i8_step(data, d_off, xq, xs, fsum32, corr32, b0, g * 32, g, g, scales, scales16, s_off, m_off,
                          meta[M_HALF], out, col0, rows, FMT_Q4, 32)
@@ -563,7 +570,7 @@ def _tile_i8(data, scales, scales16, meta, tile, xq, xs, fsum16, fsum32, corr16,
                 _i8_step(data, d_off, xq, xs, fsum16, corr16, b0, g * 16, g // 2, g, scales, scales16, s_off,
                          m_off, meta[M_HALF], out, col0, rows, FMT_Q8, 16)
             b0 += rows
-    for b in range(batch):
+    for b in range(r0, r1):
         _unpermute(out, b, col0)
 
 
@@ -608,17 +615,14 @@ def _prepare_i8(meta, mats, x, out, scratch):
 
 @njit(**_JIT)
 def _one_tile_i8(data, scales, scales16, meta, mats, first_tile, tg, x, xq, xs, fsum16, fsum32, corr16, corr32,
-                 out):
-    """Tile tg of the listed matrices (counted across them) times every row of x."""
-    i = 0
-    while tg >= first_tile[i + 1]:
-        i += 1
+                 out, r0, r1):
+    """Tile tg of the listed matrices (counted across them) times rows r0..r1 of x."""
+    i, tile = locate_tile(first_tile, tg)
     m = meta[mats[i]]
-    tile = tg - first_tile[i]
     if m[M_FMT] == FMT_F32:
-        _tile_f32(data, m, tile, x, out, tg * TILE)
+        _tile_f32(data, m, tile, x[r0:r1], out[r0:r1], tg * TILE)
     else:
-        _tile_i8(data, scales, scales16, m, tile, xq, xs, fsum16, fsum32, corr16, corr32, out, tg * TILE)
+        _tile_i8(data, scales, scales16, m, tile, xq, xs, fsum16, fsum32, corr16, corr32, out, tg * TILE, r0, r1)
 
 
 @njit(parallel=True, **_JIT)
@@ -633,7 +637,26 @@ def linear_batch_i8(data, scales, scales16, meta, mats, x, out, scratch):
     first_tile, xq, xs, fsum16, fsum32, corr16, corr32 = _prepare_i8(meta, mats, x, out, scratch)
     for tg in prange(first_tile[mats.shape[0]]):
         _one_tile_i8(data, scales, scales16, meta, mats, first_tile, tg, x, xq, xs, fsum16, fsum32, corr16, corr32,
-                     out)
+                     out, 0, x.shape[0])
+
+
+@njit(parallel=True, **_JIT)
+def linear_batch_i8_blocked(data, scales, scales16, meta, mats, x, out, scratch):
+    """linear_batch_i8 (same contract, same bits: each row's sums run in the same order) with one
+    work item per (tile, block of ROW_BLOCK rows) instead of per tile.
+
+    For prompt chunks: a block's outputs stay in L1 while the tile's groups stream past them, and
+    the items split evenly over the threads even when a matrix has few tiles (576 outputs are 9
+    tiles: one of 2 threads gets 5; 9 × 16 blocks of a 512-row chunk split 72/72). Items run tile
+    by tile, so a thread's consecutive blocks reuse the tile's weights from L2."""
+    first_tile, xq, xs, fsum16, fsum32, corr16, corr32 = _prepare_i8(meta, mats, x, out, scratch)
+    batch = x.shape[0]
+    blocks = (batch + ROW_BLOCK - 1) // ROW_BLOCK
+    for item in prange(first_tile[mats.shape[0]] * blocks):
+        tg = item // blocks
+        r0 = (item % blocks) * ROW_BLOCK
+        _one_tile_i8(data, scales, scales16, meta, mats, first_tile, tg, x, xq, xs, fsum16, fsum32, corr16, corr32,
+                     out, r0, min(r0 + ROW_BLOCK, batch))
 
 
 @njit(**_JIT)
@@ -643,4 +666,4 @@ def linear_batch_i8_serial(data, scales, scales16, meta, mats, x, out, scratch):
     first_tile, xq, xs, fsum16, fsum32, corr16, corr32 = _prepare_i8(meta, mats, x, out, scratch)
     for tg in range(first_tile[mats.shape[0]]):
         _one_tile_i8(data, scales, scales16, meta, mats, first_tile, tg, x, xq, xs, fsum16, fsum32, corr16, corr32,
-                     out)
+                     out, 0, x.shape[0])

@@ -50,6 +50,10 @@ KERNELS: dict[tuple[str, str], KernelVariant] = {
                                                 "barrier (one-row calls, a neighbour on a core)", "float32"),
     ("matmul", "int8_serial"): KernelVariant("matmul", "int8_serial", matmul_i8.linear_batch_i8_serial, 3,
                                              "int8 with every tile on the calling thread", "int8"),
+    ("matmul", "int8_blocked"): KernelVariant("matmul", "int8_blocked", matmul_i8.linear_batch_i8_blocked, 4,
+                                              "int8 parallel over (tile, 32-row block): a block's outputs stay in "
+                                              "L1 across the tile's groups and few-tile matrices split evenly "
+                                              "over the threads (prompt chunks); the bits of int8", "int8"),
     ("row", "gather"): KernelVariant("row", "gather", ops.dequant_row, 0,
                                      "dequantize one row (embedding lookup)", "float32"),
 }
