@@ -10,7 +10,7 @@ from tests.kernels.quant_cases import batch_inputs, packed_table, random_tensor
 from worker.engine.kernels.matmul_i8 import (ROW_BLOCK, _quantize_rows, batch_scratch_i8, linear_batch_i8,
                                              linear_batch_i8_blocked, linear_batch_i8_serial, quantize_reference,
                                              scratch_size_i8)
-from worker.engine.kernels.packing import TILE
+from worker.engine.kernels.packing import M_NARROW, TILE
 from worker.engine.kernels.registry import ALL_QUANT_TYPES
 from worker.engine.quants import dequantize
 
@@ -97,6 +97,37 @@ def test_the_int8_variants_give_the_same_bits(batch):
     assert not np.isnan(plain).any()
     for kernel in (linear_batch_i8_blocked, linear_batch_i8_serial):
         assert np.array_equal(_batch(table, mats, x, kernel), plain), kernel.__name__
+
+
+def _extreme_codes(qtype, rows, cols):
+    """GGUF rows whose every code is the type's most negative (all quant bits zero), scale 0.01."""
+    d = np.float16(0.01).tobytes()
+    if qtype == QT.Q6_K:  # 256 per block: ql[128], qh[64], scales int8[16], d: code = q - 32
+        block = np.zeros(210, np.uint8)
+        block[192:208] = 1
+        block[208:210] = np.frombuffer(d, np.uint8)
+    else:  # Q5_0, 32 per block: d, qh[4], qs[16]: code = q - 16
+        block = np.zeros(22, np.uint8)
+        block[0:2] = np.frombuffer(d, np.uint8)
+    per_block = 256 if qtype == QT.Q6_K else 32
+    return np.tile(block, (rows, cols // per_block))
+
+
+def test_narrow_q8_group_sums_cannot_overflow_int16():
+    # Q5_0 and Q6_K take the narrow path (a group's pair sums add up in int16): the largest codes
+    # times activations all at +127 reach 32512 per lane, just within int16. Q8_0 does not.
+    raws = [(_extreme_codes(QT.Q5_0, 64, 256), QT.Q5_0), (_extreme_codes(QT.Q6_K, 64, 256), QT.Q6_K),
+            (random_tensor(QT.Q8_0, 64, 256, 1), QT.Q8_0)]
+    table = packed_table(raws)
+    assert list(table.meta[:, M_NARROW]) == [1, 1, 0]
+    x = np.ones((3, 256), np.float32)
+    x[1] = -2.0
+    x[2, ::2] = -1.0  # mixed signs
+    got = _batch(table, [0, 1, 2], x)
+    for i, (raw, qtype) in enumerate(raws):
+        expected = _x_hat(x) @ dequantize(raw, qtype).T.astype(np.float64)
+        np.testing.assert_allclose(got[:, 64 * i:64 * (i + 1)], expected, rtol=0,
+                                   atol=2e-5 * np.abs(expected).max(), err_msg=qtype.name)
 
 
 def test_several_matrices_of_different_formats_lie_side_by_side():

@@ -62,7 +62,7 @@ from numba.extending import intrinsic
 
 from worker.engine.kernels.matmul_batch import _tile_f32, locate_tile
 from worker.engine.kernels.packing import (FMT_F32, FMT_Q4, FMT_Q8, M_BIAS, M_DATA, M_FMT, M_GROUP,
-                                           M_HALF, M_K, M_SCALE, M_TILES, TILE)
+                                           M_HALF, M_K, M_NARROW, M_SCALE, M_TILES, TILE)
 
 
 def _instruction_set() -> str:
@@ -205,21 +205,23 @@ def _quantize_rows(x, xq, xs, fsum16, fsum32, corr16, corr32):
 
 @intrinsic(prefer_literal=True)
 def _i8_step(typingctx, data, d_off, xq, xs, fsum, corr, b0, k0, blk, g, scales, scales16, s_off, m_off,
-             half, out, col0, rows, fmt, group):
+             half, out, col0, rows, fmt, group, narrow):
     """out[b0 + r, col0:col0 + TILE] (permuted order) += one group's contribution, r < rows.
 
     d_off: byte offset of the group's codes in data; xq[b, k0 + e]: the group's int8 activations,
     xs[b, blk] their scale; fsum[b, g] = Σ of the dequantized activations over the group, corr[b, g]
     = -128 Σ q (used by q8); s_off / m_off: offsets of the group's TILE scales / biases in scales16
-    (half != 0) or scales, m_off < 0 for none. fmt and group must be literals.
+    (half != 0) or scales, m_off < 0 for none. fmt, group and narrow (1: a q8 matrix whose group
+    sums fit int16, packing.narrow_codes) must be literals.
     """
-    if not (isinstance(fmt, types.IntegerLiteral) and isinstance(group, types.IntegerLiteral)):
+    if not all(isinstance(a, types.IntegerLiteral) for a in (fmt, group, narrow)):
         return None
     sig = types.void(data, d_off, xq, xs, fsum, corr, b0, k0, blk, g, scales, scales16, s_off, m_off, half,
-                     out, col0, rows, fmt, group)
+                     out, col0, rows, fmt, group, narrow)
 
     def codegen(context, builder, signature, args):
-        _I8Emitter(context, builder, signature, args, fmt.literal_value, group.literal_value).emit()
+        _I8Emitter(context, builder, signature, args, fmt.literal_value, group.literal_value,
+                   narrow.literal_value != 0).emit()
         return context.get_dummy_value()
 
     return sig, codegen
@@ -254,10 +256,10 @@ def _perm_lanes(v: int) -> list[int]:
 class _I8Emitter:
     """IR of one `_i8_step` call: a switch on the row count, straight-line code per case."""
 
-    def __init__(self, context, builder, signature, args, fmt, group):
+    def __init__(self, context, builder, signature, args, fmt, group, narrow):
         self.context, self.b = context, builder
         self.tys = signature.args
-        self.fmt, self.group = fmt, group
+        self.fmt, self.group, self.narrow = fmt, group, narrow
         self.arrays = {i: context.make_array(self.tys[i])(context, builder, args[i])
                        for i in (_DATA, _XQ, _XS, _FSUM, _CORR, _SCALES, _SCALES16, _OUT)}
         (self.d_off, self.b0, self.k0, self.blk, self.g, self.s_off, self.m_off, self.half, self.col0,
@@ -422,7 +424,10 @@ class _I8Emitter:
         products of a 32-input group add up in int16 (≤ 30480) and widen once per group.
         q8: signed codes cannot be flipped to c + 128 here (pairs would saturate), so the unsigned
         operand is |c| and the activation takes c's sign (vpsignb): |c|·sign(c)·a = c·a, pair sums
-        ≤ 2·128·127 = 32512; each product is widened at once. The accumulators start at 0."""
+        ≤ 2·128·127 = 32512; each product is widened at once, unless the matrix is narrow (Q5_0:
+        |c| ≤ 16 in groups of 32, Q6_K: ≤ 32 in groups of 16), where a whole group's pair sums
+        add up in int16 (≤ 32512) and widen once per group, as q4's: a vpmaddwd and a vpaddd less
+        per 32 products. The accumulators start at 0."""
         b, c = self.b, self._c
         rows_b = [b.add(self.b0, c(r)) for r in range(n)]
         low = ir.Constant(_VB, 0x0F)
@@ -453,8 +458,11 @@ class _I8Emitter:
                         mag = b.select(neg, b.sub(ir.Constant(_VB, 0), w), w)
                         for r in range(n):
                             pairs = self._maddubs(mag, self._sign(acts[r], w))
-                            acc[r, v] = b.add(acc[r, v], self._widen_pairs(pairs))
-            if self.fmt == FMT_Q4:
+                            if self.narrow:
+                                acc16[r, v] = b.add(acc16[r, v], pairs)
+                            else:
+                                acc[r, v] = b.add(acc[r, v], self._widen_pairs(pairs))
+            if self.fmt == FMT_Q4 or self.narrow:
                 acc = {key: self._widen_pairs(a16) for key, a16 in acc16.items()}
             self._finish(vs, rows_b, acc)
 
@@ -546,6 +554,7 @@ def _tile_i8(data, scales, scales16, meta, tile, xq, xs, fsum16, fsum32, corr16,
     group = meta[M_GROUP]
     groups = k // group
     q4 = meta[M_FMT] == FMT_Q4
+    narrow = meta[M_NARROW] != 0
     group_bytes = (group // 2 if q4 else group) * TILE
     base = meta[M_DATA] + tile * groups * group_bytes
     for b in range(r0, r1):
@@ -562,13 +571,19 @@ def _tile_i8(data, scales, scales16, meta, tile, xq, xs, fsum16, fsum32, corr16,
             rows = min(BLOCK, r1 - b0)
             if q4:
                 _i8_step(data, d_off, xq, xs, fsum32, corr32, b0, g * 32, g, g, scales, scales16, s_off, m_off,
-                         meta[M_HALF], out, col0, rows, FMT_Q4, 32)
+                         meta[M_HALF], out, col0, rows, FMT_Q4, 32, 0)
+            elif group == 32 and narrow:
+                _i8_step(data, d_off, xq, xs, fsum32, corr32, b0, g * 32, g, g, scales, scales16, s_off, m_off,
+                         meta[M_HALF], out, col0, rows, FMT_Q8, 32, 1)
             elif group == 32:
                 _i8_step(data, d_off, xq, xs, fsum32, corr32, b0, g * 32, g, g, scales, scales16, s_off, m_off,
-                         meta[M_HALF], out, col0, rows, FMT_Q8, 32)
+                         meta[M_HALF], out, col0, rows, FMT_Q8, 32, 0)
+            elif narrow:
+                _i8_step(data, d_off, xq, xs, fsum16, corr16, b0, g * 16, g // 2, g, scales, scales16, s_off,
+                         m_off, meta[M_HALF], out, col0, rows, FMT_Q8, 16, 1)
             else:
                 _i8_step(data, d_off, xq, xs, fsum16, corr16, b0, g * 16, g // 2, g, scales, scales16, s_off,
-                         m_off, meta[M_HALF], out, col0, rows, FMT_Q8, 16)
+                         m_off, meta[M_HALF], out, col0, rows, FMT_Q8, 16, 0)
             b0 += rows
     for b in range(r0, r1):
         _unpermute(out, b, col0)
