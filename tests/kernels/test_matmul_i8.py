@@ -130,6 +130,16 @@ def test_narrow_q8_group_sums_cannot_overflow_int16():
                                    atol=2e-5 * np.abs(expected).max(), err_msg=qtype.name)
 
 
+@pytest.mark.parametrize("qtype", [QT.Q5_0, QT.Q6_K], ids=lambda q: q.name)
+def test_the_narrow_path_gives_the_bits_of_the_wide_one(qtype):
+    table = packed_table([(random_tensor(qtype, 100, 512, 5), qtype)])
+    assert table.meta[0, M_NARROW] == 1
+    x = batch_inputs(6, 512, seed=11)
+    narrow = _batch(table, [0], x)
+    table.meta[0, M_NARROW] = 0  # every product widened to int32 at once
+    assert np.array_equal(_batch(table, [0], x), narrow)
+
+
 def test_several_matrices_of_different_formats_lie_side_by_side():
     raws = [(random_tensor(QT.Q4_K, 64, 256, 1), QT.Q4_K), (random_tensor(QT.Q6_K, 70, 256, 2), QT.Q6_K),
             (random_tensor(QT.F16, 64, 256, 3), QT.F16), (random_tensor(QT.Q5_1, 30, 256, 4), QT.Q5_1)]
