@@ -2,11 +2,15 @@
 beside llama.cpp (through llama-cpp-python) on the same file when it is installed.
 
     python bench/engine.py [--models smollm2-135m gemma3-270m] [--threads 1 2] [--runs 3]
+                           [--peer-bench PATH/TO/llama-bench]
 
 Prints medians of --runs runs and the ratio to the peer. Each (engine, model, threads) runs in
 its own process, so neither thread pool outlives its measurement and disturbs the next one.
 Not a test: machines are shared and noisy, so read ratios from one run, not absolute numbers
 across runs.
+
+--peer-bench runs the native llama-bench instead (`llama-bench -m MODEL -t THREADS -p 512 -n 128
+-r RUNS -o json`, its mean tokens/s), in the same run as Reame's measurement.
 
 The peer without a pip build of llama-cpp-python: its Python package from the sdist plus a
 llama.cpp built natively (cmake -DGGML_NATIVE=ON) are enough:
@@ -98,6 +102,20 @@ def bench_llama_cpp(path: Path, threads: int, runs: int) -> tuple[float, float] 
     return statistics.median(prefill), statistics.median(decode)
 
 
+def bench_llama_bench(binary: Path, path: Path, threads: int, runs: int) -> tuple[float, float]:
+    """(prefill, decode) tokens/s of the native llama-bench on the same file and thread count."""
+    cmd = [str(binary), "-m", str(path), "-t", str(threads), "-p", str(PROMPT_TOKENS), "-n", str(DECODE_TOKENS),
+           "-r", str(runs), "-o", "json"]
+    say("  " + " ".join(cmd))
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"llama-bench failed (exit {proc.returncode}): {proc.stderr.strip()[-500:]}")
+    tests = json.loads(proc.stdout)
+    rate = {("prefill" if t["n_prompt"] else "decode"): float(t["avg_ts"]) for t in tests}
+    say(f"  llama-bench {threads}t: prefill {rate['prefill']:.0f} tok/s, decode {rate['decode']:.1f} tok/s")
+    return rate["prefill"], rate["decode"]
+
+
 def environment() -> str:
     import numba
     from threadpoolctl import threadpool_info
@@ -122,6 +140,7 @@ def main() -> int:
     parser.add_argument("--models", nargs="+", default=["smollm2-135m"])
     parser.add_argument("--threads", nargs="+", type=int, default=[1, 2])
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--peer-bench", type=Path, help="the native llama-bench binary to run as the peer")
     parser.add_argument("--one", nargs=4, metavar=("ENGINE", "PATH", "THREADS", "RUNS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
@@ -137,14 +156,18 @@ def main() -> int:
         for threads in args.threads:
             say(f"{name}, {threads} thread(s)")
             ours = measure_in_subprocess("reame", path, threads, args.runs)
-            peer = measure_in_subprocess("llama.cpp", path, threads, args.runs)
+            if args.peer_bench:
+                peer = bench_llama_bench(args.peer_bench, path, threads, args.runs)
+            else:
+                peer = measure_in_subprocess("llama.cpp", path, threads, args.runs)
             rows.append((name, threads, ours, peer))
 
     print(f"\nprompt {PROMPT_TOKENS} tokens, decode {DECODE_TOKENS} tokens, median of {args.runs} runs")
     print(environment())
     print(blas_env.describe())
     peer_note = "" if any(r[3] for r in rows) else " (llama-cpp-python not installed: no peer numbers)"
-    print(f"peer: llama.cpp through llama-cpp-python{peer_note}\n")
+    peer_name = f"native {args.peer_bench}" if args.peer_bench else "llama.cpp through llama-cpp-python"
+    print(f"peer: {peer_name}{peer_note}\n")
     header = f"{'model':<14} {'thr':>3} {'prefill tok/s':>14} {'peer':>8} {'ratio':>6} {'decode tok/s':>13} {'peer':>8} {'ratio':>6}"
     print(header)
     print("-" * len(header))

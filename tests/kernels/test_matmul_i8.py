@@ -7,9 +7,10 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 
 from tests.kernels.quant_cases import batch_inputs, packed_table, random_tensor
-from worker.engine.kernels.matmul_i8 import (_quantize_rows, batch_scratch_i8, linear_batch_i8,
-                                             quantize_reference, scratch_size_i8)
-from worker.engine.kernels.packing import TILE
+from worker.engine.kernels.matmul_i8 import (ROW_BLOCK, _quantize_rows, batch_scratch_i8, linear_batch_i8,
+                                             linear_batch_i8_blocked, linear_batch_i8_serial, quantize_reference,
+                                             scratch_size_i8)
+from worker.engine.kernels.packing import M_NARROW, TILE
 from worker.engine.kernels.registry import ALL_QUANT_TYPES
 from worker.engine.quants import dequantize
 
@@ -17,10 +18,10 @@ ROWS, COLS = 100, 512  # rows not a multiple of TILE: padding is exercised
 FLOAT_TYPES = (QT.F32, QT.F16, QT.BF16)
 
 
-def _batch(table, mats, x):
+def _batch(table, mats, x, kernel=linear_batch_i8):
     width = sum(table.padded_rows(int(i)) for i in mats)
     out = np.full((x.shape[0], width), np.nan, np.float32)  # every output must be written
-    linear_batch_i8(table.data, table.scales, table.scales16, table.meta, np.asarray(mats), x, out,
+    kernel(table.data, table.scales, table.scales16, table.meta, np.asarray(mats), x, out,
                     batch_scratch_i8(width // TILE, x.shape[0], x.shape[1]))
     return out
 
@@ -82,6 +83,61 @@ def test_a_row_does_not_depend_on_the_rows_batched_with_it(batch):
         assert np.array_equal(together[b], _batch(table, mats, x[b:b + 1])[0])
     reordered = _batch(table, mats, x[::-1].copy())
     assert np.array_equal(reordered, together[::-1])
+
+
+@pytest.mark.parametrize("batch", [1, ROW_BLOCK, 2 * ROW_BLOCK + 7])
+def test_the_int8_variants_give_the_same_bits(batch):
+    # Row blocks that split a 4-row micro-kernel step, a last block shorter than ROW_BLOCK, every
+    # format (q4 with fp16 scales, q8 with group 16 and f32 scales, q8 without bias, f32).
+    types = (QT.Q4_1, QT.Q6_K, QT.Q8_0, QT.BF16, QT.Q4_K, QT.Q5_0)
+    table = packed_table([(random_tensor(q, 64 + 8 * i, 256, i), q) for i, q in enumerate(types)])
+    mats = list(range(len(types)))
+    x = batch_inputs(batch, 256, seed=9)
+    plain = _batch(table, mats, x)
+    assert not np.isnan(plain).any()
+    for kernel in (linear_batch_i8_blocked, linear_batch_i8_serial):
+        assert np.array_equal(_batch(table, mats, x, kernel), plain), kernel.__name__
+
+
+def _extreme_codes(qtype, rows, cols):
+    """GGUF rows whose every code is the type's most negative (all quant bits zero), scale 0.01."""
+    d = np.float16(0.01).tobytes()
+    if qtype == QT.Q6_K:  # 256 per block: ql[128], qh[64], scales int8[16], d: code = q - 32
+        block = np.zeros(210, np.uint8)
+        block[192:208] = 1
+        block[208:210] = np.frombuffer(d, np.uint8)
+    else:  # Q5_0, 32 per block: d, qh[4], qs[16]: code = q - 16
+        block = np.zeros(22, np.uint8)
+        block[0:2] = np.frombuffer(d, np.uint8)
+    per_block = 256 if qtype == QT.Q6_K else 32
+    return np.tile(block, (rows, cols // per_block))
+
+
+def test_narrow_q8_group_sums_cannot_overflow_int16():
+    # Q5_0 and Q6_K take the narrow path (a group's pair sums add up in int16): the largest codes
+    # times activations all at +127 reach 32512 per lane, just within int16. Q8_0 does not.
+    raws = [(_extreme_codes(QT.Q5_0, 64, 256), QT.Q5_0), (_extreme_codes(QT.Q6_K, 64, 256), QT.Q6_K),
+            (random_tensor(QT.Q8_0, 64, 256, 1), QT.Q8_0)]
+    table = packed_table(raws)
+    assert list(table.meta[:, M_NARROW]) == [1, 1, 0]
+    x = np.ones((3, 256), np.float32)
+    x[1] = -2.0
+    x[2, ::2] = -1.0  # mixed signs
+    got = _batch(table, [0, 1, 2], x)
+    for i, (raw, qtype) in enumerate(raws):
+        expected = _x_hat(x) @ dequantize(raw, qtype).T.astype(np.float64)
+        np.testing.assert_allclose(got[:, 64 * i:64 * (i + 1)], expected, rtol=0,
+                                   atol=2e-5 * np.abs(expected).max(), err_msg=qtype.name)
+
+
+@pytest.mark.parametrize("qtype", [QT.Q5_0, QT.Q6_K], ids=lambda q: q.name)
+def test_the_narrow_path_gives_the_bits_of_the_wide_one(qtype):
+    table = packed_table([(random_tensor(qtype, 100, 512, 5), qtype)])
+    assert table.meta[0, M_NARROW] == 1
+    x = batch_inputs(6, 512, seed=11)
+    narrow = _batch(table, [0], x)
+    table.meta[0, M_NARROW] = 0  # every product widened to int32 at once
+    assert np.array_equal(_batch(table, [0], x), narrow)
 
 
 def test_several_matrices_of_different_formats_lie_side_by_side():

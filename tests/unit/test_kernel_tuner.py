@@ -285,6 +285,15 @@ def test_snapshot_is_plain_json():
     assert set(snap["buckets"]["1"]["arms"]) == {"int8x2t", "int8x1t", "int8_serialx2t", "int8_serialx1t"}
 
 
+def test_a_variant_is_an_arm_only_where_some_call_has_its_minimum_rows():
+    # int8_blocked runs as int8 up to ROW_BLOCK (32) rows: an arm in the 33+ bucket only
+    tuner, engine, clock = make()
+    arms = {b.name: {variant for variant, _ in b.arms} for b in tuner.buckets}
+    assert "int8_blocked" in arms["33+"]
+    assert all("int8_blocked" not in arms[name] for name in ("1", "2-8", "9-32"))
+    assert all({"int8", "int8_serial"} <= a for a in arms.values())
+
+
 def _config(tmp_path, **tuning):
     from shared.config import parse_config
     lines = [f"state_path = {tmp_path / 'state'}"] + [f"{k} = {v}" for k, v in tuning.items()]

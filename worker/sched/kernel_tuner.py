@@ -48,7 +48,7 @@ from statistics import median
 from typing import Callable, Protocol
 
 from shared.config import Config
-from worker.engine.kernels.registry import BUCKET_NAMES, OpTable, bucket_of, variants_of
+from worker.engine.kernels.registry import BUCKET_NAMES, OpTable, bucket_of, serves_bucket, variants_of
 
 log = logging.getLogger("reame.kernel_tuner")
 
@@ -163,11 +163,17 @@ class KernelTuner:
         self.rng = rng or random.Random(0)
         self._save = saved
         self.numerics = engine.ops.numerics("matmul")
-        variants = list(variants_of("matmul", self.numerics))
+        variants = variants_of("matmul", self.numerics)
         self.max_threads = max(1, int(engine.threads))
-        arms = [(v, t) for v in variants for t in range(self.max_threads, 0, -1)]
         start = engine.ops.names("matmul")
-        self.buckets = [_Bucket(b, (start[b], self.max_threads), arms, settings) for b in range(len(BUCKET_NAMES))]
+
+        def arms_of(bucket: int) -> list[Arm]:
+            """The variants that differ from the others on some call of the bucket's size, at each thread count."""
+            names = [n for n, v in variants.items() if serves_bucket(v, bucket) or n == start[bucket]]
+            return [(n, t) for n in names for t in range(self.max_threads, 0, -1)]
+
+        self.buckets = [_Bucket(b, (start[b], self.max_threads), arms_of(b), settings)
+                        for b in range(len(BUCKET_NAMES))]
         self._tables: dict[tuple[str, ...], OpTable] = {}
         self._step: tuple[_Bucket, Arm, bool, int] | None = None
         self.events: list[dict] = []  # promotions and rollbacks, newest last (snapshot)

@@ -367,13 +367,20 @@ def _prepare(meta, mats, x, out, scratch):
 
 
 @njit(**_JIT)
-def _one_tile(data, scales, scales16, meta, mats, first_tile, tg, x, sums, out):
-    """Tile tg of the listed matrices (counted across them) times every row of x."""
+def locate_tile(first_tile, tg):
+    """(i, tile): tile tg counted across the listed matrices is tile `tile` of the i-th one;
+    first_tile (n_mats + 1,) holds each listed matrix's first tile (as _prepare returns it)."""
     i = 0
     while tg >= first_tile[i + 1]:
         i += 1
+    return i, tg - first_tile[i]
+
+
+@njit(**_JIT)
+def _one_tile(data, scales, scales16, meta, mats, first_tile, tg, x, sums, out):
+    """Tile tg of the listed matrices (counted across them) times every row of x."""
+    i, tile = locate_tile(first_tile, tg)
     m = meta[mats[i]]
-    tile = tg - first_tile[i]
     if m[M_FMT] == FMT_F32:
         _tile_f32(data, m, tile, x, out, tg * TILE)
     else:

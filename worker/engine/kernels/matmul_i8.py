@@ -60,9 +60,9 @@ from numba import njit, prange, types
 from numba.core import cgutils, config
 from numba.extending import intrinsic
 
-from worker.engine.kernels.matmul_batch import _tile_f32
+from worker.engine.kernels.matmul_batch import _tile_f32, locate_tile
 from worker.engine.kernels.packing import (FMT_F32, FMT_Q4, FMT_Q8, M_BIAS, M_DATA, M_FMT, M_GROUP,
-                                           M_HALF, M_K, M_SCALE, M_TILES, TILE)
+                                           M_HALF, M_K, M_NARROW, M_SCALE, M_TILES, TILE)
 
 
 def _instruction_set() -> str:
@@ -111,6 +111,14 @@ _VECTORS_AT_ONCE = 2 if ISA == "avx2" else 4
 
 _VEC = 16
 PREFETCH_GROUPS = 4
+
+# Rows of x one work item of linear_batch_i8_blocked computes for one tile: their outputs (32 rows ×
+# 64 floats = 8 KB) stay in L1 across the tile's groups, where linear_batch_i8 re-reads and writes
+# back a whole 512-row chunk's outputs (128 KB, from L2) once per group. AVX2, 1 thread, 512 rows,
+# CPU time vs linear_batch_i8 (bench/matmul_profile.py --clock cpu, loaded host): 32 rows 0.85-1.03
+# per matrix of SmolLM2 and Gemma 3 (7 of 8 faster); 64 rows 0.74-0.91 on SmolLM2 but 0.92-1.10 on
+# Gemma 3, whose q8 tiles (640 inputs: 40 KB) then no longer share L1 with the outputs.
+ROW_BLOCK = 32
 
 
 def scratch_size_i8(batch: int, k: int) -> int:
@@ -197,21 +205,23 @@ def _quantize_rows(x, xq, xs, fsum16, fsum32, corr16, corr32):
 
 @intrinsic(prefer_literal=True)
 def _i8_step(typingctx, data, d_off, xq, xs, fsum, corr, b0, k0, blk, g, scales, scales16, s_off, m_off,
-             half, out, col0, rows, fmt, group):
+             half, out, col0, rows, fmt, group, narrow):
     """out[b0 + r, col0:col0 + TILE] (permuted order) += one group's contribution, r < rows.
 
     d_off: byte offset of the group's codes in data; xq[b, k0 + e]: the group's int8 activations,
     xs[b, blk] their scale; fsum[b, g] = Σ of the dequantized activations over the group, corr[b, g]
     = -128 Σ q (used by q8); s_off / m_off: offsets of the group's TILE scales / biases in scales16
-    (half != 0) or scales, m_off < 0 for none. fmt and group must be literals.
+    (half != 0) or scales, m_off < 0 for none. fmt, group and narrow (1: a q8 matrix whose group
+    sums fit int16, packing.narrow_codes) must be literals.
     """
-    if not (isinstance(fmt, types.IntegerLiteral) and isinstance(group, types.IntegerLiteral)):
+    if not all(isinstance(a, types.IntegerLiteral) for a in (fmt, group, narrow)):
         return None
     sig = types.void(data, d_off, xq, xs, fsum, corr, b0, k0, blk, g, scales, scales16, s_off, m_off, half,
-                     out, col0, rows, fmt, group)
+                     out, col0, rows, fmt, group, narrow)
 
     def codegen(context, builder, signature, args):
-        _I8Emitter(context, builder, signature, args, fmt.literal_value, group.literal_value).emit()
+        _I8Emitter(context, builder, signature, args, fmt.literal_value, group.literal_value,
+                   narrow.literal_value != 0).emit()
         return context.get_dummy_value()
 
     return sig, codegen
@@ -246,10 +256,10 @@ def _perm_lanes(v: int) -> list[int]:
 class _I8Emitter:
     """IR of one `_i8_step` call: a switch on the row count, straight-line code per case."""
 
-    def __init__(self, context, builder, signature, args, fmt, group):
+    def __init__(self, context, builder, signature, args, fmt, group, narrow):
         self.context, self.b = context, builder
         self.tys = signature.args
-        self.fmt, self.group = fmt, group
+        self.fmt, self.group, self.narrow = fmt, group, narrow
         self.arrays = {i: context.make_array(self.tys[i])(context, builder, args[i])
                        for i in (_DATA, _XQ, _XS, _FSUM, _CORR, _SCALES, _SCALES16, _OUT)}
         (self.d_off, self.b0, self.k0, self.blk, self.g, self.s_off, self.m_off, self.half, self.col0,
@@ -414,7 +424,10 @@ class _I8Emitter:
         products of a 32-input group add up in int16 (≤ 30480) and widen once per group.
         q8: signed codes cannot be flipped to c + 128 here (pairs would saturate), so the unsigned
         operand is |c| and the activation takes c's sign (vpsignb): |c|·sign(c)·a = c·a, pair sums
-        ≤ 2·128·127 = 32512; each product is widened at once. The accumulators start at 0."""
+        ≤ 2·128·127 = 32512; each product is widened at once, unless the matrix is narrow (Q5_0:
+        |c| ≤ 16 in groups of 32, Q6_K: ≤ 32 in groups of 16), where a whole group's pair sums
+        add up in int16 (≤ 32512) and widen once per group, as q4's: a vpmaddwd and a vpaddd less
+        per 32 products. The accumulators start at 0."""
         b, c = self.b, self._c
         rows_b = [b.add(self.b0, c(r)) for r in range(n)]
         low = ir.Constant(_VB, 0x0F)
@@ -445,8 +458,11 @@ class _I8Emitter:
                         mag = b.select(neg, b.sub(ir.Constant(_VB, 0), w), w)
                         for r in range(n):
                             pairs = self._maddubs(mag, self._sign(acts[r], w))
-                            acc[r, v] = b.add(acc[r, v], self._widen_pairs(pairs))
-            if self.fmt == FMT_Q4:
+                            if self.narrow:
+                                acc16[r, v] = b.add(acc16[r, v], pairs)
+                            else:
+                                acc[r, v] = b.add(acc[r, v], self._widen_pairs(pairs))
+            if self.fmt == FMT_Q4 or self.narrow:
                 acc = {key: self._widen_pairs(a16) for key, a16 in acc16.items()}
             self._finish(vs, rows_b, acc)
 
@@ -532,16 +548,16 @@ def _unpermute(typingctx, out, row, col0):
 
 
 @njit(**_JIT)
-def _tile_i8(data, scales, scales16, meta, tile, xq, xs, fsum16, fsum32, corr16, corr32, out, col0):
-    """out[:, col0:col0 + TILE] = tile `tile` of a q4/q8 matrix times every row of x (quantized)."""
+def _tile_i8(data, scales, scales16, meta, tile, xq, xs, fsum16, fsum32, corr16, corr32, out, col0, r0, r1):
+    """out[r0:r1, col0:col0 + TILE] = tile `tile` of a q4/q8 matrix times rows r0..r1 of x (quantized)."""
     k = meta[M_K]
     group = meta[M_GROUP]
     groups = k // group
-    batch = xq.shape[0]
     q4 = meta[M_FMT] == FMT_Q4
+    narrow = meta[M_NARROW] != 0
     group_bytes = (group // 2 if q4 else group) * TILE
     base = meta[M_DATA] + tile * groups * group_bytes
-    for b in range(batch):
+    for b in range(r0, r1):
         o = out[b, col0:col0 + TILE]
         for t in range(TILE):
             o[t] = 0.0
@@ -550,20 +566,26 @@ def _tile_i8(data, scales, scales16, meta, tile, xq, xs, fsum16, fsum32, corr16,
         at = (tile * groups + g) * TILE
         s_off = meta[M_SCALE] + at
         m_off = meta[M_BIAS] + at if meta[M_BIAS] >= 0 else -1
-        b0 = 0
-        while b0 < batch:  # blocks of BLOCK rows
-            rows = min(BLOCK, batch - b0)
+        b0 = r0
+        while b0 < r1:  # blocks of BLOCK rows
+            rows = min(BLOCK, r1 - b0)
             if q4:
                 _i8_step(data, d_off, xq, xs, fsum32, corr32, b0, g * 32, g, g, scales, scales16, s_off, m_off,
-                         meta[M_HALF], out, col0, rows, FMT_Q4, 32)
+                         meta[M_HALF], out, col0, rows, FMT_Q4, 32, 0)
+            elif group == 32 and narrow:
+                _i8_step(data, d_off, xq, xs, fsum32, corr32, b0, g * 32, g, g, scales, scales16, s_off, m_off,
+                         meta[M_HALF], out, col0, rows, FMT_Q8, 32, 1)
             elif group == 32:
                 _i8_step(data, d_off, xq, xs, fsum32, corr32, b0, g * 32, g, g, scales, scales16, s_off, m_off,
-                         meta[M_HALF], out, col0, rows, FMT_Q8, 32)
+                         meta[M_HALF], out, col0, rows, FMT_Q8, 32, 0)
+            elif narrow:
+                _i8_step(data, d_off, xq, xs, fsum16, corr16, b0, g * 16, g // 2, g, scales, scales16, s_off,
+                         m_off, meta[M_HALF], out, col0, rows, FMT_Q8, 16, 1)
             else:
                 _i8_step(data, d_off, xq, xs, fsum16, corr16, b0, g * 16, g // 2, g, scales, scales16, s_off,
-                         m_off, meta[M_HALF], out, col0, rows, FMT_Q8, 16)
+                         m_off, meta[M_HALF], out, col0, rows, FMT_Q8, 16, 0)
             b0 += rows
-    for b in range(batch):
+    for b in range(r0, r1):
         _unpermute(out, b, col0)
 
 
@@ -608,17 +630,14 @@ def _prepare_i8(meta, mats, x, out, scratch):
 
 @njit(**_JIT)
 def _one_tile_i8(data, scales, scales16, meta, mats, first_tile, tg, x, xq, xs, fsum16, fsum32, corr16, corr32,
-                 out):
-    """Tile tg of the listed matrices (counted across them) times every row of x."""
-    i = 0
-    while tg >= first_tile[i + 1]:
-        i += 1
+                 out, r0, r1):
+    """Tile tg of the listed matrices (counted across them) times rows r0..r1 of x."""
+    i, tile = locate_tile(first_tile, tg)
     m = meta[mats[i]]
-    tile = tg - first_tile[i]
     if m[M_FMT] == FMT_F32:
-        _tile_f32(data, m, tile, x, out, tg * TILE)
+        _tile_f32(data, m, tile, x[r0:r1], out[r0:r1], tg * TILE)
     else:
-        _tile_i8(data, scales, scales16, m, tile, xq, xs, fsum16, fsum32, corr16, corr32, out, tg * TILE)
+        _tile_i8(data, scales, scales16, m, tile, xq, xs, fsum16, fsum32, corr16, corr32, out, tg * TILE, r0, r1)
 
 
 @njit(parallel=True, **_JIT)
@@ -633,7 +652,26 @@ def linear_batch_i8(data, scales, scales16, meta, mats, x, out, scratch):
     first_tile, xq, xs, fsum16, fsum32, corr16, corr32 = _prepare_i8(meta, mats, x, out, scratch)
     for tg in prange(first_tile[mats.shape[0]]):
         _one_tile_i8(data, scales, scales16, meta, mats, first_tile, tg, x, xq, xs, fsum16, fsum32, corr16, corr32,
-                     out)
+                     out, 0, x.shape[0])
+
+
+@njit(parallel=True, **_JIT)
+def linear_batch_i8_blocked(data, scales, scales16, meta, mats, x, out, scratch):
+    """linear_batch_i8 (same contract, same bits: each row's sums run in the same order) with one
+    work item per (tile, block of ROW_BLOCK rows) instead of per tile.
+
+    For prompt chunks: a block's outputs stay in L1 while the tile's groups stream past them, and
+    the items split evenly over the threads even when a matrix has few tiles (576 outputs are 9
+    tiles: one of 2 threads gets 5; 9 × 16 blocks of a 512-row chunk split 72/72). Items run tile
+    by tile, so a thread's consecutive blocks reuse the tile's weights from L2."""
+    first_tile, xq, xs, fsum16, fsum32, corr16, corr32 = _prepare_i8(meta, mats, x, out, scratch)
+    batch = x.shape[0]
+    blocks = (batch + ROW_BLOCK - 1) // ROW_BLOCK
+    for item in prange(first_tile[mats.shape[0]] * blocks):
+        tg = item // blocks
+        r0 = (item % blocks) * ROW_BLOCK
+        _one_tile_i8(data, scales, scales16, meta, mats, first_tile, tg, x, xq, xs, fsum16, fsum32, corr16, corr32,
+                     out, r0, min(r0 + ROW_BLOCK, batch))
 
 
 @njit(**_JIT)
@@ -643,4 +681,4 @@ def linear_batch_i8_serial(data, scales, scales16, meta, mats, x, out, scratch):
     first_tile, xq, xs, fsum16, fsum32, corr16, corr32 = _prepare_i8(meta, mats, x, out, scratch)
     for tg in range(first_tile[mats.shape[0]]):
         _one_tile_i8(data, scales, scales16, meta, mats, first_tile, tg, x, xq, xs, fsum16, fsum32, corr16, corr32,
-                     out)
+                     out, 0, x.shape[0])

@@ -37,9 +37,20 @@ _Q4_TYPES = {QT.Q4_0, QT.Q4_1, QT.Q4_K}
 _Q8_TYPES = {QT.Q5_0, QT.Q5_1, QT.Q5_K, QT.Q6_K, QT.Q8_0}
 
 # Columns of MatrixTable.meta. M_SCALE and M_BIAS index `scales16` when M_HALF is 1, else
-# `scales`; M_BIAS is -1 for types without a per-group minimum.
-M_FMT, M_N, M_K, M_GROUP, M_DATA, M_SCALE, M_BIAS, M_TILES, M_HALF = range(9)
-META_COLS = 9
+# `scales`; M_BIAS is -1 for types without a per-group minimum; M_NARROW is 1 for a q8 matrix
+# whose codes are small enough (see narrow_codes) that int16 sums of a whole group cannot overflow.
+M_FMT, M_N, M_K, M_GROUP, M_DATA, M_SCALE, M_BIAS, M_TILES, M_HALF, M_NARROW = range(10)
+META_COLS = 10
+
+# Largest |int8 activation code| (matmul_i8 quantizes to ±127) and int16's largest value.
+_ACT_MAX, _INT16_MAX = 127, 32767
+
+
+def narrow_codes(code_max: int, group: int) -> bool:
+    """True when a group's products with int8 activations, summed 2 at a time (vpmaddubsw) and
+    then across the group's group/4 quads in int16, stay within int16: Q5_0 (|code| ≤ 16, groups
+    of 32) and Q6_K (≤ 32, groups of 16) are; Q8_0 (≤ 128) is not."""
+    return (group // 4) * 2 * code_max * _ACT_MAX <= _INT16_MAX
 
 
 def format_for(qtype: QT) -> int:
@@ -72,6 +83,7 @@ class PackedMatrix:
     data: np.ndarray  # uint8, flattened (tiles, rows, TILE) in the format's element type
     scale: np.ndarray  # float32 or float16, flattened (tiles, k // group, TILE); empty for f32
     bias: np.ndarray | None  # like scale, or None
+    narrow: bool = False  # q8 codes within narrow_codes' bound
 
     @property
     def half(self) -> bool:
@@ -101,12 +113,14 @@ def pack(raw: np.ndarray, qtype: QT) -> PackedMatrix:
         # Byte j of a group: element j in the low nibble, element j + 16 in the high one.
         packed = (u[:, :, 0, :] | (u[:, :, 1, :] << 4)).reshape(n, k // 2)
         data = _tile_transpose(packed).ravel()
+        narrow = False
     else:
         data = _tile_transpose(codes).view(np.uint8).ravel()
+        narrow = narrow_codes(int(np.abs(codes.astype(np.int16)).max()) if codes.size else 0, dec.group)
     scale, bias = _as_half_if_exact(scale, bias)
     return PackedMatrix(fmt, n, k, dec.group, data,
                         _tile_transpose(scale).ravel(),
-                        None if bias is None else _tile_transpose(bias).ravel())
+                        None if bias is None else _tile_transpose(bias).ravel(), narrow)
 
 
 def _as_half_if_exact(scale: np.ndarray, bias: np.ndarray | None):
@@ -140,7 +154,7 @@ class MatrixTable:
             s_off = used[m.half]
             b_off = -1 if m.bias is None else s_off + m.scale.size
             used[m.half] += m.scale.size + (0 if m.bias is None else m.bias.size)
-            meta[i] = (m.fmt, m.n, m.k, m.group, d_off, s_off, b_off, _tiles(m.n), int(m.half))
+            meta[i] = (m.fmt, m.n, m.k, m.group, d_off, s_off, b_off, _tiles(m.n), int(m.half), int(m.narrow))
             d_off += m.data.size
         self.data = np.empty(d_off, np.uint8)
         self.scales = np.empty(max(used[False], 1), np.float32)

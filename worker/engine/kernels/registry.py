@@ -31,6 +31,8 @@ class KernelVariant:
     description: str
     numerics: str = ""  # variants with the same numerics give the same bits: a tuner may swap them
     # freely; across numerics (float32 vs int8 activations) outputs differ slightly
+    min_rows: int = 1  # below this many rows the variant runs as another one does: no bucket whose
+    # calls are all smaller needs it (a tuner would only time the same code twice)
 
 
 ALL_QUANT_TYPES = tuple(SPECS)  # F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K
@@ -50,6 +52,11 @@ KERNELS: dict[tuple[str, str], KernelVariant] = {
                                                 "barrier (one-row calls, a neighbour on a core)", "float32"),
     ("matmul", "int8_serial"): KernelVariant("matmul", "int8_serial", matmul_i8.linear_batch_i8_serial, 3,
                                              "int8 with every tile on the calling thread", "int8"),
+    ("matmul", "int8_blocked"): KernelVariant("matmul", "int8_blocked", matmul_i8.linear_batch_i8_blocked, 4,
+                                              "int8 parallel over (tile, 32-row block): a block's outputs stay in "
+                                              "L1 across the tile's groups and few-tile matrices split evenly "
+                                              "over the threads (prompt chunks); the bits of int8", "int8",
+                                              min_rows=matmul_i8.ROW_BLOCK + 1),
     ("row", "gather"): KernelVariant("row", "gather", ops.dequant_row, 0,
                                      "dequantize one row (embedding lookup)", "float32"),
 }
@@ -72,6 +79,11 @@ def bucket_of(rows: int) -> int:
         if rows <= limit:
             return b
     return len(BUCKET_LIMITS)
+
+
+def serves_bucket(variant: KernelVariant, bucket: int) -> bool:
+    """Whether some call of `bucket` has at least variant.min_rows rows."""
+    return bucket == len(BUCKET_LIMITS) or variant.min_rows <= BUCKET_LIMITS[bucket]
 
 
 def variants_of(op: str, numerics: str | None = None) -> dict[str, KernelVariant]:

@@ -25,7 +25,9 @@ _matmul_float32 = KERNELS[("matmul", "float32")].fn
 _matmul_int8 = KERNELS[("matmul", "int8")].fn
 _matmul_float32_serial = KERNELS[("matmul", "float32_serial")].fn
 _matmul_int8_serial = KERNELS[("matmul", "int8_serial")].fn
+_matmul_int8_blocked = KERNELS[("matmul", "int8_blocked")].fn
 _MATMUL_INT8_CODE = KERNELS[("matmul", "int8")].code
+_MATMUL_INT8_BLOCKED_CODE = KERNELS[("matmul", "int8_blocked")].code
 _MATMUL_F32_SERIAL_CODE = KERNELS[("matmul", "float32_serial")].code
 _MATMUL_INT8_SERIAL_CODE = KERNELS[("matmul", "int8_serial")].code
 _LIMIT_1, _LIMIT_2, _LIMIT_3 = BUCKET_LIMITS
@@ -88,6 +90,8 @@ def matmul(mm, mats, x, out):
     code = ops[MATMUL, bucket_of(x.shape[0])]
     if code == _MATMUL_INT8_CODE:
         _matmul_int8(tab[0], tab[1], tab[2], tab[3], mats, x, out, scratch[1])
+    elif code == _MATMUL_INT8_BLOCKED_CODE:
+        _matmul_int8_blocked(tab[0], tab[1], tab[2], tab[3], mats, x, out, scratch[1])
     elif code == _MATMUL_INT8_SERIAL_CODE:
         _matmul_int8_serial(tab[0], tab[1], tab[2], tab[3], mats, x, out, scratch[1])
     elif code == _MATMUL_F32_SERIAL_CODE:
