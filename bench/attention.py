@@ -1,7 +1,9 @@
-"""Decode attention over the paged KV cache (paged_attention_decode) at SmolLM2's shapes.
+"""Decode attention over the paged KV cache (paged_attention_decode) at SmolLM2's shapes, and
+prompt-chunk attention: the per-row kernel against the tiled one (prompt_attention).
 
     python bench/attention.py [--threads 2] [--batches 1 8] [--contexts 140 400 1000] [--repeats 7]
                               [--dtype float16]
+    python bench/attention.py --chunk-rows 512 28 --contexts 512 2048 [--tiles 8 16 32]
 
 For each B and context length: a float16 (or float32) pool with random K/V, blocks of 16 tokens
 in shuffled order, B sequences whose last positions lie within 20 tokens of the context length;
@@ -26,6 +28,7 @@ from numba import njit, prange  # noqa: E402
 
 from benchlib import say  # noqa: E402  (bench/, the script's directory, is on sys.path)
 from worker.engine.kernels.attention import paged_attention_decode  # noqa: E402
+from worker.engine.kernels.prompt_attention import paged_attention_runs  # noqa: E402
 
 LAYERS, KV_HEADS, HEADS, HEAD_DIM, BLOCK = 30, 3, 9, 64, 16  # SmolLM2-135M
 WEIGHTS_PER_LAYER = 3 << 20
@@ -76,6 +79,58 @@ def measure(batch: int, context: int, dtype: str, repeats: int) -> float:
     return statistics.median(steps)
 
 
+def measure_chunk(rows: int, context: int, dtype: str, repeats: int, tiles: list[int]) -> list[float]:
+    """Median seconds for the 30 layers' attention of one prompt chunk: `rows` queries at
+    positions context-rows..context-1 of one sequence; the per-row kernel first, then the tiled
+    one per tile size, alternating within each repeat so load changes hit all alike."""
+    rng = np.random.default_rng(rows * 10_000 + context)
+    k, v, tables = _pools(1, context, dtype, rng)
+    table_rows = np.repeat(tables, rows, axis=0)
+    positions = np.arange(context - rows, context, dtype=np.int64)
+    runs = np.array([0, rows], np.int64)
+    q = rng.standard_normal((rows, HEADS * HEAD_DIM)).astype(np.float32)
+    out = np.empty_like(q)
+    weights = np.ones((LAYERS, WEIGHTS_PER_LAYER), np.uint8)
+    scale = np.float32(1.0 / np.sqrt(HEAD_DIM))
+
+    def per_row(layer):
+        paged_attention_decode(q, k, v, layer, table_rows, positions, 0, scale, 512, out)
+
+    def tiled(tile):
+        return lambda layer: paged_attention_runs(q, k, v, layer, table_rows, positions, runs, 0, scale, 512, tile,
+                                                  out)
+
+    kernels = [per_row] + [tiled(t) for t in tiles]
+    for kernel in kernels:  # compile / load
+        kernel(0)
+    steps = [[] for _ in kernels]
+    for _ in range(repeats):
+        for kernel, times in zip(kernels, steps):
+            spent = 0.0
+            for layer in range(LAYERS):
+                _read(weights[layer])
+                started = time.perf_counter()
+                kernel(layer)
+                spent += time.perf_counter() - started
+            times.append(spent)
+    return [statistics.median(t) for t in steps]
+
+
+def main_chunks(args) -> None:
+    say(f"prompt-chunk attention, SmolLM2 shapes, {args.dtype} K/V, blocks of {BLOCK}, {args.threads} threads: "
+        f"per-row kernel vs tiled (tiles {args.tiles})")
+    print(f"{'rows':>5} {'context':>8} {'per-row ms':>11} " + " ".join(f"{'tile ' + str(t):>9} {'ratio':>6}"
+                                                                    for t in args.tiles))
+    for rows in args.chunk_rows:
+        for context in args.contexts:
+            if context < rows:
+                continue
+            say(f"  {rows} rows, context {context}...")
+            base, *others = measure_chunk(rows, context, args.dtype, args.repeats, args.tiles)
+            print(f"{rows:>5} {context:>8} {base * 1e3:>11.1f} "
+                  + " ".join(f"{o * 1e3:>9.1f} {base / o:>6.2f}" for o in others), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--threads", type=int, default=2)
@@ -83,8 +138,13 @@ def main() -> None:
     parser.add_argument("--contexts", type=int, nargs="+", default=[140, 400, 1000])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--dtype", choices=["float16", "float32"], default="float16")
+    parser.add_argument("--chunk-rows", type=int, nargs="+", help="prompt-chunk mode: rows per chunk")
+    parser.add_argument("--tiles", type=int, nargs="+", default=[16], help="prompt-chunk mode: tile sizes")
     args = parser.parse_args()
     numba.set_num_threads(args.threads)
+    if args.chunk_rows:
+        main_chunks(args)
+        return
     say(f"decode attention, SmolLM2 shapes ({HEADS} heads, {KV_HEADS} kv heads, head_dim {HEAD_DIM}, "
         f"{LAYERS} layers), {args.dtype} K/V, blocks of {BLOCK}, {args.threads} threads")
     rows = []

@@ -3,6 +3,11 @@ beside llama.cpp (through llama-cpp-python) on the same file when it is installe
 
     python bench/engine.py [--models smollm2-135m gemma3-270m] [--threads 1 2] [--runs 3]
                            [--peer-bench PATH/TO/llama-bench]
+                           [--prompt-tokens 512 2048]
+
+Prompts longer than 512 tokens go in 512-token chunks (the server's default prefill_chunk, and
+llama.cpp's n_batch here); the table then also gives each length's prefill rate as a share of the
+first length's (long-context attention is what makes it drop).
 
 Prints medians of --runs runs and the ratio to the peer. Each (engine, model, threads) runs in
 its own process, so neither thread pool outlives its measurement and disturbs the next one.
@@ -35,7 +40,7 @@ blas_env.prefer_native_blas()  # before numpy loads OpenBLAS
 
 import numpy as np  # noqa: E402
 
-PROMPT_TOKENS, DECODE_TOKENS = 512, 128
+PROMPT_CHUNK, DECODE_TOKENS = 512, 128
 MODELS_DIR = Path(os.environ.get("REAME_TEST_MODELS", "~/.cache/reame/models")).expanduser()
 
 
@@ -43,11 +48,16 @@ def say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def prompt_ids(vocab: int) -> list[int]:
-    return np.random.default_rng(0).integers(100, min(vocab, 30000), PROMPT_TOKENS).tolist()
+def prompt_ids(vocab: int, tokens: int) -> list[int]:
+    return np.random.default_rng(0).integers(100, min(vocab, 30000), tokens).tolist()
 
 
-def bench_reame(path: Path, threads: int, runs: int) -> tuple[float, float]:
+def context_for(tokens: int) -> int:
+    """KV positions a run needs (prompt, decode and a margin), rounded up to 1,024."""
+    return -(-(tokens + DECODE_TOKENS + 16) // 1024) * 1024
+
+
+def bench_reame(path: Path, threads: int, runs: int, tokens: int) -> tuple[float, float]:
     import numba
     from threadpoolctl import threadpool_limits
 
@@ -56,15 +66,15 @@ def bench_reame(path: Path, threads: int, runs: int) -> tuple[float, float]:
     from worker.sched.one_request import Timing, generate_ids, generate_one, solo_generator
     from worker.sched.tuning_state import SchedulerKnobs
 
-    engine = load_engine(path, threads=threads, context_length=1024, progress=say)
+    engine = load_engine(path, threads=threads, context_length=context_for(tokens), progress=say)
     numba.set_num_threads(threads)
-    ids = prompt_ids(engine.vocab_size)
+    ids = prompt_ids(engine.vocab_size, tokens)
     params = SamplingParams(max_tokens=DECODE_TOKENS + 1, temperature=0.0)
     prefill, decode = [], []
     with threadpool_limits(limits=threads, user_api="blas"):
         # The serving loop with one request; prompt chunks as large as the whole prompt, as
         # llama-bench's 512-token batch is.
-        generator = solo_generator(engine, SchedulerKnobs(prefill_chunk=PROMPT_TOKENS, token_budget=PROMPT_TOKENS))
+        generator = solo_generator(engine, SchedulerKnobs(prefill_chunk=PROMPT_CHUNK, token_budget=PROMPT_CHUNK))
         generate_ids(generator, [0], 2)  # compile or load every kernel first
         for run in range(runs):
             t = Timing()
@@ -76,14 +86,14 @@ def bench_reame(path: Path, threads: int, runs: int) -> tuple[float, float]:
     return statistics.median(prefill), statistics.median(decode)
 
 
-def bench_llama_cpp(path: Path, threads: int, runs: int) -> tuple[float, float] | None:
+def bench_llama_cpp(path: Path, threads: int, runs: int, tokens: int) -> tuple[float, float] | None:
     try:
         from llama_cpp import Llama
     except ImportError:
         return None
-    llm = Llama(model_path=str(path), n_ctx=1024, n_batch=512, n_threads=threads,
+    llm = Llama(model_path=str(path), n_ctx=context_for(tokens), n_batch=PROMPT_CHUNK, n_threads=threads,
                 n_threads_batch=threads, verbose=False)
-    ids = prompt_ids(llm.n_vocab())
+    ids = prompt_ids(llm.n_vocab(), tokens)
     # llama-cpp-python keeps no logits unless logits_all; read the last token's from the context.
     last_logits = lambda: np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))  # noqa: E731
     prefill, decode = [], []
@@ -102,10 +112,11 @@ def bench_llama_cpp(path: Path, threads: int, runs: int) -> tuple[float, float] 
     return statistics.median(prefill), statistics.median(decode)
 
 
-def bench_llama_bench(binary: Path, path: Path, threads: int, runs: int) -> tuple[float, float]:
-    """(prefill, decode) tokens/s of the native llama-bench on the same file and thread count."""
-    cmd = [str(binary), "-m", str(path), "-t", str(threads), "-p", str(PROMPT_TOKENS), "-n", str(DECODE_TOKENS),
-           "-r", str(runs), "-o", "json"]
+def bench_llama_bench(binary: Path, path: Path, threads: int, runs: int, tokens: int) -> tuple[float, float]:
+    """(prefill, decode) tokens/s of the native llama-bench on the same file and thread count; the
+    prompt goes in batches of PROMPT_CHUNK tokens, as Reame's does."""
+    cmd = [str(binary), "-m", str(path), "-t", str(threads), "-p", str(tokens), "-n", str(DECODE_TOKENS),
+           "-b", str(PROMPT_CHUNK), "-ub", str(PROMPT_CHUNK), "-r", str(runs), "-o", "json"]
     say("  " + " ".join(cmd))
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     if proc.returncode != 0:
@@ -125,9 +136,9 @@ def environment() -> str:
             f"numba {numba.__version__}, threading layer {numba.threading_layer()}")
 
 
-def measure_in_subprocess(engine: str, path: Path, threads: int, runs: int):
+def measure_in_subprocess(engine: str, path: Path, threads: int, runs: int, tokens: int):
     """One measurement in a fresh process; (prefill, decode) medians, or None (peer missing)."""
-    proc = subprocess.run([sys.executable, __file__, "--one", engine, str(path), str(threads), str(runs)],
+    proc = subprocess.run([sys.executable, __file__, "--one", engine, str(path), str(threads), str(runs), str(tokens)],
                           stdout=subprocess.PIPE, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"{engine} benchmark failed (exit {proc.returncode})")
@@ -141,41 +152,53 @@ def main() -> int:
     parser.add_argument("--threads", nargs="+", type=int, default=[1, 2])
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--peer-bench", type=Path, help="the native llama-bench binary to run as the peer")
-    parser.add_argument("--one", nargs=4, metavar=("ENGINE", "PATH", "THREADS", "RUNS"), help=argparse.SUPPRESS)
+    parser.add_argument("--prompt-tokens", nargs="+", type=int, default=[512], help="prompt lengths to prefill")
+    parser.add_argument("--no-peer", action="store_true", help="measure Reame only")
+    parser.add_argument("--one", nargs=5, metavar=("ENGINE", "PATH", "THREADS", "RUNS", "TOKENS"),
+                        help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
-        engine, path, threads, runs = args.one
+        engine, path, threads, runs, tokens = args.one
         bench = bench_reame if engine == "reame" else bench_llama_cpp
-        print(json.dumps(bench(Path(path), int(threads), int(runs))))
+        print(json.dumps(bench(Path(path), int(threads), int(runs), int(tokens))))
         return 0
+    if any(n < 1 for n in args.prompt_tokens):
+        parser.error("--prompt-tokens: every length must be >= 1")
 
     from shared.model_store import ensure_model
     rows = []
     for name in args.models:
         path = ensure_model(name, MODELS_DIR, progress=say)
         for threads in args.threads:
-            say(f"{name}, {threads} thread(s)")
-            ours = measure_in_subprocess("reame", path, threads, args.runs)
-            if args.peer_bench:
-                peer = bench_llama_bench(args.peer_bench, path, threads, args.runs)
-            else:
-                peer = measure_in_subprocess("llama.cpp", path, threads, args.runs)
-            rows.append((name, threads, ours, peer))
+            for tokens in args.prompt_tokens:
+                say(f"{name}, {threads} thread(s), {tokens}-token prompt")
+                ours = measure_in_subprocess("reame", path, threads, args.runs, tokens)
+                if args.no_peer:
+                    peer = None
+                elif args.peer_bench:
+                    peer = bench_llama_bench(args.peer_bench, path, threads, args.runs, tokens)
+                else:
+                    peer = measure_in_subprocess("llama.cpp", path, threads, args.runs, tokens)
+                rows.append((name, threads, tokens, ours, peer))
 
-    print(f"\nprompt {PROMPT_TOKENS} tokens, decode {DECODE_TOKENS} tokens, median of {args.runs} runs")
+    print(f"\nprompts {', '.join(map(str, args.prompt_tokens))} tokens (chunks of {PROMPT_CHUNK}), "
+          f"decode {DECODE_TOKENS} tokens, median of {args.runs} runs")
     print(environment())
     print(blas_env.describe())
-    peer_note = "" if any(r[3] for r in rows) else " (llama-cpp-python not installed: no peer numbers)"
+    peer_note = "" if any(r[4] for r in rows) else " (not run or llama-cpp-python not installed: no peer numbers)"
     peer_name = f"native {args.peer_bench}" if args.peer_bench else "llama.cpp through llama-cpp-python"
     print(f"peer: {peer_name}{peer_note}\n")
-    header = f"{'model':<14} {'thr':>3} {'prefill tok/s':>14} {'peer':>8} {'ratio':>6} {'decode tok/s':>13} {'peer':>8} {'ratio':>6}"
+    header = (f"{'model':<14} {'thr':>3} {'prompt':>6} {'prefill tok/s':>14} {'vs first':>8} {'peer':>8} {'ratio':>6} "
+              f"{'decode tok/s':>13} {'peer':>8} {'ratio':>6}")
     print(header)
     print("-" * len(header))
-    for name, threads, (p, d), peer in rows:
+    first_rate = {}
+    for name, threads, tokens, (p, d), peer in rows:
         pp, pd = peer if peer else (None, None)
+        base = first_rate.setdefault((name, threads), p)
         fmt = lambda v, spec: format(v, spec) if v else "-"
-        print(f"{name:<14} {threads:>3} {p:>14.0f} {fmt(pp, '8.0f'):>8} {fmt(pp and p / pp, '6.2f'):>6} "
-              f"{d:>13.1f} {fmt(pd, '8.1f'):>8} {fmt(pd and d / pd, '6.2f'):>6}")
+        print(f"{name:<14} {threads:>3} {tokens:>6} {p:>14.0f} {p / base:>8.2f} {fmt(pp, '8.0f'):>8} "
+              f"{fmt(pp and p / pp, '6.2f'):>6} {d:>13.1f} {fmt(pd, '8.1f'):>8} {fmt(pd and d / pd, '6.2f'):>6}")
     return 0
 
 

@@ -11,7 +11,7 @@ writes through ``kv_store_value`` (kv_element), so one source serves both dtypes
 
 Softmax is computed online over chunks of at most ``chunk`` keys (running max, rescaled sum and
 accumulator), so no (T, context) score matrix exists: the scratch of one item is bounded by
-``group_scratch_size``. Precision: q·k dot products and the value accumulator are float32 (they
+``group_scratch``. Precision: q·k dot products and the value accumulator are float32 (they
 are the vectorized hot loops); the running sum of exponentials is float64 (one add per key in an
 already vectorized loop, so it costs nothing and keeps long contexts from losing small terms), and
 the per-chunk rescale factors are float32. exp is fast_exp.exp_neg, which vectorizes (libm's expf
@@ -32,7 +32,7 @@ from worker.engine.kernels.kv_element import kv_load, kv_store_value
 from worker.engine.kernels.value_sums import value_sums
 
 __all__ = ["kv_load", "kv_store_value", "store_kv", "paged_attention", "paged_attention_decode",
-           "group_scratch_size"]
+           "group_scratch", "score_width", "softmax_chunk", "write_head"]
 
 _JIT = dict(fastmath=True, cache=True, nogil=True)
 
@@ -136,16 +136,10 @@ def paged_attention_decode(q, k_pool, v_pool, layer, block_tables, positions, wi
 # ---- several query heads over one kv head (GQA) -------------------------------------------------
 
 @njit(**_JIT)
-def _score_width(keys, block_size):
+def score_width(keys, block_size):
     """Scores kept per head for a chunk of `keys` keys: whole blocks, from the one holding the
     chunk's first key (at any slot) to the one holding its last."""
     return (keys // block_size + 2) * block_size
-
-
-@njit(**_JIT)
-def group_scratch_size(heads, keys, block_size, d):
-    """float32 elements _attend_group needs: scores, accumulators and running maximum per head."""
-    return heads * (_score_width(keys, block_size) + d + 1)
 
 
 @njit(**_JIT)
@@ -172,23 +166,10 @@ def _attend_group(qv, h0, heads, k_pool, v_pool, layer, kvh, table, lo, hi, scal
     Online softmax per head over chunks of at most `chunk` keys; the heads share every read and
     float16 conversion of K and V (key_scores, value_sums). A chunk's scores are computed for whole blocks (key_scores):
     scores[hh, x] belongs to key kb0·block_size + x, kb0 the block of the chunk's first key.
-    Scratch: one allocation (each one costs ~0.4 µs, as much as the attention of a short context)
-    of group_scratch_size(heads, min(chunk, hi-lo), block_size, d) float32 plus `heads` float64
-    (the running sums of exponentials)."""
+    Scratch: group_scratch (one allocation)."""
     bs = v_pool.shape[3]
     d = v_pool.shape[4]
-    ce = min(chunk, hi - lo)
-    width = _score_width(ce, bs)
-    raw = np.empty(heads + (group_scratch_size(heads, ce, bs, d) + 1) // 2, np.float64)
-    total = raw[:heads]
-    buf = raw[heads:].view(np.float32)
-    at = heads * width
-    scores = buf[:at].reshape((heads, width))
-    acc = buf[at:at + heads * d].reshape((heads, d))
-    at += heads * d
-    m = buf[at:at + heads]
-    total[:] = 0.0
-    acc[:] = 0.0
+    total, scores, acc, m, _ = group_scratch(heads, score_width(min(chunk, hi - lo), bs), d)
     qoff = h0 * d
     c0 = lo
     while c0 < hi:
@@ -198,31 +179,68 @@ def _attend_group(qv, h0, heads, k_pool, v_pool, layer, kvh, table, lo, hi, scal
         for b in range(kb, (c0 + nc - 1) // bs + 1):
             block_scores(k_pool[table[b], layer, kvh], qv, qoff, scale, scores, (b - kb) * bs, heads)
         for hh in range(heads):
-            w = scores[hh, ks:ks + nc]
-            cmax = w[0]
-            for j in range(1, nc):
-                cmax = max(cmax, w[j])
-            # Online softmax: rescale what was accumulated when the running max grows.
-            if c0 == lo:
-                m[hh] = cmax
-            elif cmax > m[hh]:
-                alpha = exp_neg(m[hh] - cmax)
-                total[hh] *= alpha
-                a = acc[hh]
-                for i in range(d):
-                    a[i] *= alpha
-                m[hh] = cmax
-            mh = m[hh]
-            t = total[hh]
-            for j in range(nc):
-                e = exp_neg(w[j] - mh)
-                w[j] = e
-                t += e
-            total[hh] = t
+            softmax_chunk(scores[hh, ks:ks + nc], c0 == lo, m, total, acc, hh)
         _group_values(v_pool, layer, kvh, table, kb, ks, nc, heads, scores, ks, acc)
         c0 += nc
     for hh in range(heads):
-        inv = np.float32(1.0 / total[hh])
-        base = (h0 + hh) * d
-        for i in range(d):
-            ov[base + i] = acc[hh, i] * inv
+        write_head(acc, total, hh, ov, (h0 + hh) * d)
+
+
+# ---- the per-head steps both attention kernels share (prompt_attention calls them too) ----------
+
+@njit(**_JIT)
+def group_scratch(heads, width, d):
+    """One allocation (each costs ~0.4 µs, as much as the attention of a short context) holding the
+    scratch of `heads` query heads: running sums (float64), scores (heads, width), accumulators
+    (heads, d) and running maxima, float32; then `heads`·d float32 for the caller (gathered queries).
+    Both kernels take their scratch from here so every per-head call sees the same array types."""
+    raw = np.empty(heads + (heads * (width + 2 * d + 1) + 1) // 2, np.float64)
+    total = raw[:heads]
+    buf = raw[heads:].view(np.float32)
+    at = heads * width
+    scores = buf[:at].reshape((heads, width))
+    acc = buf[at:at + heads * d].reshape((heads, d))
+    at += heads * d
+    m = buf[at:at + heads]
+    at += heads
+    extra = buf[at:at + heads * d]
+    total[:] = 0.0
+    acc[:] = 0.0
+    return total, scores, acc, m, extra
+
+
+@njit(**_JIT)
+def softmax_chunk(w, first, m, total, acc, hh):
+    """One chunk of head hh's online softmax: w (the chunk's scores) becomes exp(w - running max),
+    their sum joins total[hh]; when the chunk raises the running max m[hh], what total[hh] and
+    acc[hh] hold so far is rescaled first. `first`: the head's first chunk, which sets the max.
+
+    A row's bits depend on this code: every attention kernel calls this one function."""
+    nc = w.shape[0]
+    cmax = w[0]
+    for j in range(1, nc):
+        cmax = max(cmax, w[j])
+    if first:
+        m[hh] = cmax
+    elif cmax > m[hh]:
+        alpha = exp_neg(m[hh] - cmax)
+        total[hh] *= alpha
+        a = acc[hh]
+        for i in range(a.shape[0]):
+            a[i] *= alpha
+        m[hh] = cmax
+    mh = m[hh]
+    t = total[hh]
+    for j in range(nc):
+        e = exp_neg(w[j] - mh)
+        w[j] = e
+        t += e
+    total[hh] = t
+
+
+@njit(**_JIT)
+def write_head(acc, total, hh, ov, base):
+    """ov[base:base + d] = acc[hh] / total[hh]: head hh's finished attention output."""
+    inv = np.float32(1.0 / total[hh])
+    for i in range(acc.shape[1]):
+        ov[base + i] = acc[hh, i] * inv

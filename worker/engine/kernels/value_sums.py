@@ -2,16 +2,20 @@
 
 acc[h] += Σ_r w[h, r] · v_r over a run of a block's value rows (block_size, head_dim): each row is
 loaded and converted from float16 once and multiplied into the accumulators of every head of the
-GQA group. The loop is built in LLVM IR (`_v_sums`) so that the accumulators of a 64-dimension
-slice of up to 4 heads stay in registers for the whole run (numba code would keep them in memory
-and convert every row once per head). head_dim a multiple of 16 takes it; others take a plain
-numba loop. Each head's sum is the same sequence of multiply-adds (key by key, in order) whichever
+GQA group. The loop is built in LLVM IR (`_v_sums`) so that the accumulators of a slice of the
+dimensions of up to 4 heads stay in registers for the whole run (numba code would keep them in
+memory and convert every row once per head): 64-dimension slices where the registers hold them
+(AVX-512: 4 heads × 4 zmm), 16-dimension ones elsewhere (AVX2: 4 heads × 64 dims would be 32 ymm
+accumulators in 16 registers; spilled, the value sums of 4 heads over a 16-row block took 1.5-2x
+as long as in 16-dimension slices, measured on AVX2). head_dim a multiple of 16 takes it; others
+take a plain numba loop. Each head's sum is the same sequence of multiply-adds (key by key, in order) whichever
 heads share the call, so a row's attention never depends on how the kernel grouped the heads.
 """
 from __future__ import annotations
 
+import llvmlite.binding as llvm
 from llvmlite import ir
-from numba import njit, types
+from numba import config, njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
@@ -20,6 +24,22 @@ from worker.engine.kernels.key_scores import HEADS_AT_ONCE
 from worker.engine.kernels.kv_element import kv_load
 
 _JIT = dict(fastmath=True, cache=True, nogil=True)
+
+
+def _has_512_bit_registers() -> bool:
+    """Whether numba's code here may use AVX-512 (the host's features, less any the numba
+    configuration turns off). Only the slice width depends on it: each accumulator lane is the
+    same chain of multiply-adds in either width, so the bits do not."""
+    if config.CPU_NAME and config.CPU_NAME != "host":
+        return False
+    try:
+        feats = llvm.get_host_cpu_features()
+    except Exception:  # pragma: no cover - no host information: the width that fits everywhere
+        return False
+    return bool(feats.get("avx512f")) and "-avx512f" not in (config.CPU_FEATURES or "")
+
+
+WIDE_SLICES = _has_512_bit_registers()
 
 
 @intrinsic(prefer_literal=True)
@@ -102,7 +122,7 @@ def value_sums(slab, ks, run, weights, w0, acc, heads):
         n = min(HEADS_AT_ONCE, heads - h)
         w = weights[h:h + n]
         a = acc[h:h + n]
-        if d % 64 == 0:
+        if WIDE_SLICES and d % 64 == 0:
             for col in range(0, d, 64):
                 _heads(slab, ks, run, w, w0, a, col, n, 64)
         elif d % 16 == 0:
