@@ -91,10 +91,11 @@ def prompt(k: int) -> str:
     return " ".join(SENTENCES[i] for i in (first, second, *rest))
 
 
-def start_reame(directory: Path, model: Path, threads: int, workers: int) -> Server:
+def start_reame(directory: Path, model: Path, threads: int, workers: int, speculative: str = "auto") -> Server:
     port = free_port()
     config = write_config(directory, model, port, {"engine": {"threads": threads}, "logging": {"level": "warning"},
-                                                   "serve": {"workers": workers}})
+                                                   "serve": {"workers": workers},
+                                                   "speculative": {"enabled": speculative}})
     return reame_serve("reame serve", directory, config, port, workers=max(workers, 1), progress=say)
 
 
@@ -405,6 +406,9 @@ def main() -> int:
     parser.add_argument("--levels", type=parse_levels, default=[1, 2, 4, 8, 16], help="concurrent streams, e.g. 1,2,4")
     parser.add_argument("--requests-per-stream", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=128, help="output tokens per request")
+    parser.add_argument("--speculative", choices=["auto", "on", "off"], default="auto",
+                        help="[speculative] enabled for the server it starts: off measures batching alone "
+                             "(drafting speeds one stream up more than eight)")
     parser.add_argument("--url", help="use this running Reame server instead of starting one")
     parser.add_argument("--api-key", default=os.environ.get("REAME_API_KEY"), help="for --url ($REAME_API_KEY)")
     parser.add_argument("--peer", help="llama-server binary: run the same load on it")
@@ -447,7 +451,7 @@ def main() -> int:
                 if health(url)[0] != 200:
                     raise SystemExit(f"--url {url}: /health does not answer 200")
             else:
-                reame = start_reame(Path(tmp), model, args.threads, args.workers)
+                reame = start_reame(Path(tmp), model, args.threads, args.workers, args.speculative)
                 url = reame.url
             warm_up("reame", url, headers, end_ids, args.timeout)
             for i, (n, first) in enumerate(zip(args.levels, firsts)):
