@@ -30,7 +30,9 @@ import asyncio
 import json
 import os
 import random
+import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -185,7 +187,7 @@ def buckets(run: Run, seconds: float, bucket: float) -> list[dict]:
 
 
 def run_reame(model: Path, threads: int, adaptive: bool, workload: str, seconds: float, bucket: float,
-              directory: Path) -> tuple[Run, list[dict]]:
+              directory: Path, screenshot: Path | None = None) -> tuple[Run, list[dict]]:
     port = free_port()
     config = write_config(directory, model, port, {
         "engine": {"threads": threads}, "logging": {"level": "info"},
@@ -204,7 +206,21 @@ def run_reame(model: Path, threads: int, adaptive: bool, workload: str, seconds:
                 say(f"  v{d['version']} {d['kind']} {d['policy']}: {d['outcome']} {d.get('effect') or ''}")
         except OSError as exc:
             say(f"  no report: {exc}")
+        if screenshot:
+            take_screenshot(server.url + "/dashboard", screenshot)
     return run, buckets(run, seconds, bucket)
+
+
+def take_screenshot(url: str, path: Path) -> None:
+    """The live dashboard after the run, in headless Chromium (Debian's `chromium`)."""
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    if not browser:
+        say("  no screenshot: chromium is not installed")
+        return
+    subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                    "--virtual-time-budget=5000", "--window-size=1400,1000", f"--screenshot={path}", url],
+                   capture_output=True, timeout=120)
+    say(f"  dashboard screenshot: {path}" if path.exists() else "  the screenshot failed")
 
 
 def run_peer(url: str, workload: str, seconds: float, bucket: float) -> tuple[Run, list[dict]]:
@@ -284,6 +300,8 @@ def main() -> int:
     parser.add_argument("--peer", help="also drive this OpenAI-compatible server's URL")
     parser.add_argument("--json", type=Path, default=Path("bench-agentic.json"))
     parser.add_argument("--png", type=Path, default=Path("bench-agentic.png"))
+    parser.add_argument("--screenshot", type=Path,
+                        help="save the dashboard of the (first) adaptive-on run as this PNG (headless Chromium)")
     args = parser.parse_args()
     seconds = args.minutes * 60
     workloads = ("agentic", "low-overlap") if args.workload == "both" else (args.workload,)
@@ -295,8 +313,9 @@ def main() -> int:
         for workload in workloads:
             for repeat in range(args.repeats):
                 for mode in (modes if repeat % 2 == 0 else modes[::-1]):
+                    shot = args.screenshot if mode == "on" and repeat == 0 and workload == workloads[0] else None
                     run, rows = run_reame(Path(args.model), args.threads, mode == "on", workload, seconds,
-                                          args.bucket, Path(tmp) / f"{workload}-{mode}-{repeat}")
+                                          args.bucket, Path(tmp) / f"{workload}-{mode}-{repeat}", shot)
                     if args.repeats > 1:
                         run.name += f" #{repeat + 1}"
                     print_table(run.name, rows, run.errors)

@@ -175,6 +175,28 @@ def test_a_class_that_never_pays_starts_switched_off_and_opted_out_requests_neve
     assert spec.propose("never-begun", prompt, 4) == []
 
 
+def test_a_request_starts_from_the_longest_prompt_prefix_with_a_record():
+    from worker.spec.speculator import CLASS_EVIDENCE, class_keys
+
+    template = list(range(500, 516))  # the chat template: every prompt's first 16 tokens
+    quoting, chatting = template + list(range(600, 640)), template + list(range(700, 740))
+    assert class_keys(quoting)[0] == class_keys(chatting)[0] and class_keys(quoting)[1] != class_keys(chatting)[1]
+    assert len(class_keys(template + list(range(1000)))) == 8 and len(class_keys([1, 2, 3])) == 1
+    spec = _measured(Speculator(max_draft=4))
+    spec.begin("q", quoting)
+    spec.begin("c", chatting)
+    for _ in range(2 * CLASS_EVIDENCE):
+        spec.observe("q", 4, 4)  # the quoting class's drafts are confirmed ...
+        spec.observe("c", 4, 0)  # ... the chatting class's rejected
+    spec.end("q")
+    spec.end("c")
+    spec.begin("q2", quoting[:40] + [9, 9, 9])  # a new prompt sharing 32 tokens (2 blocks) with "q"
+    spec.begin("c2", chatting[:40] + [9, 9, 9])
+    assert spec._seqs["q2"].p > 0.9 and spec._seqs["c2"].p < 0.2
+    spec.begin("new", template + [8] * 30)  # only the template is known: the shared record, both classes' drafts
+    assert spec._seqs["c2"].p < spec._seqs["new"].p < spec._seqs["q2"].p
+
+
 def test_without_adaptation_every_draft_is_max_draft_long_and_nothing_switches_off():
     spec = Speculator(max_draft=3, adaptive=False)
     tokens = [1, 2, 3, 4, 5, 1, 2]

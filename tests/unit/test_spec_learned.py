@@ -10,7 +10,7 @@ from worker.spec.archive import NgramArchive
 from worker.spec.archive_store import ArchiveStore
 from worker.spec.gate import SAMPLES
 from worker.spec.learned import LearnedState
-from worker.spec.speculator import PRIOR, SAVE_EVERY, Speculator
+from worker.spec.speculator import PRIOR, SAVE_EVERY, Speculator, class_keys
 
 MODEL = bytes(range(32))
 PROMPT = list(range(100, 120))  # one request class (its first 16 tokens)
@@ -77,17 +77,18 @@ def test_state_is_saved_every_few_finished_sequences_behind_the_step_loop(tmp_pa
     _serve(spec, 1)
     assert store.flush()
     state = learned.decode(store.load_state())
-    assert state is not None and state.classes[0][0] == PROMPT[:16] and state.classes[0][1] > PRIOR[0]
+    assert state is not None and state.classes[0][0] == class_keys(PROMPT)[0] and state.classes[0][1] > PRIOR[0]
     store.close()
 
 
 def test_a_damaged_or_foreign_save_is_ignored_with_a_warning(tmp_path, caplog):
-    blob = learned.encode(LearnedState([([1, 2], 3.0, 1.0)], [([1.0], [2.0])], (1.0, 2.0, 3.0, 4.0, 5.0)))
-    assert learned.decode(blob) == LearnedState([([1, 2], 3.0, 1.0)], [([1.0], [2.0])], (1.0, 2.0, 3.0, 4.0, 5.0))
+    state = LearnedState([(1 << 32 | 12345, 3.0, 1.0, 4)], [([1.0], [2.0])], (1.0, 2.0, 3.0, 4.0, 5.0))
+    blob = learned.encode(state)
+    assert learned.decode(blob) == state
     flipped = blob[:-3] + bytes([blob[-3] ^ 1]) + blob[-2:]
     assert learned.decode(flipped) is None
     assert learned.decode(blob[:4]) is None and learned.decode(None) is None
-    assert learned.decode(b"SL\x02" + blob[3:]) is None  # another version
+    assert learned.decode(b"SL\x01" + blob[3:]) is None  # another version (1: classes keyed by 16 tokens)
 
     store = _store(tmp_path)
     store.save_state(lambda: flipped)

@@ -18,15 +18,15 @@ import zlib
 from dataclasses import dataclass, field
 
 MAGIC = b"SL"
-VERSION = 1
-MAX_CLASSES = 1000  # most recently used class records kept across a restart (~80 bytes each)
+VERSION = 2  # 2: class records keyed by a prompt-prefix key, with their draft count
+MAX_CLASSES = 4000  # most recently used class records kept across a restart (~40 bytes each)
 _HEADER = struct.Struct("<2sBI")  # magic, version, crc32 of the body
 
 
 @dataclass
 class LearnedState:
-    # (class prompt tokens, decayed accepted tokens, decayed rejections), least recently used first
-    classes: list[tuple[list[int], float, float]] = field(default_factory=list)
+    # (class key, decayed accepted tokens, decayed rejections, drafts seen), least recently used first
+    classes: list[tuple[int, float, float, int]] = field(default_factory=list)
     # per gate bucket: (plain steps' tok/s, drafted steps' tok/s), oldest first
     gate: list[tuple[list[float], list[float]]] = field(default_factory=list)
     # StepCost's forgetting sums: (n, x, y, xx, xy)
@@ -49,7 +49,7 @@ def decode(blob: bytes | None) -> LearnedState | None:
         return None
     try:
         raw = json.loads(body)
-        classes = [([int(t) for t in klass], float(a), float(r)) for klass, a, r in raw["classes"]]
+        classes = [(int(key), float(a), float(r), int(n)) for key, a, r, n in raw["classes"]]
         gate = [([float(v) for v in plain], [float(v) for v in drafted]) for plain, drafted in raw["gate"]]
         n, x, y, xx, xy = (float(v) for v in raw["cost"])
     except (ValueError, TypeError, KeyError):

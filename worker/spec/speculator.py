@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import logging
 import math
+import struct
+import zlib
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
@@ -41,8 +43,15 @@ DEFAULT_BREAK_EVEN = 0.25  # until the step-time fit has data
 # than the fit sees (8 streams, 2 threads: k from the bare break-even drafted 4.2 tokens at 65%
 # acceptance and ran 0.78x of plain decoding, though the fit predicted the step times right).
 MARGIN = 1.25
-CLASS_TOKENS = 16  # prompt tokens that name a request class
-MAX_CLASSES = 10_000  # class records kept (the oldest go first)
+# A request class is a prompt prefix of 16, 32, ... CLASS_DEPTHS * 16 tokens: a request starts
+# from the record of the longest one with CLASS_EVIDENCE drafts behind it. The first 16 tokens
+# alone are the chat template's and its default system prompt, shared by every chat request
+# (stop 17: all of them fell into one class); a longer prefix names the system prompt, the
+# document or the instruction, and the shorter ones still serve a prompt seen for the first time.
+CLASS_BLOCK = 16
+CLASS_DEPTHS = 8
+CLASS_EVIDENCE = 3
+MAX_CLASSES = 20_000  # class records kept (the oldest go first)
 PROBE_TOKENS = 4  # one-token drafts a sequence may try while its own record is this short, paying or not
 SAVE_EVERY = 16  # finished sequences between saves of what was learned (learned.py; ~1 ms to snapshot)
 
@@ -53,6 +62,18 @@ class LearnedStore(Protocol):
     def load_state(self) -> bytes | None: ...
 
     def save_state(self, encode: Callable[[], bytes]) -> None: ...
+
+
+def class_keys(prompt_ids: list[int]) -> list[int]:
+    """Keys of the prompt's prefixes of 16, 32, ... tokens (the whole prompt when shorter than 16):
+    CRC32 chained block by block, with the depth in the high bits; stable across processes."""
+    keys, crc = [], 0
+    blocks = min(CLASS_DEPTHS, max(1, len(prompt_ids) // CLASS_BLOCK))
+    for depth in range(1, blocks + 1):
+        block = prompt_ids[(depth - 1) * CLASS_BLOCK:depth * CLASS_BLOCK]
+        crc = zlib.crc32(struct.pack(f"<{len(block)}i", *block), crc)
+        keys.append(depth << 32 | crc)
+    return keys
 
 
 def draft_length(p: float, break_even: float, most: int) -> int:
@@ -111,7 +132,7 @@ class StepCost:
 class SequenceDrafts:
     """One sequence's drafting state."""
     lookup: PromptLookup
-    klass: tuple[int, ...]
+    klass: list[int]  # its class keys, shortest prefix first
     accepted_w: float = PRIOR[0]  # decayed accepted tokens ...
     rejected_w: float = PRIOR[1]  # ... and rejections: p = accepted_w / (accepted_w + rejected_w)
     off_until: int = -1  # step number before which it does not draft
@@ -153,7 +174,7 @@ class Speculator:
         if self.max_draft < 1:
             raise ValueError(f"max_draft must be >= 1, got {self.max_draft}")
         self._seqs: dict[str, SequenceDrafts] = {}
-        self._classes: dict[tuple[int, ...], tuple[float, float]] = {}  # class -> (accepted_w, rejected_w)
+        self._classes: dict[int, tuple[float, float, int]] = {}  # class key -> (accepted_w, rejected_w, drafts)
         self._step = 0
         self._sequences_per_step = 1
         # Step-level check of the per-sequence rule (adaptive only): drafting must measure faster.
@@ -171,12 +192,13 @@ class Speculator:
 
     def begin(self, seq_id: str, prompt_ids: list[int]) -> None:
         """A sequence that may draft (requests that opted out are never begun)."""
-        klass = tuple(prompt_ids[:CLASS_TOKENS])
-        state = SequenceDrafts(PromptLookup(), klass)
-        record = self._classes.get(klass)
-        if record is not None:  # its class's record, as much weight as the prior
+        keys = class_keys(prompt_ids)
+        state = SequenceDrafts(PromptLookup(), keys)
+        record = next((r for r in map(self._classes.get, reversed(keys)) if r is not None and r[2] >= CLASS_EVIDENCE),
+                      None)
+        if record is not None:  # its longest known class's record, as much weight as the prior
             total = sum(PRIOR)
-            state.accepted_w, state.rejected_w = (total * w / sum(record) for w in record)
+            state.accepted_w, state.rejected_w = (total * w / (record[0] + record[1]) for w in record[:2])
             break_even = self._break_even()
             if self.adaptive and state.p <= break_even:
                 state.off_until = self._step + FIRST_BACKOFF
@@ -238,9 +260,10 @@ class Speculator:
         rejected = 1.0 if accepted < drafted else 0.0
         state.accepted_w = DECAY * state.accepted_w + accepted
         state.rejected_w = DECAY * state.rejected_w + rejected
-        old = self._classes.pop(state.klass, PRIOR)  # re-inserted: the dict's order is least recent first
-        self._classes[state.klass] = (DECAY * old[0] + accepted, DECAY * old[1] + rejected)
-        if len(self._classes) > MAX_CLASSES:
+        for key in state.klass:
+            a, r, n = self._classes.pop(key, (*PRIOR, 0))  # re-inserted: the dict's order is least recent first
+            self._classes[key] = (DECAY * a + accepted, DECAY * r + rejected, n + 1)
+        while len(self._classes) > MAX_CLASSES:
             del self._classes[next(iter(self._classes))]
         if not self.adaptive:
             return
@@ -277,13 +300,13 @@ class Speculator:
 
     def learned(self) -> LearnedState:
         """A copy of what should outlive this process."""
-        classes = [(list(klass), a, r) for klass, (a, r) in self._classes.items()]
+        classes = [(key, a, r, n) for key, (a, r, n) in self._classes.items()]
         return LearnedState(classes, self.gate.export() if self.gate is not None else [], self.cost.export())
 
     def restore(self, state: LearnedState) -> None:
         """Start from what an earlier process learned (before any sequence begins)."""
-        for klass, a, r in state.classes[-MAX_CLASSES:]:
-            self._classes[tuple(klass)] = (a, r)
+        for key, a, r, n in state.classes[-MAX_CLASSES:]:
+            self._classes[key] = (a, r, n)
         if self.gate is not None:
             self.gate.restore(state.gate)
         self.cost.restore(state.cost)
