@@ -253,7 +253,9 @@ def main() -> None:
                         f"step fit base {1e3 * (stats['step_base_s'] or 0):.1f} ms + "
                         f"{1e3 * (stats['step_per_row_s'] or 0):.2f} ms/row, break-even {stats['break_even']:.2f}, "
                         f"switched off {stats['spec_switched_off']}, gate "
-                        + ", ".join(f"{k[5:]} {v}" for k, v in stats.items() if k.startswith("gate_")))
+                        + ", ".join(f"{k[5:]} {v}" for k, v in stats.items() if k.startswith("gate_"))
+                        + "; acceptance by agreement length "
+                        + (", ".join(f"{low}+: {p:.0%}" for low, p in stats["agreement_acceptance"].items()) or "-"))
                 rows.append((name, streams, off, on))
     print_table(rows, args)
     if series:

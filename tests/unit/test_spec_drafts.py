@@ -197,6 +197,37 @@ def test_a_request_starts_from_the_longest_prompt_prefix_with_a_record():
     assert spec._seqs["c2"].p < spec._seqs["new"].p < spec._seqs["q2"].p
 
 
+def test_prompt_lookup_reports_how_far_back_its_source_agrees():
+    lookup = PromptLookup()
+    copied = list(range(10, 40))
+    tokens = copied + [7, 7] + copied[:20]  # a 20-token copy in progress
+    at, agree = lookup.find(tokens)
+    assert at == 20 and agree == 20 and lookup.read(tokens, at, 3) == [30, 31, 32]
+    assert PromptLookup().find([1, 2, 9, 1, 2])[1] == 2  # a fresh 2-gram match
+
+
+def test_draft_length_follows_the_acceptance_learned_for_the_source_agreement():
+    from worker.spec.speculator import AGREEMENT_EVIDENCE, agreement_bucket
+
+    spec = _measured(Speculator(max_draft=8))
+    copied = list(range(100, 160))
+    long_copy = copied + [7] + copied[:40]  # its source agrees on 40 tokens
+    short = [5, 6, 50, 51, 52, 5, 6]  # ... on 2
+    spec.begin("a", long_copy)
+    spec.begin("b", short)
+    for _ in range(AGREEMENT_EVIDENCE):  # long copies go on; 2-token matches fail at once
+        assert spec.propose("a", long_copy, 99)
+        spec.observe("a", 4, 4)
+        spec._seqs["b"].off_until = -1
+        assert spec.propose("b", short, 99)
+        spec.observe("b", 2, 0)
+    a, r, _ = spec._agreement[agreement_bucket(40)]
+    assert a / (a + r) > 0.9
+    spec._seqs["b"].off_until = -1
+    assert len(spec.propose("a", long_copy, 99)) == 8 and len(spec.propose("b", short, 99)) <= 1  # a probe at most
+    assert spec.stats()["agreement_acceptance"][2] < 0.3
+
+
 def test_without_adaptation_every_draft_is_max_draft_long_and_nothing_switches_off():
     spec = Speculator(max_draft=3, adaptive=False)
     tokens = [1, 2, 3, 4, 5, 1, 2]

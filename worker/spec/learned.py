@@ -31,10 +31,13 @@ class LearnedState:
     gate: list[tuple[list[float], list[float]]] = field(default_factory=list)
     # StepCost's forgetting sums: (n, x, y, xx, xy)
     cost: tuple[float, float, float, float, float] = (0.0, 0.0, 0.0, 0.0, 0.0)
+    # prompt-lookup drafts per agreement bucket: (decayed accepted, decayed rejections, drafts)
+    agreement: list[tuple[float, float, int]] = field(default_factory=list)
 
 
 def encode(state: LearnedState) -> bytes:
-    body = json.dumps({"classes": state.classes[-MAX_CLASSES:], "gate": state.gate, "cost": list(state.cost)},
+    body = json.dumps({"classes": state.classes[-MAX_CLASSES:], "gate": state.gate, "cost": list(state.cost),
+                       "agreement": state.agreement},
                       separators=(",", ":")).encode()
     return _HEADER.pack(MAGIC, VERSION, zlib.crc32(body)) + body
 
@@ -52,6 +55,7 @@ def decode(blob: bytes | None) -> LearnedState | None:
         classes = [(int(key), float(a), float(r), int(n)) for key, a, r, n in raw["classes"]]
         gate = [([float(v) for v in plain], [float(v) for v in drafted]) for plain, drafted in raw["gate"]]
         n, x, y, xx, xy = (float(v) for v in raw["cost"])
+        agreement = [(float(a), float(r), int(c)) for a, r, c in raw["agreement"]]
     except (ValueError, TypeError, KeyError):
         return None
-    return LearnedState(classes, gate, (n, x, y, xx, xy))
+    return LearnedState(classes, gate, (n, x, y, xx, xy), agreement)

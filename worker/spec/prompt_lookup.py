@@ -18,6 +18,7 @@ from __future__ import annotations
 
 MIN_NGRAM = 2  # one-token matches propose mostly noise
 MAX_NGRAM = 4
+MATCH_CAP = 32  # agreement counted back at most this far
 
 
 class PromptLookup:
@@ -35,10 +36,16 @@ class PromptLookup:
     def propose(self, tokens: list[int], k: int) -> list[int]:
         """k tokens that followed the longest n-gram ending `tokens` where it last occurred before
         (continuing the same copy into the draft itself); [] when no n-gram of MIN..MAX tokens
-        recurs. `tokens` only ever grows (or is the
-        same list again) between calls."""
+        recurs. `tokens` only ever grows (or is the same list again) between calls."""
         if k <= 0:
             return []
+        found = self.find(tokens)
+        return self.read(tokens, found[0], k) if found else []
+
+    def find(self, tokens: list[int]) -> tuple[int, int] | None:
+        """Where a draft for `tokens` would be copied from, and on how many tokens before it the
+        source agrees with the end of the sequence (up to MATCH_CAP): the longer the agreement,
+        the likelier the copy goes on (what the speculator learns per agreement length)."""
         self._extend(tokens)
         length = len(tokens)
         at, matched = self._continued(tokens)
@@ -53,7 +60,15 @@ class PromptLookup:
                 break
         if at is None:
             self._copy = None
-            return []
+            return None
+        agree = 0
+        while agree < MATCH_CAP and agree < at and tokens[at - 1 - agree] == tokens[length - 1 - agree]:
+            agree += 1
+        return at, agree
+
+    def read(self, tokens: list[int], at: int, k: int) -> list[int]:
+        """The k-token draft copied from `at` (find's source); the copy continues from there."""
+        length = len(tokens)
         self._copy = (at, length)
         # Past the end the copy reads its own draft: a match close to the end is a period, and
         # the draft repeats it.
