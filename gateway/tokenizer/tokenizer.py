@@ -2,8 +2,8 @@
 
 encode = cut special tokens out (specials.py) -> split each raw fragment into words
 (pretokenize.py for byte-level BPE; the whole fragment, spaces as "▁", for SentencePiece)
--> merge every word in one call into the Rust `tokenizers` model (merging.py) -> splice the
-special ids back between the fragments' tokens.
+-> merge every word in one call into the Rust `tokenizers` model (merging.py) -> put the
+special ids back between the fragments' tokens. Long fragments' ids are kept (piece_cache.py).
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from shared.vocab import (CONTROL, SPACE_MARK, UNKNOWN, USER_DEFINED, Vocab, end
                           read_vocab)
 
 from .merging import build_merger
+from .piece_cache import PieceCache
 from .pretokenize import PreTokenizer
 from .specials import SpecialSplitter
 MERGE_BATCH = 2048      # words per call into the Rust merger (see Tokenizer._merge)
@@ -42,6 +43,7 @@ class Tokenizer:
         self._control_texts = frozenset(text for text, i in specials if vocab.types[i] != USER_DEFINED)
         self._max_token_bytes = max((len(p) for p in self._pieces), default=1)
         self._eot_ids = end_of_generation_ids(vocab)
+        self._piece_ids = PieceCache()
 
     @classmethod
     def from_gguf(cls, path: str | Path) -> Tokenizer:
@@ -67,40 +69,58 @@ class Tokenizer:
             raise InvalidRequestError(f"text to tokenize must be a string, not {type(text).__name__}")
         vocab = self._vocab
         pieces = self._splitter.split(text, plain if parse_special else [(0, len(text))])
+        # Each fragment's ids: a special id, ids from the piece cache, or None (merged below).
+        parts: list[int | tuple[int, ...] | None] = []
         words: list[str] = []
-        layout: list[tuple[int, int]] = []    # (special id, -1) or (-1, number of words)
+        misses: list[tuple[str, int]] = []     # (fragment, number of its words) to merge
         prev_special = True
         for piece in pieces:
             if isinstance(piece, int):
-                layout.append((piece, -1))
+                parts.append(piece)
                 prev_special = True
-            elif self._spm:
-                if vocab.add_space_prefix and prev_special:
-                    piece = " " + piece
-                words.append(piece.replace(" ", SPACE_MARK))
-                layout.append((-1, 1))
-                prev_special = False
-            else:
-                split = self._pre.split(piece)
-                words.extend(split)
-                layout.append((-1, len(split)))
-                prev_special = False
+                continue
+            if self._spm and vocab.add_space_prefix and prev_special:
+                piece = " " + piece
+            prev_special = False
+            cached = self._piece_ids.get(piece)
+            if cached is not None:
+                parts.append(cached)
+                continue
+            split = [piece.replace(" ", SPACE_MARK)] if self._spm else self._pre.split(piece)
+            words.extend(split)
+            misses.append((piece, len(split)))
+            parts.append(None)
 
         ids: list[int] = [vocab.bos_id] if add_special and vocab.add_bos else []
-        if words:
-            merged, word_ids = self._merge(words)
-            if len(layout) == 1:
-                ids.extend(merged)
+        merged_pieces = iter(self._merge_pieces(words, misses)) if words else iter(())
+        for part in parts:
+            if part is None:
+                ids.extend(next(merged_pieces, ()))
+            elif isinstance(part, int):
+                ids.append(part)
             else:
-                _splice(ids, layout, merged, word_ids)
-            dropped = len(vocab.tokens)     # merging.DROPPED_BYTE
-            if dropped in ids:
-                ids = [i for i in ids if i != dropped]
-        else:
-            ids.extend(special for special, _ in layout)
+                ids.extend(part)
+        dropped = len(vocab.tokens)     # merging.DROPPED_BYTE
+        if dropped in ids:
+            ids = [i for i in ids if i != dropped]
         if add_special and vocab.add_eos:
             ids.append(vocab.eos_id)
         return ids
+
+    def _merge_pieces(self, words: list[str], misses: list[tuple[str, int]]) -> list[list[int]]:
+        """The ids of each missed fragment (its words merged in one call with all the others),
+        kept in the piece cache."""
+        merged, word_ids = self._merge(words)
+        out: list[list[int]] = []
+        j, first_word = 0, 0
+        for piece, n_words in misses:
+            first_word += n_words
+            start = j
+            while j < len(merged) and word_ids[j] < first_word:
+                j += 1
+            out.append(merged[start:j])
+            self._piece_ids.put(piece, out[-1])
+        return out
 
     def _merge(self, words: list[str]) -> tuple[list[int], list[int]]:
         """Token ids of pre-split words, and the index of the word each came from.
@@ -220,16 +240,3 @@ class Tokenizer:
 @functools.lru_cache(maxsize=4)
 def _cached(path: str, mtime_ns: int, size: int) -> Tokenizer:
     return Tokenizer(read_vocab(path))
-
-
-def _splice(out: list[int], layout: list[tuple[int, int]], ids: list[int], word_ids: list) -> None:
-    """Append fragment tokens and special ids in text order, using each token's word index."""
-    j, first_word = 0, 0
-    for special, n_words in layout:
-        if n_words < 0:
-            out.append(special)
-            continue
-        first_word += n_words
-        while j < len(ids) and word_ids[j] < first_word:
-            out.append(ids[j])
-            j += 1

@@ -372,3 +372,20 @@ def test_small_gpt2_file_tokenizes(tmp_path):
     tok = Tokenizer.from_gguf(write_gguf(tmp_path / "small.gguf", "gpt2", "smollm"))
     assert tok.encode("ab") == [2]
     assert tok.encode("ba") == [1, 0]
+
+
+@pytest.mark.parametrize("name", ["smollm", "gemma"])
+def test_a_long_fragment_seen_before_gets_the_ids_a_fresh_tokenizer_gives(name, request):
+    from gateway.tokenizer.piece_cache import PieceCache
+
+    tok = request.getfixturevalue(name)
+    uncached = Tokenizer(tok._vocab)
+    uncached._piece_ids = PieceCache(min_chars=10**9)  # keeps nothing
+    system = " ".join(f"tool_{i}(path: str) reads {i} files;" for i in range(40))  # one long fragment
+    first = f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\nhi<|im_end|>"
+    tok.encode(first)
+    again = f"<start_of_turn>user\n{system}<end_of_turn>\n<|im_start|>user\nanother question<|im_end|>"
+    assert len(tok._piece_ids) >= 1
+    for text in (first, again, system, " " + system):
+        assert tok.encode(text) == uncached.encode(text)
+        assert tok.encode(text, parse_special=False) == uncached.encode(text, parse_special=False)
