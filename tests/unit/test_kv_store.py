@@ -529,3 +529,14 @@ def test_writer_logs_a_failure_and_keeps_going(tmp_path, caplog):
     assert "injected failure" in caplog.text
     assert [gated.store.contains(key(i)) for i in range(2)] == [False, True]
     writer.close()
+
+
+def test_the_writer_thread_runs_at_the_lowest_cpu_priority(tmp_path):
+    """Beside a 2-thread engine on 2 cores it must take no core from a step (worker.background)."""
+    import os
+
+    writer = StoreWriter(open_store(tmp_path))
+    assert writer.submit(key(0), tokens(0), payload(0))
+    assert writer.flush(timeout=10)  # the thread has written it, so it has lowered itself first
+    assert os.getpriority(os.PRIO_PROCESS, writer._thread.native_id) == 19
+    writer.close()

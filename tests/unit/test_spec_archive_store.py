@@ -95,3 +95,13 @@ def test_a_corrupt_entry_is_a_miss_and_is_deleted(tmp_path):
     assert store.flush()
     assert store.stats()["entries"] == 1 and store.get((5, 6, 7)) == {8: 1}
     store.close()
+
+
+def test_the_archive_writer_runs_at_the_lowest_cpu_priority(tmp_path):
+    import os
+
+    store = _store(tmp_path)
+    store.submit({(1, 2, 3): {4: 1}})
+    assert store.flush()  # the thread has written it, so it has lowered itself first
+    assert os.getpriority(os.PRIO_PROCESS, store._thread.native_id) == 19
+    store.close()

@@ -77,8 +77,10 @@ class TunableEngine(Protocol):
 class TunerSettings:
     enabled: bool = True  # False: the engine's table and threads, never a candidate
     explore_share: float = 0.05
-    explore_every_s: float = 5.0  # ... and at least one candidate step per this much busy time in a
-    # bucket (slow steps: a share of steps would take minutes to learn that the incumbent is the slow one)
+    explore_every_s: float = 30.0  # ... and at least one candidate step per this much busy time in a
+    # bucket (slow steps: a share of steps would take minutes to learn that the incumbent is the slow
+    # one). Not less: a candidate prompt chunk of ~1 s on a 1.8x slower arm (int8 x 1 thread, AVX2)
+    # costs 0.8 s; at one per 5 s a 2,202-token prompt's cold TTFT was 7.1 s against 5.0 s in process.
     min_samples: int = 4  # candidate steps before a verdict
     max_samples: int = 48  # the sliding window of a candidate's ratios
     z: float = 3.0  # confidence, in standard errors of the median ratio

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import lmdb
 
+from worker.background import lower_this_thread
+
 log = logging.getLogger("reame.spec")
 
 MAGIC = b"NG"
@@ -155,6 +157,7 @@ class ArchiveStore:
             self._cond.notify_all()
 
     def _run(self) -> None:
+        lower_this_thread()  # the engine's threads come first (worker.background)
         while True:
             with self._cond:
                 while not self._ops and not self._closing:
