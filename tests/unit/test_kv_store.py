@@ -532,7 +532,7 @@ def test_writer_logs_a_failure_and_keeps_going(tmp_path, caplog):
 
 
 def test_the_writer_thread_runs_at_the_lowest_cpu_priority(tmp_path):
-    """Beside a 2-thread engine on 2 cores it must take no core from a step (worker.background)."""
+    """Beside a 2-thread engine on 2 cores it must take no core from a step (shared.thread_priority)."""
     import os
 
     writer = StoreWriter(open_store(tmp_path))

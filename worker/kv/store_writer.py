@@ -16,7 +16,7 @@ import threading
 import time
 from collections import deque
 
-from worker.background import lower_this_thread
+from shared.thread_priority import lower_this_thread
 from worker.kv.store import KVStore, check_key
 
 log = logging.getLogger("reame.kvstore")
@@ -104,7 +104,7 @@ class StoreWriter:
         self._cond.notify_all()
 
     def _run(self) -> None:
-        lower_this_thread()  # the engine's threads come first (worker.background)
+        lower_this_thread()  # the engine's threads come first (shared.thread_priority)
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._ops or self._closing)

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import lmdb
 
-from worker.background import lower_this_thread
+from shared.thread_priority import lower_this_thread
 
 log = logging.getLogger("reame.spec")
 
@@ -157,7 +157,7 @@ class ArchiveStore:
             self._cond.notify_all()
 
     def _run(self) -> None:
-        lower_this_thread()  # the engine's threads come first (worker.background)
+        lower_this_thread()  # the engine's threads come first (shared.thread_priority)
         while True:
             with self._cond:
                 while not self._ops and not self._closing:

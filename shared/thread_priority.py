@@ -14,7 +14,7 @@ import logging
 import os
 import threading
 
-log = logging.getLogger("reame.worker")
+log = logging.getLogger("reame")
 
 BACKGROUND_NICE = 19
 
