@@ -252,8 +252,10 @@ class Speculator:
             at, agree = found
             bucket = agreement_bucket(agree)
             a, r, n = self._agreement[bucket]
-            copy_k = draft_length(a / (a + r), break_even, self.max_draft) if self.adaptive and n >= AGREEMENT_EVIDENCE else k
-            copy_k = min(limit, self._probe(state, copy_k))
+            if self.adaptive and n >= AGREEMENT_EVIDENCE:  # what such drafts earned decides; no probe
+                copy_k = min(limit, draft_length(a / (a + r), break_even, self.max_draft))
+            else:
+                copy_k = min(limit, self._probe(state, k))
             if copy_k > 0:
                 state.agreement = bucket
                 self.counters.spec_from_prompt += 1
