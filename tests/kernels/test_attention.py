@@ -370,3 +370,13 @@ def test_kv_accessors_dispatch_on_pool_dtype():
     assert kv_store_value(x, f32) == x and kv_load(x) == x
     # f16_to_f32 is untouched by the new intrinsic living next to it.
     assert njit(lambda b: f16_to_f32(b))(np.uint16(0xC000)) == np.float32(-2.0)
+
+
+def test_balanced_item_order_covers_every_pair_once_alternating_ends():
+    from worker.engine.kernels.attention import balanced_item
+
+    for n in (1, 2, 5, 8):
+        pairs = [balanced_item(item, n) for item in range(3 * n)]
+        assert sorted(pairs) == [(s, i) for s in range(3) for i in range(n)]
+        assert [i for s, i in pairs[:n]] == [(k >> 1) if k % 2 == 0 else n - 1 - (k >> 1) for k in range(n)]
+    assert [balanced_item(item, 4)[1] for item in range(4)] == [0, 3, 1, 2]

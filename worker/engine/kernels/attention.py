@@ -31,10 +31,23 @@ from worker.engine.kernels.key_scores import block_scores
 from worker.engine.kernels.kv_element import kv_load, kv_store_value
 from worker.engine.kernels.value_sums import value_sums
 
-__all__ = ["kv_load", "kv_store_value", "store_kv", "paged_attention", "paged_attention_decode",
+__all__ = ["balanced_item", "kv_load", "kv_store_value", "store_kv", "paged_attention", "paged_attention_decode",
            "group_scratch", "score_width", "softmax_chunk", "write_head"]
 
 _JIT = dict(fastmath=True, cache=True, nogil=True)
+
+
+@njit(**_JIT)
+def balanced_item(item, n):
+    """(set, index) of work item `item` when every set has n items: set-major, and within a set
+    the indices alternate from both ends (0, n-1, 1, n-2, ...). numba splits a prange statically
+    into one contiguous range per thread; this order gives each thread about the same share of
+    every set, and of the short and the long ends of each (rows of a chunk or the tiles of a run come
+    in position order, i.e. in order of cost)."""
+    s = item // n
+    r = item - s * n
+    half = r >> 1
+    return s, (half if (r & 1) == 0 else n - 1 - half)
 
 
 @njit(**_JIT)
@@ -81,12 +94,7 @@ def paged_attention(q, k_pool, v_pool, layer, block_table, start, window, scale,
     group = n_heads // n_kv
     sc = np.float32(scale)
     for item in prange(n_t * n_heads):
-        # Head-major; within a head, t alternates short/long contexts (0, T-1, 1, T-2, ...) so
-        # the static split of the item range gives each thread a similar amount of work.
-        h = item // n_t
-        r = item - h * n_t
-        half = r >> 1
-        t = half if (r & 1) == 0 else n_t - 1 - half
+        h, t = balanced_item(item, n_t)  # head-major; within a head, short and long contexts alternate
         p = start + t
         lo = max(0, p - window + 1) if window > 0 else 0
         _attend_group(q[t], h, 1, k_pool, v_pool, layer, h // group, block_table, lo, p + 1, sc, chunk, out[t])
@@ -122,10 +130,7 @@ def paged_attention_decode(q, k_pool, v_pool, layer, block_tables, positions, wi
         # Within a set, rows alternate from both ends (0, B-1, 1, B-2, ...): the rows of a prompt
         # chunk come in position order, and a contiguous half of them would be all the short or
         # all the long contexts (with one kv head, Gemma's prefill ran 1:3 between the threads).
-        hs = item // n_b
-        r = item - hs * n_b
-        half = r >> 1
-        b = half if (r & 1) == 0 else n_b - 1 - half
+        hs, b = balanced_item(item, n_b)
         p = positions[b]
         lo = max(0, p - window + 1) if window > 0 else 0
         h0 = hs * per_item

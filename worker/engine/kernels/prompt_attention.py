@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from worker.engine.kernels.attention import group_scratch, score_width, softmax_chunk, write_head
+from worker.engine.kernels.attention import balanced_item, group_scratch, score_width, softmax_chunk, write_head
 from worker.engine.kernels.key_scores import block_scores
 from worker.engine.kernels.value_sums import value_sums
 
@@ -103,13 +103,7 @@ def paged_attention_runs(q, k_pool, v_pool, layer, block_tables, positions, runs
     n_sets = n_heads // per_item
     sc = np.float32(scale)
     for item in prange(n_tiles * n_sets):
-        # As in paged_attention_decode: head-set-major, so the static split gives each thread
-        # about half the head sets of every tile; tiles alternate from both ends (0, T-1, 1, ...)
-        # because a run's tiles come in position order, i.e. in order of cost.
-        hs = item // n_tiles
-        r = item - hs * n_tiles
-        half = r >> 1
-        t = half if (r & 1) == 0 else n_tiles - 1 - half
+        hs, t = balanced_item(item, n_tiles)  # as in paged_attention_decode
         h0 = hs * per_item
         r0, r1 = starts[t], ends[t]
         _attend_tile(q, r0, r1, h0, per_item, k_pool, v_pool, layer, h0 // group, block_tables[r1 - 1],
