@@ -14,11 +14,10 @@ call (all its rows), and before_step refuses to run twice without an after_step.
 Online A/B. A small share of steps (`explore_share`), and at least one step per
 `explore_every_s` of the bucket's busy time (when steps are slow, a share of them would take
 minutes), runs a candidate arm. Busy time, not wall time: counted in wall time, the first step
-after any pause of a second ran a candidate, so a request arriving at an idle server had its
-prompt on a candidate (stop 18: warm TTFT 103 ms over HTTP against 41 ms for the same step in
-process, 2,202 tokens, AVX2). Its time per row is compared with the incumbent's *recent* steps of the same bucket (the
-median of the last few), as a log ratio, so slow drift (contexts growing, a neighbour arriving)
-hits both sides.
+after any pause of a second ran a candidate, so every request arriving at an idle server had its
+prompt on a trial arm. A candidate's time per row is compared with the incumbent's *recent*
+steps of the same bucket (the median of the last few), as a log ratio, so slow drift (contexts
+growing, a neighbour arriving) hits both sides.
 Per candidate the ratios form a sliding window; once it holds `min_samples`, every
 `min_samples / 2` samples:
   - a win when its median ratio beats the incumbent by more than `min_gain` and by more than
@@ -79,8 +78,8 @@ class TunerSettings:
     explore_share: float = 0.05
     explore_every_s: float = 30.0  # ... and at least one candidate step per this much busy time in a
     # bucket (slow steps: a share of steps would take minutes to learn that the incumbent is the slow
-    # one). Not less: a candidate prompt chunk of ~1 s on a 1.8x slower arm (int8 x 1 thread, AVX2)
-    # costs 0.8 s; at one per 5 s a 2,202-token prompt's cold TTFT was 7.1 s against 5.0 s in process.
+    # one). Not less: a candidate prompt chunk of ~1 s on a 1.8x slower arm (int8 x 1 thread, AVX2,
+    # calibration: 60 vs 33 us/row) costs 0.8 s.
     min_samples: int = 4  # candidate steps before a verdict
     max_samples: int = 48  # the sliding window of a candidate's ratios
     z: float = 3.0  # confidence, in standard errors of the median ratio

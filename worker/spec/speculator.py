@@ -86,6 +86,13 @@ def class_keys(prompt_ids: list[int]) -> list[int]:
     return keys
 
 
+def _decayed(record: tuple[float, float, int], accepted: int, rejected: float,
+             decay: float) -> tuple[float, float, int]:
+    """A (decayed accepted, decayed rejections, drafts) record after one more verified draft."""
+    a, r, n = record
+    return decay * a + accepted, decay * r + rejected, n + 1
+
+
 def agreement_bucket(agree: int) -> int:
     """Index of the AGREEMENT_BUCKETS range holding an agreement of `agree` tokens."""
     return max(0, bisect.bisect_right(AGREEMENT_BUCKETS, agree) - 1)
@@ -285,17 +292,15 @@ class Speculator:
             return
         state.drafted += drafted
         state.accepted += accepted
-        if state.agreement >= 0:
-            a, r, n = self._agreement[state.agreement]
-            rej = 1.0 if accepted < drafted else 0.0
-            self._agreement[state.agreement] = (AGREEMENT_DECAY * a + accepted, AGREEMENT_DECAY * r + rej, n + 1)
         state.since_start += drafted
         rejected = 1.0 if accepted < drafted else 0.0
+        if state.agreement >= 0:
+            self._agreement[state.agreement] = _decayed(self._agreement[state.agreement], accepted, rejected,
+                                                        AGREEMENT_DECAY)
         state.accepted_w = DECAY * state.accepted_w + accepted
         state.rejected_w = DECAY * state.rejected_w + rejected
-        for key in state.klass:
-            a, r, n = self._classes.pop(key, (*PRIOR, 0))  # re-inserted: the dict's order is least recent first
-            self._classes[key] = (DECAY * a + accepted, DECAY * r + rejected, n + 1)
+        for key in state.klass:  # popped and re-inserted: the dict's order is least recent first
+            self._classes[key] = _decayed(self._classes.pop(key, (*PRIOR, 0)), accepted, rejected, DECAY)
         while len(self._classes) > MAX_CLASSES:
             del self._classes[next(iter(self._classes))]
         if not self.adaptive:
