@@ -67,11 +67,11 @@ def test_time_is_linear_in_the_number_of_specials(unit):
     def seconds(n: int) -> float:
         text = unit * n
         best = float("inf")
-        for _ in range(3):
+        for _ in range(5):  # best of 5: a noisy neighbour slows single runs by 2x here
             started = time.perf_counter()
             splitter.split(text)
             best = min(best, time.perf_counter() - started)
         return best
 
     small, large = seconds(10_000), seconds(40_000)
-    assert large < 6 * small, (small, large)    # linear: about 4x; quadratic: 16x
+    assert large < 9 * small, (small, large)    # linear: about 4x; quadratic: 16x
