@@ -63,7 +63,8 @@ def variant_table(engine, threads: int, runs: int) -> dict:
     from worker.engine.kernels.registry import BUCKET_NAMES, OpTable, variants_of
     from worker.sched.kernel_tuner import CALIBRATION_ROWS
     numerics = engine.ops.numerics("matmul")
-    arms = [(v, t) for v in variants_of("matmul") for t in range(threads, 0, -1)]
+    # The weights are packed in the layout of the engine's numerics: only its variants can run.
+    arms = [(v, t) for v in variants_of("matmul", numerics) for t in range(threads, 0, -1)]
     timings = {arm: {b: [] for b in BUCKET_NAMES} for arm in arms}
     for run in range(runs):
         for arm in arms:
@@ -86,8 +87,7 @@ def variant_table(engine, threads: int, runs: int) -> dict:
         print(f"{arm[0]:<16} {arm[1]:>3} {kind:<8} " + " ".join(f"{1e6 * med[arm][b]:>11.1f}" for b in BUCKET_NAMES))
     print("best of the engine's numerics (" + numerics + ") per bucket, vs the default:")
     for b in BUCKET_NAMES:
-        same = [a for a in arms if variants_of("matmul")[a[0]].numerics == numerics]
-        best = min(same, key=lambda a: med[a][b])
+        best = min(arms, key=lambda a: med[a][b])
         print(f"  {b:>5} rows: {best[0]} x {best[1]}t {1e6 * med[best][b]:.1f} us/row, default "
               f"{1e6 * med[default][b]:.1f} ({med[default][b] / med[best][b]:.2f}x)")
     return med

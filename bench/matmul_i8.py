@@ -86,7 +86,10 @@ def main() -> None:
     e = load_engine(args.model, progress=lambda m: None)
     w = e.model.w
     t = w.table
-    tab = (t.data, t.scales, t.scales16, t.meta)
+    # Each kernel reads the code layout of its numerics (packing.LAYOUT_*): one table per kernel.
+    t32 = load_engine(args.model, matmul_activations="float32", progress=lambda m: None).model.w.table
+    tabs = {linear_batch: (t32.data, t32.scales, t32.scales16, t32.meta),
+            linear_batch_i8: (t.data, t.scales, t.scales16, t.meta)}
     calls = step_calls(w)
     b_max = max(args.batches)
     width = max(sum(int(t.meta[i, M_TILES]) for i in c[0]) for c in calls.values()) * TILE
@@ -109,7 +112,7 @@ def main() -> None:
 
             def run(fn, scratch, kind):
                 for mats in calls[kind]:
-                    fn(*tab, mats, x[int(t.meta[mats[0], M_K])], out, scratch)
+                    fn(*tabs[fn], mats, x[int(t.meta[mats[0], M_K])], out, scratch)
 
             samples = {(f, k): [] for f in ("f32", "i8") for k in calls}
             for f, fn, s in (("f32", linear_batch, s_f32), ("i8", linear_batch_i8, s_i8)):
@@ -148,7 +151,7 @@ def main() -> None:
     for name, fn, scratch in (("linear_batch", linear_batch, batch_scratch(rows // TILE, len(x), x.shape[1])),
                               ("linear_batch_i8", linear_batch_i8, batch_scratch_i8(rows // TILE, len(x), x.shape[1]))):
         got = np.zeros((len(x), rows), np.float32)
-        fn(*tab, mats, x, got, scratch)
+        fn(*tabs[fn], mats, x, got, scratch)
         err = np.abs(got[:, :n] - exact).max(axis=1) / np.abs(exact).max(axis=1)
         same_top = np.mean(got[:, :n].argmax(axis=1) == exact.argmax(axis=1))
         print(f"logits {name:16}: max |err| / max |logit| per row: max {err.max():.2e}, median "

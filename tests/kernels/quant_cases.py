@@ -5,7 +5,7 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 
-from worker.engine.kernels.packing import MatrixTable, pack
+from worker.engine.kernels.packing import LAYOUT_ROWS, MatrixTable, pack
 from worker.engine.quants import SPECS
 
 QUANTIZABLE = (QT.F32, QT.F16, QT.BF16, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0)
@@ -33,12 +33,12 @@ def random_tensor(qtype: QT, rows: int, cols: int, seed: int = 0) -> np.ndarray:
     return gguf.quants.quantize(w, qtype).view(np.uint8).reshape(rows, -1)
 
 
-def packed_table(raws) -> MatrixTable:
-    """A finalized MatrixTable of (packed rows, qtype) pairs, in order."""
+def packed_table(raws, layout: int = LAYOUT_ROWS) -> MatrixTable:
+    """A finalized MatrixTable of (packed rows, qtype) pairs, in order, codes in `layout`."""
     table = MatrixTable()
     for raw, qtype in raws:
         table.add(pack(raw, qtype))
-    table.finalize()
+    table.finalize(layout)
     return table
 
 

@@ -9,13 +9,19 @@ from tests.kernels.quant_cases import packed_table, random_tensor
 from worker.engine.gguf_file import GGUFFile
 from worker.engine.kernels.matmul_batch import batch_scratch
 from worker.engine.kernels.matmul_i8 import batch_scratch_i8, quantize_reference
-from worker.engine.kernels.packing import FMT_F32, M_FMT, TILE, pack
+from worker.engine.kernels.packing import FMT_F32, LAYOUT_QUADS, LAYOUT_ROWS, M_FMT, TILE, pack
 from worker.engine.kernels.registry import (ALL_QUANT_TYPES, BUCKET_LIMITS, BUCKET_NAMES, DISPATCHED_OPS, KERNELS,
-                                            MATMUL, OpTable, bucket_of, variants_of)
+                                            MATMUL, OpTable, bucket_of, layout_for, variants_of)
 from worker.engine.quants import dequantize
 
 # Rows deliberately not a multiple of TILE, so padding is exercised.
 ROWS, COLS = 100, 512
+
+
+def _layout(variant) -> int:
+    """The code layout a variant reads: its numerics' for matrix products; the row gather reads
+    both (it is run on the int8 kernels' layout here, and compared across layouts below)."""
+    return LAYOUT_QUADS if variant.op == "row" else layout_for(variant.numerics)
 
 
 def _run(variant, table, index, w, x):
@@ -57,7 +63,7 @@ def test_kernel_matches_reference_on_random_tensors(key, qtype):
     raw = random_tensor(qtype, ROWS, COLS, seed=3)
     w = dequantize(raw, qtype)
     x = np.random.default_rng(1).standard_normal(COLS).astype(np.float32)
-    got, expected = _run(KERNELS[key], packed_table([(raw, qtype)]), 0, w, x)
+    got, expected = _run(KERNELS[key], packed_table([(raw, qtype)], _layout(KERNELS[key])), 0, w, x)
     scale = np.abs(expected).max()
     np.testing.assert_allclose(got, expected, rtol=0, atol=2e-5 * scale)
 
@@ -70,7 +76,7 @@ def test_kernels_on_real_tensors_of_every_type_in_gemma(key, gemma3_gguf):
         if len(t.shape) == 2 and t.qtype not in by_type:
             by_type[t.qtype] = t
     raws = [(t.raw[:130], t.qtype) for t in by_type.values()]
-    table = packed_table(raws)
+    table = packed_table(raws, _layout(KERNELS[key]))
     for i, (raw, qtype) in enumerate(raws):
         w = dequantize(raw, qtype)
         x = np.random.default_rng(i).standard_normal(w.shape[1]).astype(np.float32)
@@ -158,7 +164,8 @@ def test_the_step_matmul_runs_the_function_its_table_entry_names(variant, rows):
     the bucket of the call's row count (the other buckets name another variant)."""
     from gguf import GGMLQuantizationType as QT
     from worker.engine.models.decode_parts import matmul
-    table = packed_table([(random_tensor(QT.Q4_K, ROWS, COLS, 4), QT.Q4_K)])
+    entry = KERNELS[("matmul", variant)]
+    table = packed_table([(random_tensor(QT.Q4_K, ROWS, COLS, 4), QT.Q4_K)], layout_for(entry.numerics))
     width = table.padded_rows(0)
     xs = np.random.default_rng(5).standard_normal((rows, COLS)).astype(np.float32)
     scratch = (batch_scratch(width // TILE, rows, COLS), batch_scratch_i8(width // TILE, rows, COLS))
@@ -169,7 +176,6 @@ def test_the_step_matmul_runs_the_function_its_table_entry_names(variant, rows):
     ops = OpTable.of(matmul=other).with_variant("matmul", bucket_of(rows), variant)
     matmul((tab, ops.codes, scratch), mats, xs, got)
     expected = np.zeros_like(got)
-    entry = KERNELS[("matmul", variant)]
     entry.fn(*tab, mats, xs, expected, scratch[1] if entry.numerics == "int8" else scratch[0])
     np.testing.assert_array_equal(got, expected)
 
@@ -179,7 +185,7 @@ def test_the_step_matmul_runs_the_function_its_table_entry_names(variant, rows):
 def test_variants_of_one_numerics_give_the_same_bits(numerics, qtype):
     """What lets a tuner swap them under live requests: no output changes."""
     raw = random_tensor(qtype, ROWS, COLS, seed=6)
-    table = packed_table([(raw, qtype)])
+    table = packed_table([(raw, qtype)], layout_for(numerics))
     width = table.padded_rows(0)
     xs = np.random.default_rng(2).standard_normal((5, COLS)).astype(np.float32)
     outs = []
@@ -191,3 +197,34 @@ def test_variants_of_one_numerics_give_the_same_bits(numerics, qtype):
         outs.append(out)
     for out in outs[1:]:
         np.testing.assert_array_equal(out, outs[0])
+
+
+@pytest.mark.parametrize("qtype", ALL_QUANT_TYPES, ids=lambda q: q.name)
+def test_the_row_gather_reads_both_code_layouts_alike(qtype):
+    """Embedding lookups read the table whatever kernels it was packed for: every row, every
+    output position within a tile (the quads layout permutes them), the same floats."""
+    from worker.engine.kernels.ops import dequant_row
+    raw = random_tensor(qtype, ROWS, COLS, seed=8)
+    tables = [packed_table([(raw, qtype)], layout) for layout in (LAYOUT_ROWS, LAYOUT_QUADS)]
+    w = dequantize(raw, qtype)
+    for token in range(ROWS):
+        rows = []
+        for t in tables:
+            out = np.zeros(COLS, np.float32)
+            dequant_row(t.data, t.scales, t.scales16, t.meta[0], token, out)
+            rows.append(out)
+        np.testing.assert_array_equal(rows[0], rows[1])
+        np.testing.assert_allclose(rows[0], w[token], rtol=0, atol=1e-6 * np.abs(w).max())
+
+
+def test_the_float_kernels_refuse_the_int8_layout():
+    from gguf import GGMLQuantizationType as QT
+    from worker.engine.kernels.matmul_batch import linear_batch
+    from worker.engine.kernels.matvec import linear
+    table = packed_table([(random_tensor(QT.Q4_K, 64, 256, 1), QT.Q4_K)], LAYOUT_QUADS)
+    args = (table.data, table.scales, table.scales16, table.meta, np.array([0]))
+    x = np.ones((2, 256), np.float32)
+    with pytest.raises(ValueError, match="LAYOUT_ROWS"):
+        linear_batch(*args, x, np.zeros((2, 64), np.float32), batch_scratch(1, 2, 256))
+    with pytest.raises(ValueError, match="LAYOUT_ROWS"):
+        linear(*args, x[0], np.zeros(64, np.float32), np.zeros((1, TILE), np.float32))

@@ -10,7 +10,7 @@ from tests.kernels.quant_cases import batch_inputs, packed_table, random_tensor
 from worker.engine.kernels.matmul_i8 import (ROW_BLOCK, _quantize_rows, batch_scratch_i8, linear_batch_i8,
                                              linear_batch_i8_blocked, linear_batch_i8_serial, quantize_reference,
                                              scratch_size_i8)
-from worker.engine.kernels.packing import M_NARROW, TILE
+from worker.engine.kernels.packing import LAYOUT_QUADS, LAYOUT_ROWS, M_NARROW, TILE
 from worker.engine.kernels.registry import ALL_QUANT_TYPES
 from worker.engine.quants import dequantize
 
@@ -53,7 +53,7 @@ def test_in_kernel_quantization_equals_the_numpy_reference():
 @pytest.mark.parametrize("qtype", ALL_QUANT_TYPES, ids=lambda q: q.name)
 def test_every_row_matches_the_float64_references(qtype, batch):
     raw = random_tensor(qtype, ROWS, COLS, seed=3)
-    table = packed_table([(raw, qtype)])
+    table = packed_table([(raw, qtype)], LAYOUT_QUADS)
     x = batch_inputs(batch, COLS)
     got = _batch(table, [0], x)[:, :ROWS]
     w = dequantize(raw, qtype).T.astype(np.float64)
@@ -75,7 +75,7 @@ def test_every_row_matches_the_float64_references(qtype, batch):
 def test_a_row_does_not_depend_on_the_rows_batched_with_it(batch):
     # Q4_1 (q4, fp16 scale and bias), Q6_K (q8, group 16, f32 scales), Q8_0 (q8, no bias), BF16 (f32)
     types = (QT.Q4_1, QT.Q6_K, QT.Q8_0, QT.BF16)
-    table = packed_table([(random_tensor(q, 64 + 8 * i, 256, i), q) for i, q in enumerate(types)])
+    table = packed_table([(random_tensor(q, 64 + 8 * i, 256, i), q) for i, q in enumerate(types)], LAYOUT_QUADS)
     mats = [0, 1, 2, 3]
     x = batch_inputs(batch, 256, seed=7)
     together = _batch(table, mats, x)
@@ -90,7 +90,7 @@ def test_the_int8_variants_give_the_same_bits(batch):
     # Row blocks that split a 4-row micro-kernel step, a last block shorter than ROW_BLOCK, every
     # format (q4 with fp16 scales, q8 with group 16 and f32 scales, q8 without bias, f32).
     types = (QT.Q4_1, QT.Q6_K, QT.Q8_0, QT.BF16, QT.Q4_K, QT.Q5_0)
-    table = packed_table([(random_tensor(q, 64 + 8 * i, 256, i), q) for i, q in enumerate(types)])
+    table = packed_table([(random_tensor(q, 64 + 8 * i, 256, i), q) for i, q in enumerate(types)], LAYOUT_QUADS)
     mats = list(range(len(types)))
     x = batch_inputs(batch, 256, seed=9)
     plain = _batch(table, mats, x)
@@ -118,7 +118,7 @@ def test_narrow_q8_group_sums_cannot_overflow_int16():
     # times activations all at +127 reach 32512 per lane, just within int16. Q8_0 does not.
     raws = [(_extreme_codes(QT.Q5_0, 64, 256), QT.Q5_0), (_extreme_codes(QT.Q6_K, 64, 256), QT.Q6_K),
             (random_tensor(QT.Q8_0, 64, 256, 1), QT.Q8_0)]
-    table = packed_table(raws)
+    table = packed_table(raws, LAYOUT_QUADS)
     assert list(table.meta[:, M_NARROW]) == [1, 1, 0]
     x = np.ones((3, 256), np.float32)
     x[1] = -2.0
@@ -132,7 +132,7 @@ def test_narrow_q8_group_sums_cannot_overflow_int16():
 
 @pytest.mark.parametrize("qtype", [QT.Q5_0, QT.Q6_K], ids=lambda q: q.name)
 def test_the_narrow_path_gives_the_bits_of_the_wide_one(qtype):
-    table = packed_table([(random_tensor(qtype, 100, 512, 5), qtype)])
+    table = packed_table([(random_tensor(qtype, 100, 512, 5), qtype)], LAYOUT_QUADS)
     assert table.meta[0, M_NARROW] == 1
     x = batch_inputs(6, 512, seed=11)
     narrow = _batch(table, [0], x)
@@ -143,7 +143,7 @@ def test_the_narrow_path_gives_the_bits_of_the_wide_one(qtype):
 def test_several_matrices_of_different_formats_lie_side_by_side():
     raws = [(random_tensor(QT.Q4_K, 64, 256, 1), QT.Q4_K), (random_tensor(QT.Q6_K, 70, 256, 2), QT.Q6_K),
             (random_tensor(QT.F16, 64, 256, 3), QT.F16), (random_tensor(QT.Q5_1, 30, 256, 4), QT.Q5_1)]
-    table = packed_table(raws)
+    table = packed_table(raws, LAYOUT_QUADS)
     x = batch_inputs(3, 256)
     got = _batch(table, [0, 1, 2, 3], x)
     start = 0
@@ -159,7 +159,7 @@ def test_several_matrices_of_different_formats_lie_side_by_side():
 
 
 def test_bad_shapes_raise_instead_of_writing_out_of_bounds():
-    table = packed_table([(random_tensor(QT.Q4_0, 64, 256, 1), QT.Q4_0)])
+    table = packed_table([(random_tensor(QT.Q4_0, 64, 256, 1), QT.Q4_0)], LAYOUT_QUADS)
     args = (table.data, table.scales, table.scales16, table.meta, np.array([0]))
     x = batch_inputs(2, 256)
     with pytest.raises(ValueError, match="scratch"):
@@ -168,3 +168,10 @@ def test_bad_shapes_raise_instead_of_writing_out_of_bounds():
         linear_batch_i8(*args, x, np.zeros((2, 32), np.float32), batch_scratch_i8(1, 2, 256))
     with pytest.raises(ValueError, match="K"):
         linear_batch_i8(*args, batch_inputs(2, 512), np.zeros((2, 64), np.float32), batch_scratch_i8(1, 2, 512))
+
+
+def test_codes_in_the_float_kernels_layout_are_refused():
+    """A table packed for the float32 kernels (LAYOUT_ROWS) would be read as the wrong bytes."""
+    table = packed_table([(random_tensor(QT.Q4_0, 64, 256, 1), QT.Q4_0)], LAYOUT_ROWS)
+    with pytest.raises(ValueError, match="LAYOUT_QUADS"):
+        _batch(table, [0], batch_inputs(2, 256))

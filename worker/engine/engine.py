@@ -168,8 +168,13 @@ def load_engine(path, kernels: str = _ENGINE.kernels, threads: int = _ENGINE.thr
     trained = int(g.get(f"{g.arch}.context_length") or 2048)
     n_ctx = context_length or min(trained, max_context)
     say(f"loading {g.path.name} ({g.arch}, {g.path.stat().st_size / 1e6:.0f} MB), context {n_ctx}")
+    from worker.engine.kernels.registry import OpTable, layout_for
+    # The op table fixes the numerics for the engine's life (a tuner swaps variants within them),
+    # so the weights are packed once, in the layout those kernels read.
+    ops = OpTable.of(matmul=INT8_MATMULS if _want_int8(matmul_activations) else "float32")
     model = build_model(g, n_ctx,
-                        progress=lambda i, n: say(f"packing weights: layer {i}/{n}") if i in (n // 2, n) else None)
+                        progress=lambda i, n: say(f"packing weights: layer {i}/{n}") if i in (n // 2, n) else None,
+                        layout=layout_for(ops.numerics("matmul")))
     w = model.w
     if kernels == "reference":
         dense = ReferenceDense(w.tensors)
@@ -194,8 +199,6 @@ def load_engine(path, kernels: str = _ENGINE.kernels, threads: int = _ENGINE.thr
             f"for {window_sequences} sequences' windows: {window.slots} slots, {window_bytes / 2**20:.0f} MiB")
     say(f"KV cache: {kv.num_blocks} blocks of {kv_block_size} tokens, {kv_dtype}, "
         f"{kv.nbytes / 2**20:.0f} MiB ({kv.num_blocks * kv_block_size} tokens)")
-    from worker.engine.kernels.registry import OpTable
-    ops = OpTable.of(matmul=INT8_MATMULS if _want_int8(matmul_activations) else "float32")
     if kernels == "auto":
         say(f"matmuls: {_matmul_description(ops.numerics('matmul') == 'int8')}")
     engine = Engine(g, model, kernels, n_ctx, dense, logits_of_rows, kv)

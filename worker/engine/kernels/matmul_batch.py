@@ -43,8 +43,8 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from worker.engine.kernels.packing import (FMT_F32, FMT_Q4, FMT_Q8, M_BIAS, M_DATA, M_FMT, M_GROUP,
-                                           M_HALF, M_K, M_SCALE, M_TILES, TILE)
+from worker.engine.kernels.packing import (FMT_F32, FMT_Q4, FMT_Q8, LAYOUT_ROWS, M_BIAS, M_DATA, M_FMT, M_GROUP,
+                                           M_HALF, M_K, M_LAYOUT, M_SCALE, M_TILES, TILE)
 
 _JIT = dict(fastmath=True, cache=True, nogil=True)
 
@@ -344,6 +344,8 @@ def _prepare(meta, mats, x, out, scratch):
             raise ValueError("linear_batch: x.shape[1] differs from a listed matrix's K")
         if m[M_FMT] != FMT_F32 and m[M_GROUP] != 16 and m[M_GROUP] != 32:
             raise ValueError("linear_batch: quantized groups must have 16 or 32 inputs")
+        if m[M_LAYOUT] != LAYOUT_ROWS:
+            raise ValueError("linear_batch: matrices must be packed in LAYOUT_ROWS")
         first_tile[i + 1] = first_tile[i] + m[M_TILES]
         slot = _sum_slot(m)
         if slot >= 0:

@@ -27,12 +27,14 @@ The activation is always the signed operand, a dword of 4 consecutive codes broa
 lane (folded into vpdpbusd as a {1to16} memory operand).
 
 Layout. vpdpbusd sums 4 adjacent bytes, so a lane needs one output's weights of 4 consecutive
-inputs; packing stores input rows of 64 outputs. Per 4 rows r0..r3 the kernel interleaves them in
-registers (unpack bytes of r0/r1 and r2/r3, then words: 8 shuffles per 4 rows × 64 outputs, shared
-by every row of x). The unpacks work within 128-bit lanes, so vector v (v = 0..3) of the result
-holds outputs t = 16 (j // 4) + 4 v + j % 4 in lane j. The group scales and biases are loaded in
-that order (4 × 4 contiguous values per vector), the tile accumulates in `out` in that order, and
-each tile ends with one in-register permutation per row back to natural order.
+inputs: the table stores quantized codes in packing.LAYOUT_QUADS, where each quad of 4 inputs × 64
+outputs is 4 vectors whose lane j holds output t = 16 (j // 4) + 4 v + j % 4 of vector v (the order
+x86 byte/word unpacks produce). The kernel loads them as they are — interleaving them in registers
+instead took 8 shuffles per 4 rows × 64 outputs in every call and every block of rows (a C model
+of the AVX2 loop, 8 rows of a 576 × 576 Q4 matrix in L2, one core: 63 → 106 GMAC/s). The group
+scales and biases are loaded in that order (4 × 4 contiguous values per vector), the tile
+accumulates in `out` in that order, and each tile ends with one in-register permutation per row
+back to natural order.
 
 Micro-kernel (`_i8_step`, LLVM IR through an @intrinsic like matmul_batch._group_step): one group
 of one tile for up to 8 rows, int32 accumulators for rows × (vectors at a time) in registers; at the
@@ -61,8 +63,8 @@ from numba.core import cgutils, config
 from numba.extending import intrinsic
 
 from worker.engine.kernels.matmul_batch import _tile_f32, locate_tile
-from worker.engine.kernels.packing import (FMT_F32, FMT_Q4, FMT_Q8, M_BIAS, M_DATA, M_FMT, M_GROUP,
-                                           M_HALF, M_K, M_NARROW, M_SCALE, M_TILES, TILE)
+from worker.engine.kernels.packing import (FMT_F32, FMT_Q4, FMT_Q8, LAYOUT_QUADS, M_BIAS, M_DATA, M_FMT, M_GROUP,
+                                           M_HALF, M_K, M_LAYOUT, M_NARROW, M_SCALE, M_TILES, TILE, quad_lanes)
 
 
 def _instruction_set() -> str:
@@ -100,14 +102,22 @@ def available() -> bool:
 _JIT = dict(fastmath=True, cache=ISA != "generic", nogil=True)
 
 # Most rows of x one micro-kernel step serves, and how many of the tile's 4 interleaved vectors
-# (16 outputs each) it accumulates at once. A step keeps rows × vectors int32 accumulators in
-# registers. VNNI (32 zmm): measured at B=8 (1 thread, a 3072×576 Q4_1 call): 4-row steps 0.45x
-# linear_batch, 5 or 6 rows × 4 vectors 0.5x (spills), 8 rows × 2 vectors 0.64-0.84x, 8 rows × 1
-# vector 1.1x. AVX2 (16 ymm, a vector is two), SmolLM2 step at 1 thread vs linear_batch: 4 rows ×
-# 1 vector 0.63x (B=1) / 0.28x (B=8), × 2 vectors 0.52x / 0.28x, × 4 vectors 0.54x / 0.42x (spills).
+# (16 outputs each) it accumulates at once. A step keeps rows × vectors accumulators in registers.
+# VNNI (32 zmm): measured at B=8 (1 thread, a 3072×576 Q4_1 call): 4-row steps 0.45x linear_batch,
+# 5 or 6 rows × 4 vectors 0.5x (spills), 8 rows × 2 vectors 0.64-0.84x, 8 rows × 1 vector 1.1x.
+# AVX2 (16 ymm, a vector is two): rows × vectors × 2 int16 accumulators must leave room for the
+# weights and the broadcast activation, so 3-4 rows take 1 vector at a time (2 vectors spilled
+# 34 of 236 instructions: the 3072×576 Q4_1 call at 8 rows, 1 thread, 31 → 62 GMAC/s), 2 rows 2 and
+# 1 row all 4 (fewer activation broadcasts per product).
 BLOCK = 4
 _STEP_ROWS = (1, 2, 3, 4)
-_VECTORS_AT_ONCE = 2 if ISA == "avx2" else 4
+
+
+def _vectors_at_once(rows: int) -> int:
+    if ISA != "avx2":
+        return 4
+    return 4 if rows == 1 else 2 if rows == 2 else 1
+
 
 _VEC = 16
 PREFETCH_GROUPS = 4
@@ -237,22 +247,6 @@ _VF = ir.VectorType(ir.FloatType(), _VEC)
 _YB, _YW, _YD = ir.VectorType(_I8, 32), ir.VectorType(_I16, 16), ir.VectorType(_I32, 8)  # one ymm
 
 
-def _unpack_mask(elems: int, high: bool) -> list[int]:
-    """shufflevector mask of x86 unpack{lo,hi} on two <elems x iN> 512-bit vectors."""
-    per_lane = elems // 4
-    mask = []
-    for lane in range(4):
-        start = lane * per_lane + (per_lane // 2 if high else 0)
-        for i in range(per_lane // 2):
-            mask += [start + i, elems + start + i]
-    return mask
-
-
-def _perm_lanes(v: int) -> list[int]:
-    """Natural output index (within the tile) of each lane of interleaved vector v."""
-    return [16 * (j // 4) + 4 * v + j % 4 for j in range(_VEC)]
-
-
 class _I8Emitter:
     """IR of one `_i8_step` call: a switch on the row count, straight-line code per case."""
 
@@ -332,25 +326,12 @@ class _I8Emitter:
             acc = b.add(acc, part)
         return acc
 
-    def _code_rows(self, p):
-        """The 4 code rows (64 bytes each) of quad p of the group."""
+    def _quad_vectors(self, p, vs):
+        """Vectors v in vs (as <64 x i8>) of quad p of the group: LAYOUT_QUADS stores them ready,
+        lane j = the quad's 4 bytes of output quad_lanes()[v, j] (packing.quad_lanes)."""
         b = self.b
-        return [b.load(self._vptr(_DATA, _VB, b.add(self.d_off, self._c((4 * p + i) * TILE))), align=1)
-                for i in range(4)]
-
-    def _interleave(self, rows4, vs):
-        """Interleaved vectors v in vs (as <64 x i8>): lane j = bytes of rows 0..3 for output _perm_lanes(v)[j]."""
-        b = self.b
-        out = {}
-        for a8 in sorted({v // 2 for v in vs}):
-            m8 = ir.Constant(ir.VectorType(_I32, 64), _unpack_mask(64, a8 == 1))
-            lo = b.bitcast(b.shuffle_vector(rows4[0], rows4[1], m8), _VW)
-            hi = b.bitcast(b.shuffle_vector(rows4[2], rows4[3], m8), _VW)
-            for v in vs:
-                if v // 2 == a8:
-                    m16 = ir.Constant(ir.VectorType(_I32, 32), _unpack_mask(32, v % 2 == 1))
-                    out[v] = b.bitcast(b.shuffle_vector(lo, hi, m16), _VB)
-        return out
+        return {v: b.load(self._vptr(_DATA, _VB, b.add(self.d_off, self._c((4 * p + v) * TILE))), align=1)
+                for v in vs}
 
     def _act(self, r, k):
         """Dword of xq[b0 + r, k:k + 4] broadcast to 16 lanes."""
@@ -433,13 +414,13 @@ class _I8Emitter:
         low = ir.Constant(_VB, 0x0F)
         four = ir.Constant(_VW, 4)
         quads = 4 if self.fmt == FMT_Q4 else self.group // 4
-        at_once = _VECTORS_AT_ONCE
+        at_once = _vectors_at_once(n)
         for chunk in range(4 // at_once):
             vs = list(range(chunk * at_once, (chunk + 1) * at_once))
             acc = {(r, v): ir.Constant(_VD, None) for r in range(n) for v in vs}
             acc16 = {(r, v): ir.Constant(_VW, None) for r in range(n) for v in vs}
             for p in range(quads):
-                wv = self._interleave(self._code_rows(p), vs)
+                wv = self._quad_vectors(p, vs)
                 if self.fmt == FMT_Q4:
                     lo_w = {v: b.and_(w, low) for v, w in wv.items()}
                     hi_w = {v: b.and_(b.bitcast(b.lshr(b.bitcast(w, _VW), four), _VB), low) for v, w in wv.items()}
@@ -471,7 +452,7 @@ class _I8Emitter:
         if ISA == "avx2":
             return self._rows_avx2(n)
         b, c = self.b, self._c
-        at_once = _VECTORS_AT_ONCE
+        at_once = _vectors_at_once(n)
         rows_b = [b.add(self.b0, c(r)) for r in range(n)]
         if self.fmt == FMT_Q8:
             init = [self._splat(b.load(self._ptr(_CORR, rb, self.g)), _VD) for rb in rows_b]
@@ -485,7 +466,7 @@ class _I8Emitter:
             vs = list(range(chunk * at_once, (chunk + 1) * at_once))
             acc = {(r, v): init[r] for r in range(n) for v in vs}
             for p in range(quads):
-                wv = self._interleave(self._code_rows(p), vs)
+                wv = self._quad_vectors(p, vs)
                 if self.fmt == FMT_Q4:
                     halves = []
                     lo_w = {v: b.and_(w, low) for v, w in wv.items()}
@@ -538,7 +519,7 @@ def _unpermute(typingctx, out, row, col0):
         perm = builder.load(at, align=4)
         natural = [0] * TILE
         for v in range(4):
-            for j, t in enumerate(_perm_lanes(v)):
+            for j, t in enumerate(quad_lanes()[v]):
                 natural[t] = _VEC * v + j
         builder.store(builder.shuffle_vector(perm, ir.Constant(v64, ir.Undefined),
                                              ir.Constant(ir.VectorType(_I32, TILE), natural)), at, align=4)
@@ -605,6 +586,8 @@ def _prepare_i8(meta, mats, x, out, scratch):
             quantized = True
             if m[M_GROUP] != 16 and m[M_GROUP] != 32:
                 raise ValueError("linear_batch_i8: quantized groups must have 16 or 32 inputs")
+            if m[M_LAYOUT] != LAYOUT_QUADS:
+                raise ValueError("linear_batch_i8: quantized matrices must be packed in LAYOUT_QUADS")
         first_tile[i + 1] = first_tile[i] + m[M_TILES]
     if quantized and k % 32 != 0:
         raise ValueError("linear_batch_i8: K must be a multiple of 32")

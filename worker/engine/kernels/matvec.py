@@ -16,8 +16,8 @@ import numpy as np
 from numba import njit, prange
 
 from worker.engine.kernels.half import f16_to_f32
-from worker.engine.kernels.packing import (FMT_F32, FMT_Q4, M_BIAS, M_DATA, M_FMT, M_GROUP, M_HALF,
-                                           M_K, M_SCALE, M_TILES, TILE)
+from worker.engine.kernels.packing import (FMT_F32, FMT_Q4, LAYOUT_ROWS, M_BIAS, M_DATA, M_FMT, M_GROUP,
+                                           M_HALF, M_K, M_LAYOUT, M_SCALE, M_TILES, TILE)
 
 _JIT = dict(fastmath=True, cache=True, nogil=True)
 
@@ -136,6 +136,8 @@ def linear(data, scales, scales16, meta, mats, x, out, scratch):
     n_mats = mats.shape[0]
     first_tile = np.zeros(n_mats + 1, np.int64)
     for i in range(n_mats):
+        if meta[mats[i], M_LAYOUT] != LAYOUT_ROWS:
+            raise ValueError("linear: matrices must be packed in LAYOUT_ROWS")
         first_tile[i + 1] = first_tile[i] + meta[mats[i], M_TILES]
     for g in prange(first_tile[n_mats]):
         i = 0

@@ -11,7 +11,8 @@ from numba import njit
 
 from worker.engine.kernels.fast_exp import sigmoid
 from worker.engine.kernels.half import f16_to_f32
-from worker.engine.kernels.packing import FMT_F32, FMT_Q4, M_BIAS, M_DATA, M_FMT, M_GROUP, M_HALF, M_K, M_SCALE, TILE
+from worker.engine.kernels.packing import (FMT_F32, FMT_Q4, LAYOUT_QUADS, M_BIAS, M_DATA, M_FMT, M_GROUP, M_HALF, M_K,
+                                           M_LAYOUT, M_SCALE, QUAD, TILE)
 
 _JIT = dict(fastmath=True, cache=True, nogil=True)
 
@@ -79,11 +80,22 @@ def _group_value(scales, scales16, half, index):
 
 
 @njit(**_JIT)
+def _code_at(quads, t, r):
+    """Offset of output t's byte in code row r of a tile, in LAYOUT_ROWS or LAYOUT_QUADS
+    (packing.quad_lanes: dword 4 (t // 16) + t % 4 of vector (t % 16) // 4, byte r % 4)."""
+    if not quads:
+        return r * TILE + t
+    lane = 4 * (t // 16) + t % 4
+    return (r // QUAD) * QUAD * TILE + ((t % 16) // 4) * TILE + lane * QUAD + r % QUAD
+
+
+@njit(**_JIT)
 def dequant_row(data, scales, scales16, meta, token, out):
     """Row `token` of a packed (n, K) matrix, dequantized into out (K,): embedding lookups."""
     k = meta[M_K]
     tile = token // TILE
     t = token % TILE
+    quads = meta[M_LAYOUT] == LAYOUT_QUADS
     fmt = meta[M_FMT]
     if fmt == FMT_F32:
         start = meta[M_DATA] + tile * k * TILE * 4
@@ -101,10 +113,10 @@ def dequant_row(data, scales, scales16, meta, token, out):
         if fmt == FMT_Q4:
             base = meta[M_DATA] + tile * (k // 2) * TILE
             for j in range(16):
-                v = data[base + (g * 16 + j) * TILE + t]
+                v = data[base + _code_at(quads, t, g * 16 + j)]
                 out[g * 32 + j] = sc * np.float32(v & 15) + bi
                 out[g * 32 + j + 16] = sc * np.float32(v >> 4) + bi
         else:
             base = meta[M_DATA] + tile * k * TILE
             for j in range(group):
-                out[g * group + j] = sc * np.float32(np.int8(data[base + (g * group + j) * TILE + t])) + bi
+                out[g * group + j] = sc * np.float32(np.int8(data[base + _code_at(quads, t, g * group + j)])) + bi

@@ -19,6 +19,18 @@ purely bandwidth-bound, so Q5 types stay one byte per weight.)
 All matrices of a model live in one `MatrixTable` (three flat arenas — codes, float32 and
 float16 scales — plus a metadata row per matrix) so a single compiled decode step can address any
 mix of formats.
+
+Two code layouts, one per kind of matmul (a table has one, chosen by the engine's numerics):
+  LAYOUT_ROWS   the transposed tile above: code row r of a tile is input r's TILE bytes (Q4: inputs
+                r and r + 16 of its group). The float32 kernels broadcast x[k] over a row.
+  LAYOUT_QUADS  each block of 4 code rows (a "quad": 4 consecutive inputs) stored as the int8
+                kernels consume it — 4 vectors of 16 dwords, dword j of vector v holding the quad's
+                4 bytes of output 16 (j // 4) + 4 v + j % 4 (the order x86 byte/word unpacks
+                within 128-bit lanes produce). The int8 kernels then load their dot-product
+                operands directly instead of interleaving 4 rows with 8 shuffles per 64 outputs in
+                every call (AVX2, one core, 8 rows: 45 → see matmul_i8). Same bytes, permuted
+                within each 256-byte quad: offsets, sizes and scales are those of LAYOUT_ROWS.
+F32 matrices are stored as LAYOUT_ROWS in either table (the int8 kernels run them in float32).
 """
 from __future__ import annotations
 
@@ -39,8 +51,26 @@ _Q8_TYPES = {QT.Q5_0, QT.Q5_1, QT.Q5_K, QT.Q6_K, QT.Q8_0}
 # Columns of MatrixTable.meta. M_SCALE and M_BIAS index `scales16` when M_HALF is 1, else
 # `scales`; M_BIAS is -1 for types without a per-group minimum; M_NARROW is 1 for a q8 matrix
 # whose codes are small enough (see narrow_codes) that int16 sums of a whole group cannot overflow.
-M_FMT, M_N, M_K, M_GROUP, M_DATA, M_SCALE, M_BIAS, M_TILES, M_HALF, M_NARROW = range(10)
-META_COLS = 10
+# M_LAYOUT is the matrix's code layout (LAYOUT_ROWS or LAYOUT_QUADS).
+M_FMT, M_N, M_K, M_GROUP, M_DATA, M_SCALE, M_BIAS, M_TILES, M_HALF, M_NARROW, M_LAYOUT = range(11)
+META_COLS = 11
+
+LAYOUT_ROWS, LAYOUT_QUADS = 0, 1
+LAYOUT_NAMES = {LAYOUT_ROWS: "rows", LAYOUT_QUADS: "quads"}
+QUAD = 4  # code rows per quad (vpdpbusd sums 4 adjacent bytes)
+
+
+def quad_lanes() -> np.ndarray:
+    """(4, 16): the output (within the tile) of dword j of vector v in a LAYOUT_QUADS quad."""
+    v, j = np.meshgrid(np.arange(4), np.arange(16), indexing="ij")
+    return 16 * (j // 4) + 4 * v + j % 4
+
+
+def interleave_quads(tiles: np.ndarray) -> np.ndarray:
+    """LAYOUT_ROWS codes (tiles, rows, TILE) → LAYOUT_QUADS bytes, same shape (rows % 4 == 0)."""
+    n_tiles, rows, width = tiles.shape
+    quads = tiles.reshape(n_tiles, rows // QUAD, QUAD, width)[..., quad_lanes()]  # (t, p, i, v, j)
+    return np.ascontiguousarray(quads.transpose(0, 1, 3, 4, 2)).reshape(n_tiles, rows, width)
 
 # Largest |int8 activation code| (matmul_i8 quantizes to ±127) and int16's largest value.
 _ACT_MAX, _INT16_MAX = 127, 32767
@@ -137,6 +167,7 @@ class MatrixTable:
 
     def __init__(self) -> None:
         self._parts: list[PackedMatrix] = []
+        self.layout = LAYOUT_ROWS
         self.data = np.zeros(0, np.uint8)
         self.scales = np.zeros(1, np.float32)  # float32 scales and biases
         self.scales16 = np.zeros(1, np.uint16)  # float16 scales and biases (as bits)
@@ -146,22 +177,30 @@ class MatrixTable:
         self._parts.append(matrix)
         return len(self._parts) - 1
 
-    def finalize(self) -> None:
-        """Concatenate every added matrix into the arenas (call once, after the last add)."""
+    def finalize(self, layout: int = LAYOUT_ROWS) -> None:
+        """Concatenate every added matrix into the arenas (call once, after the last add), the
+        quantized ones' codes in `layout` (LAYOUT_QUADS for the int8 kernels)."""
+        if layout not in LAYOUT_NAMES:
+            raise ValueError(f"unknown code layout {layout!r}")
+        self.layout = layout
         meta = np.zeros((len(self._parts), META_COLS), np.int64)
         d_off, used = 0, {False: 0, True: 0}  # next free element in scales / scales16
         for i, m in enumerate(self._parts):
             s_off = used[m.half]
             b_off = -1 if m.bias is None else s_off + m.scale.size
             used[m.half] += m.scale.size + (0 if m.bias is None else m.bias.size)
-            meta[i] = (m.fmt, m.n, m.k, m.group, d_off, s_off, b_off, _tiles(m.n), int(m.half), int(m.narrow))
+            own = layout if m.fmt != FMT_F32 else LAYOUT_ROWS
+            meta[i] = (m.fmt, m.n, m.k, m.group, d_off, s_off, b_off, _tiles(m.n), int(m.half), int(m.narrow), own)
             d_off += m.data.size
         self.data = np.empty(d_off, np.uint8)
         self.scales = np.empty(max(used[False], 1), np.float32)
         halves = np.empty(max(used[True], 1), np.float16)
         for i, m in enumerate(self._parts):
             arena = halves if m.half else self.scales
-            self.data[meta[i, M_DATA]:meta[i, M_DATA] + m.data.size] = m.data
+            codes = m.data
+            if meta[i, M_LAYOUT] == LAYOUT_QUADS:
+                codes = interleave_quads(codes.reshape(_tiles(m.n), -1, TILE)).ravel()
+            self.data[meta[i, M_DATA]:meta[i, M_DATA] + m.data.size] = codes
             arena[meta[i, M_SCALE]:meta[i, M_SCALE] + m.scale.size] = m.scale
             if m.bias is not None:
                 arena[meta[i, M_BIAS]:meta[i, M_BIAS] + m.bias.size] = m.bias

@@ -18,6 +18,7 @@ from typing import Callable
 import numpy as np
 
 from worker.engine.kernels import matmul_batch, matmul_i8, matvec, ops
+from worker.engine.kernels.packing import LAYOUT_QUADS, LAYOUT_ROWS
 from worker.engine.quants import SPECS
 
 
@@ -60,6 +61,16 @@ KERNELS: dict[tuple[str, str], KernelVariant] = {
     ("row", "gather"): KernelVariant("row", "gather", ops.dequant_row, 0,
                                      "dequantize one row (embedding lookup)", "float32"),
 }
+
+# The code layout (packing.LAYOUT_*) the matmul variants of each numerics read. A table is packed
+# in one, so an engine's numerics are fixed when it loads; the row gather reads either.
+_LAYOUTS = {"float32": LAYOUT_ROWS, "int8": LAYOUT_QUADS}
+
+
+def layout_for(numerics: str) -> int:
+    """The packed code layout the matmul variants of `numerics` read."""
+    return _LAYOUTS[numerics]
+
 
 # The ops a fused step dispatches on, in the order of their slots in OpTable.codes.
 DISPATCHED_OPS = ("matmul", "row")

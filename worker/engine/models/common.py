@@ -13,7 +13,7 @@ from worker.engine.gguf_file import GGUFFile, TensorRef
 from worker.engine.kernels.attention import store_kv
 from worker.engine.kernels.matmul_batch import batch_scratch
 from worker.engine.kernels.matmul_i8 import batch_scratch_i8
-from worker.engine.kernels.packing import TILE, MatrixTable, pack
+from worker.engine.kernels.packing import LAYOUT_ROWS, TILE, MatrixTable, pack
 from worker.engine.layers import causal_attention
 from worker.engine.paged_kv import PagedKVCache
 from worker.engine.quants import dequantize
@@ -106,9 +106,10 @@ def layer_vectors(g: GGUFFile, n_layers: int, name: str, kind: str = "weight") -
     return np.stack([vector(g, f"blk.{i}.{name}.{kind}") for i in range(n_layers)])
 
 
-def load_packed(g: GGUFFile, hp: BlockHParams, vector_names: tuple[str, ...], progress=None) -> PackedWeights:
-    """Pack token_embd, output (or tie it) and every layer's LAYER_MATRICES; read the named
-    per-layer vectors (blk.N.<name>.weight) and output_norm."""
+def load_packed(g: GGUFFile, hp: BlockHParams, vector_names: tuple[str, ...], progress=None,
+                layout: int = LAYOUT_ROWS) -> PackedWeights:
+    """Pack token_embd, output (or tie it) and every layer's LAYER_MATRICES, codes in `layout`; read
+    the named per-layer vectors (blk.N.<name>.weight) and output_norm."""
     table = MatrixTable()
     tensors: list[TensorRef] = []
 
@@ -128,7 +129,7 @@ def load_packed(g: GGUFFile, hp: BlockHParams, vector_names: tuple[str, ...], pr
             mats[layer, j] = add(f"blk.{layer}.{name}.weight", shapes[name])
         if progress:
             progress(layer + 1, hp.n_layers)
-    table.finalize()
+    table.finalize(layout)
     vectors = {name: layer_vectors(g, hp.n_layers, name) for name in vector_names}
     return PackedWeights(table, mats, token_embd, output, vectors, vector(g, "output_norm.weight"), tensors)
 

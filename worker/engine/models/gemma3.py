@@ -16,6 +16,7 @@ from numba import njit
 from worker.engine.batch import RaggedBatch
 from worker.engine.gguf_file import GGUFFile
 from worker.engine.kernels.ops import gelu_tanh_mul, rmsnorm
+from worker.engine.kernels.packing import LAYOUT_ROWS
 from worker.engine.layers import gelu_tanh, rms_norm
 from worker.engine.models.common import (ATTN_OUT, DOWN, FFN_DOWN, GATE, GATE_UP, K, O, Q, UP, V, BatchBuffers,
                                          BlockHParams, StepRows, attend, load_packed)
@@ -98,9 +99,9 @@ class KVPools(NamedTuple):
 
 
 class Gemma3:
-    def __init__(self, g: GGUFFile, n_ctx: int, progress=None):
+    def __init__(self, g: GGUFFile, n_ctx: int, progress=None, layout: int = LAYOUT_ROWS):
         self.hp = hp = Gemma3HParams.from_gguf(g)
-        self.w = w = load_packed(g, hp, LAYER_VECTORS, progress)
+        self.w = w = load_packed(g, hp, LAYER_VECTORS, progress, layout)
         positions_global = np.arange(n_ctx) / hp.rope_scale_global
         self.rope_local = rope_tables(n_ctx, hp.head_dim, hp.rope_base_local)
         self.rope_global = rope_tables(n_ctx, hp.head_dim, hp.rope_base_global, positions=positions_global)

@@ -25,6 +25,7 @@ from numba import njit
 from shared.errors import ModelLoadError
 from worker.engine.batch import RaggedBatch
 from worker.engine.gguf_file import GGUFFile
+from worker.engine.kernels.packing import LAYOUT_ROWS
 from worker.engine.layers import rms_norm, silu
 from worker.engine.models.common import (ATTN_OUT, DOWN, GATE, K, O, Q, UP, V, BatchBuffers, BlockHParams, StepRows,
                                          attend, layer_vectors, load_packed, vector)
@@ -103,10 +104,10 @@ class LlamaStepConfig(NamedTuple):
 
 
 class Llama:
-    def __init__(self, g: GGUFFile, n_ctx: int, progress=None):
+    def __init__(self, g: GGUFFile, n_ctx: int, progress=None, layout: int = LAYOUT_ROWS):
         self.hp = hp = LlamaHParams.from_gguf(g)
         qk_norms = ("attn_q_norm", "attn_k_norm") if hp.qk_norm else ()
-        self.w = w = load_packed(g, hp, ("attn_norm", "ffn_norm") + qk_norms, progress)
+        self.w = w = load_packed(g, hp, ("attn_norm", "ffn_norm") + qk_norms, progress, layout)
         empty = np.zeros((hp.n_layers, 0), np.float32)  # stands in for what the flags leave out
         self.bias = {name: layer_vectors(g, hp.n_layers, name, "bias") if hp.qkv_bias else empty
                      for name in ("attn_q", "attn_k", "attn_v")}
