@@ -29,12 +29,17 @@ from numba import njit, prange
 from worker.engine.kernels.fast_exp import exp_neg
 from worker.engine.kernels.key_scores import block_scores
 from worker.engine.kernels.kv_element import kv_load, kv_store_value
+from worker.engine.kernels.prefetch import prefetch
 from worker.engine.kernels.value_sums import value_sums
 
 __all__ = ["balanced_item", "kv_load", "kv_store_value", "store_kv", "paged_attention", "paged_attention_decode",
            "group_scratch", "score_width", "softmax_chunk", "write_head"]
 
 _JIT = dict(fastmath=True, cache=True, nogil=True)
+
+# Blocks ahead whose K slab _attend_group prefetches (it prefetches a block's V slab when it scores
+# its K, for the value pass after the chunk's softmax).
+PREFETCH_AHEAD = 2
 
 
 @njit(**_JIT)
@@ -176,12 +181,18 @@ def _attend_group(qv, h0, heads, k_pool, v_pool, layer, kvh, table, lo, hi, scal
     d = v_pool.shape[4]
     total, scores, acc, m, _ = group_scratch(heads, score_width(min(chunk, hi - lo), bs), d)
     qoff = h0 * d
+    last = (hi - 1) // bs  # the table's entries past it may be anything: never prefetched
+    for b in range(lo // bs, min(lo // bs + PREFETCH_AHEAD, last + 1)):
+        prefetch(k_pool[table[b], layer, kvh])
     c0 = lo
     while c0 < hi:
         nc = min(chunk, hi - c0)
         kb = c0 // bs
         ks = c0 - kb * bs
         for b in range(kb, (c0 + nc - 1) // bs + 1):
+            if b + PREFETCH_AHEAD <= last:
+                prefetch(k_pool[table[b + PREFETCH_AHEAD], layer, kvh])
+            prefetch(v_pool[table[b], layer, kvh])
             block_scores(k_pool[table[b], layer, kvh], qv, qoff, scale, scores, (b - kb) * bs, heads)
         for hh in range(heads):
             softmax_chunk(scores[hh, ks:ks + nc], c0 == lo, m, total, acc, hh)
