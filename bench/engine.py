@@ -14,8 +14,10 @@ its own process, so neither thread pool outlives its measurement and disturbs th
 Not a test: machines are shared and noisy, so read ratios from one run, not absolute numbers
 across runs.
 
---peer-bench runs the native llama-bench instead (`llama-bench -m MODEL -t THREADS -p 512 -n 128
--r RUNS -o json`, its mean tokens/s), in the same run as Reame's measurement.
+--peer-bench runs the native llama-bench instead, in the same run as Reame's measurement: prefill
+`-p N -n 0` and decode `-p 0 -n 128 -d N` (its decode after N tokens of context, as Reame's follows
+the prompt: from an empty context its decode skips the attention a server's requests pay), each
+`-r RUNS -o json`, its mean tokens/s.
 
 The peer without a pip build of llama-cpp-python: its Python package from the sdist plus a
 llama.cpp built natively (cmake -DGGML_NATIVE=ON) are enough:
@@ -115,14 +117,16 @@ def bench_llama_cpp(path: Path, threads: int, runs: int, tokens: int) -> tuple[f
 def bench_llama_bench(binary: Path, path: Path, threads: int, runs: int, tokens: int) -> tuple[float, float]:
     """(prefill, decode) tokens/s of the native llama-bench on the same file and thread count; the
     prompt goes in batches of PROMPT_CHUNK tokens, as Reame's does."""
-    cmd = [str(binary), "-m", str(path), "-t", str(threads), "-p", str(tokens), "-n", str(DECODE_TOKENS),
-           "-b", str(PROMPT_CHUNK), "-ub", str(PROMPT_CHUNK), "-r", str(runs), "-o", "json"]
-    say("  " + " ".join(cmd))
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"llama-bench failed (exit {proc.returncode}): {proc.stderr.strip()[-500:]}")
-    tests = json.loads(proc.stdout)
-    rate = {("prefill" if t["n_prompt"] else "decode"): float(t["avg_ts"]) for t in tests}
+    rate = {}
+    for kind, test in (("prefill", ["-p", str(tokens), "-n", "0"]),
+                       ("decode", ["-p", "0", "-n", str(DECODE_TOKENS), "-d", str(tokens)])):
+        cmd = [str(binary), "-m", str(path), "-t", str(threads), *test, "-b", str(PROMPT_CHUNK),
+               "-ub", str(PROMPT_CHUNK), "-r", str(runs), "-o", "json"]
+        say("  " + " ".join(cmd))
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        if proc.returncode != 0:
+            raise SystemExit(f"llama-bench failed (exit {proc.returncode}): {proc.stderr.strip()[-500:]}")
+        rate[kind] = float(json.loads(proc.stdout)[0]["avg_ts"])
     say(f"  llama-bench {threads}t: prefill {rate['prefill']:.0f} tok/s, decode {rate['decode']:.1f} tok/s")
     return rate["prefill"], rate["decode"]
 
