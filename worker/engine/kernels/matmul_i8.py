@@ -106,14 +106,15 @@ _JIT = dict(fastmath=True, cache=ISA != "generic", nogil=True)
 # VNNI (32 zmm): measured at B=8 (1 thread, a 3072×576 Q4_1 call): 4-row steps 0.45x linear_batch,
 # 5 or 6 rows × 4 vectors 0.5x (spills), 8 rows × 2 vectors 0.64-0.84x, 8 rows × 1 vector 1.1x.
 # AVX2 (16 ymm, a vector is two): rows × vectors × 2 int16 accumulators must leave room for the
-# weights and the broadcast activation, so 3-4 rows take 1 vector at a time (2 vectors spilled
-# 34 of 236 instructions: the 3072×576 Q4_1 call at 8 rows, 1 thread, 31 → 62 GMAC/s), 2 rows 2 and
-# 1 row all 4 (fewer activation broadcasts per product).
+# weights and the broadcast activation, so 3-4 rows take 1 vector at a time (with 2, the Q4 step
+# spilled 97 of its 472 instructions; the 3072×576 Q4_1 call at 8 rows, 1 thread: 31 → 62 GMAC/s),
+# 2 rows 2 and 1 row all 4 (fewer activation broadcasts per product).
 BLOCK = 4
 _STEP_ROWS = (1, 2, 3, 4)
 
 
 def _vectors_at_once(rows: int) -> int:
+    """Interleaved vectors a step of `rows` rows accumulates at once (see above)."""
     if ISA != "avx2":
         return 4
     return 4 if rows == 1 else 2 if rows == 2 else 1
