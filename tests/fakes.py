@@ -196,9 +196,10 @@ max_body_bytes = 20000
 class FakeWorker:
     """A real WorkerService around a FakeGenerator, in a thread."""
 
-    def __init__(self, config: Config, name: str, step_s: float = 0.0, profile=None):
+    def __init__(self, config: Config, name: str, step_s: float = 0.0, profile=None, tuned: bool = False):
         """profile(service) → Profile: what the pulse sends every [tuning] profile_interval; with it
-        the worker also takes Strategies (a TuningState at the shipped knobs, as worker.main gives)."""
+        (or tuned) the worker also takes Strategies (a TuningState at the shipped knobs, as
+        worker.main gives), from its first message on."""
         from worker.pulse import Pulse
         from worker.sched.tuning_state import SchedulerKnobs, TuningState
         from worker.service import WorkerService
@@ -211,7 +212,7 @@ class FakeWorker:
         sock.connect(config.endpoint)
         info = Register(name, 0, [0], self.generator.model_name, "/fake.gguf", "fake", self.generator.n_ctx,
                         self.generator.vocab_size, 1, "elsewhere", 0)
-        tuning = TuningState(SchedulerKnobs()) if profile is not None else None
+        tuning = TuningState(SchedulerKnobs()) if profile is not None or tuned else None
         self.service = WorkerService(self.generator, sock, info, drain_timeout=5.0, tuning=tuning)
         self.pulse = Pulse(self.context, config.endpoint, self.service, config.server.heartbeat_interval,
                            counters=self.generator.heartbeat_counters,
@@ -283,8 +284,8 @@ class FakeServer:
         started.set()
         self.loop.run_forever()
 
-    def add_worker(self, name: str, step_s: float = 0.0, profile=None) -> FakeWorker:
-        worker = FakeWorker(self.config, name, step_s, profile)
+    def add_worker(self, name: str, step_s: float = 0.0, profile=None, tuned: bool = False) -> FakeWorker:
+        worker = FakeWorker(self.config, name, step_s, profile, tuned)
         self.workers.append(worker)
         return worker
 

@@ -23,8 +23,9 @@ def make_server(tmp_path, adaptive: bool = True) -> FakeServer:
 
 
 def add_tuned_worker(server: FakeServer, name: str) -> TuningState:
-    worker = server.add_worker(name)
-    worker.service.tuning = TuningState(SchedulerKnobs())  # what worker.main gives a real worker
+    # A TuningState from the start, as worker.main gives a real worker: set after the worker thread
+    # started, a strategy sent on its registration could arrive first and be ignored.
+    worker = server.add_worker(name, tuned=True)
     server.wait_until(lambda: name in server.state.pool.workers)
     return worker.service.tuning
 
