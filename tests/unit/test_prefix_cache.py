@@ -120,12 +120,12 @@ def test_empty_blocks_go_first_then_named_ones_least_recently_used_tail_first():
     scheduler.add(_seq("a", list(range(1, 10)), max_tokens=1))  # 9 tokens: blocks 0, 1 named, 2 not
     _run(scheduler)
     assert manager.free_block_ids() == [3, 4, 5, 2, 1, 0]  # empty FIFO, then the LRU: a's tail first
-    assert manager.cached_block_ids() == [1, 0]
+    assert manager.cached_block_ids() == [2, 1, 0]  # block 2: its one computed token, kept as partial
 
     b = _seq("b", list(range(50, 66)), max_tokens=1)  # 16 tokens: the empty blocks first
     scheduler.add(b)
     batch = scheduler.schedule(0.0)
-    assert b.block_table == [3, 4, 5, 2] and manager.num_evictions == 0
+    assert b.block_table == [3, 4, 5, 2] and manager.num_evictions == 1  # the partial block went first
     scheduler.update(batch, {"b": 7})
     assert manager.cached_block_ids() == [1, 0, 2, 5, 4, 3]
 
@@ -134,8 +134,8 @@ def test_empty_blocks_go_first_then_named_ones_least_recently_used_tail_first():
     batch = scheduler.schedule(0.0)
     assert c.block_table == [1, 0]
     scheduler.update(batch, {"c": 7})
-    assert c.num_cached_tokens == 0 and manager.num_evictions == 2
-    assert c.block_table == [] and manager.free_block_ids() == [0, 2, 5, 4, 3, 1]  # c's partial block 0 is empty
+    assert c.num_cached_tokens == 0 and manager.num_evictions == 3
+    assert c.block_table == [] and manager.free_block_ids() == [2, 5, 4, 3, 0, 1]  # c's partial block 0 is kept
 
 
 def test_a_preempted_sequence_gets_its_own_blocks_back_from_the_cache():

@@ -13,6 +13,14 @@ A sequence releases its blocks in reverse block-table order, so the tail of a ch
 least recently used before its head: eviction shortens chains from the end, and what survives
 is always a usable prefix.
 
+Partial blocks: a finished sequence's last block, whose first tokens (fewer than a block) hold
+computed K/V, can be kept too (`register_partial`), free and evictable like a named block.
+`continuation()` finds, among the full and partial blocks that follow a named prefix, the one
+sharing the most leading tokens with a new request; the prefix cache copies those tokens' K/V
+into the request's own block. So a request that repeats, or continues, an earlier one computes
+only what is new, not up to a block of tokens again (llama-server's slots keep the whole prompt
+for the same reason). Partial blocks are never shared: they are only ever copied from.
+
 Ref counts: a block may sit in several sequences' block tables (a shared prefix); it returns to a
 free list only when the last of them frees it. `share()` revives a free block, keeping its
 contents.
@@ -24,6 +32,7 @@ its next query can attend to (`seq.window_start` on); `slide()` lets go of the r
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence as Tokens
 
 import numpy as np
 
@@ -31,6 +40,10 @@ from shared.errors import ConfigError
 from worker.engine.paged_kv import PagedKVCache
 from worker.kv.sequence import Sequence
 from worker.kv.window_slots import WindowSlots
+
+# Kept partial blocks per prefix name: a popular system prompt followed by many different
+# questions keeps the newest few continuations, not one block per question.
+MAX_PARTIALS_PER_PARENT = 4
 
 
 class BlockManager:
@@ -47,6 +60,10 @@ class BlockManager:
         self._hash_of: list[bytes | None] = [None] * num_blocks
         self._tokens_of: list[tuple[int, ...] | None] = [None] * num_blocks
         self._block_of: dict[bytes, int] = {}  # chain hash -> the block holding it (used or free)
+        # The name a block's tokens follow (ZERO_HASH/namespace root for block 0), and per name
+        # the blocks that continue it, full or partial, oldest first: continuation() reads them.
+        self._parent_of: list[bytes | None] = [None] * num_blocks
+        self._children: dict[bytes, list[int]] = {}
         self.num_evictions = 0  # named blocks reused for other contents
         self.window = window
 
@@ -74,7 +91,7 @@ class BlockManager:
 
     @property
     def num_cached_blocks(self) -> int:
-        """Free blocks that still hold a named prefix block."""
+        """Free blocks that still hold a named prefix block (or a partial one)."""
         return len(self._cached)
 
     @property
@@ -95,17 +112,86 @@ class BlockManager:
 
     # ---- the prefix index ----------------------------------------------------------------------
 
-    def register(self, block_id: int, block_hash: bytes, token_ids: tuple[int, ...]) -> bool:
+    def register(self, block_id: int, block_hash: bytes, token_ids: tuple[int, ...],
+                 parent: bytes | None = None) -> bool:
         """Name a block whose K/V for token_ids (a full block) are computed; False when another
-        block already holds that name (two sequences computed the same prefix at once)."""
+        block already holds that name (two sequences computed the same prefix at once). With
+        `parent` (the name before it), continuation() can also find its leading tokens."""
         if self._hash_of[block_id] is not None:
             return self._hash_of[block_id] == block_hash
         if block_hash in self._block_of:
             return False
+        if self._tokens_of[block_id] is not None:
+            raise RuntimeError(f"block {block_id} is a kept partial block; it is never written again")
         self._hash_of[block_id] = block_hash
         self._tokens_of[block_id] = token_ids
         self._block_of[block_hash] = block_id
+        if parent is not None:
+            self._parent_of[block_id] = parent
+            self._children.setdefault(parent, []).append(block_id)
         return True
+
+    def register_partial(self, block_id: int, parent: bytes, token_ids: tuple[int, ...]) -> bool:
+        """Keep a block whose first len(token_ids) (< block_size) tokens have computed K/V, after
+        the prefix named `parent`: called by its only holder just before free(). False when it is
+        not kept: a block already found by continuation() covers those tokens.
+
+        Kept partial blocks of one parent that these tokens extend are dropped (the new one serves
+        all they served), and at most MAX_PARTIALS_PER_PARENT stay, so distinct continuations
+        of one popular prefix cannot fill the pool's free list."""
+        if not 0 < len(token_ids) < self.block_size:
+            raise ValueError(f"a partial block holds 1..{self.block_size - 1} tokens, got {len(token_ids)}")
+        if self._ref_counts[block_id] != 1 or self._tokens_of[block_id] is not None:
+            raise RuntimeError(f"block {block_id} must be unnamed and held once to be kept as partial")
+        siblings = self._children.get(parent, [])
+        if any(self._tokens_of[b][:len(token_ids)] == token_ids for b in siblings):
+            return False
+        dominated = [b for b in siblings if self._hash_of[b] is None and token_ids[:len(self._tokens_of[b])] == self._tokens_of[b]]
+        partials = [b for b in siblings if self._hash_of[b] is None and b not in dominated]
+        dominated += partials[:max(0, len(partials) + 1 - MAX_PARTIALS_PER_PARENT)]  # the oldest go
+        for b in dominated:
+            self._discard(b)
+        self._tokens_of[block_id] = token_ids
+        self._parent_of[block_id] = parent
+        self._children.setdefault(parent, []).append(block_id)
+        return True
+
+    def continuation(self, parent: bytes, token_ids: Tokens[int]) -> tuple[int | None, int]:
+        """(block, n): the block after prefix `parent` whose first n tokens are the first n of
+        token_ids, n as large as possible (and < block_size); (None, 0) when none shares one.
+        A window model's block must still hold its window slot (its local layers' K/V)."""
+        wanted = tuple(token_ids[:self.block_size - 1])
+        best, best_n = None, 0
+        for block_id in self._children.get(parent, ()):
+            if self.window is not None and not self.window.resident(block_id):
+                continue
+            have = self._tokens_of[block_id]
+            n = 0
+            for a, b in zip(have, wanted):
+                if a != b:
+                    break
+                n += 1
+            if n > best_n:
+                best, best_n = block_id, n
+        return best, best_n
+
+    def pin(self, block_id: int) -> None:
+        """Hold a found block (and its window slot) while its contents are copied: an allocation
+        meanwhile cannot evict it. unpin() returns it where it was."""
+        if self._tokens_of[block_id] is None:
+            raise RuntimeError(f"block {block_id} holds nothing that can be found; nothing to pin")
+        if self._ref_counts[block_id] == 0:
+            self._cached.pop(block_id)
+        self._ref_counts[block_id] += 1
+        if self.window is not None:
+            self.window.acquire(block_id)
+
+    def unpin(self, block_id: int) -> None:
+        if self.window is not None:
+            self.window.release(block_id, keep=True)
+        self._ref_counts[block_id] -= 1
+        if self._ref_counts[block_id] == 0:
+            self._cached[block_id] = None
 
     def lookup(self, block_hash: bytes, token_ids: tuple[int, ...]) -> int | None:
         """The block holding this name, if its token ids match too; None otherwise."""
@@ -154,9 +240,25 @@ class BlockManager:
         return block_id
 
     def _forget(self, block_id: int) -> None:
-        del self._block_of[self._hash_of[block_id]]
+        if self._hash_of[block_id] is not None:
+            del self._block_of[self._hash_of[block_id]]
+        parent = self._parent_of[block_id]
+        if parent is not None:
+            siblings = self._children[parent]
+            siblings.remove(block_id)
+            if not siblings:
+                del self._children[parent]
         self._hash_of[block_id] = None
         self._tokens_of[block_id] = None
+        self._parent_of[block_id] = None
+
+    def _discard(self, block_id: int) -> None:
+        """A free kept block nobody will look for again: unnamed, and empty."""
+        self._cached.pop(block_id)
+        self._forget(block_id)
+        if self.window is not None:
+            self.window.drop(block_id)
+        self._empty[block_id] = None
 
     def share(self, seq: Sequence, block_ids: list[int]) -> None:
         """Append existing blocks (in use, or free but not yet reused) to seq.block_table.
@@ -167,6 +269,8 @@ class BlockManager:
         """
         old = len(seq.block_table)
         for block_id in block_ids:
+            if self._hash_of[block_id] is None and self._tokens_of[block_id] is not None:
+                raise RuntimeError(f"block {block_id} is partial: copy from it, never share it")
             if self._ref_counts[block_id] == 0:
                 (self._cached if self._hash_of[block_id] is not None else self._empty).pop(block_id)
             self._ref_counts[block_id] += 1
@@ -206,7 +310,7 @@ class BlockManager:
         upto = min(upto, len(seq.block_table))
         for i in range(upto - 1, seq.window_start - 1, -1):
             block_id = seq.block_table[i]
-            self.window.release(block_id, keep=self._hash_of[block_id] is not None)
+            self.window.release(block_id, keep=self._tokens_of[block_id] is not None)
         seq.window_start = max(seq.window_start, upto)
 
     def truncate(self, seq: Sequence, num_tokens: int) -> None:
@@ -240,5 +344,5 @@ class BlockManager:
                 raise RuntimeError(f"block {block_id} freed more often than allocated")
             self._ref_counts[block_id] = count
             if count == 0:
-                (self._cached if self._hash_of[block_id] is not None else self._empty)[block_id] = None
+                (self._cached if self._tokens_of[block_id] is not None else self._empty)[block_id] = None
         seq.block_table.clear()

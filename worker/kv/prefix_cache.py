@@ -6,7 +6,10 @@ Two tiers, searched in order, block by block along the request's hash chain (sha
 2. the host's LMDB store (worker.kv.store), shared by every worker and kept across restarts:
    a run of stored blocks is restored into fresh pool blocks, or left to be recomputed when
    that is cheaper, as measured on this host (restore bytes/s against prefill tokens/s).
-The last prompt token is always recomputed, because sampling needs its logits.
+Past the last full block found, a request takes the leading tokens it shares with a block that
+follows that prefix (full, or the partial last block of a finished sequence) by copying their K/V
+into its own block. The last prompt token is always recomputed, because sampling needs its logits:
+a request that repeats an earlier one computes that one row, whatever its length.
 
 After every engine step `commit()` names each newly full block and hands a copy of its K/V to
 the store's writer thread, so the store fills behind the request path and never holds a block
@@ -65,7 +68,7 @@ class PrefixCache:
             raise ValueError("the store tier needs the KV pool to copy blocks in and out")
         self.block_manager = block_manager
         self.fingerprint = fingerprint
-        self.kv = kv  # worker.engine.paged_kv.PagedKVCache (only the store tier touches it)
+        self.kv = kv  # worker.engine.paged_kv.PagedKVCache: partial-block copies and the store tier
         self.store = store
         self.writer = writer
         self.restore_mode = restore
@@ -106,7 +109,32 @@ class PrefixCache:
         seq.ram_blocks, seq.store_blocks = len(in_ram), restored
         if self.writer is not None and blocks:
             self.writer.touch(chain[:blocks])  # keeps popular prefixes at the young end of the store's LRU
-        return blocks * bs
+        root = namespace_root(seq.cache_namespace)
+        seq.partial_tokens = self._copy_partial(seq, chain[blocks - 1] if blocks else root)
+        return seq.num_computed_tokens
+
+    def _copy_partial(self, seq: Sequence, parent: bytes) -> int:
+        """Copy the K/V of the longest run of seq's next tokens (short of its last) that a block
+        after `parent` already holds into a block of seq's own; return how many tokens."""
+        bs = self.block_size
+        start = seq.num_computed_tokens
+        wanted = seq.token_ids[start:min(start + bs - 1, seq.num_tokens - 1)]
+        manager = self.block_manager
+        source, count = manager.continuation(parent, wanted) if wanted and self.kv is not None else (None, 0)
+        if source is None:
+            return 0
+        manager.pin(source)  # the allocation below must not evict what it copies
+        try:
+            if not manager.can_allocate(seq, count):
+                return 0
+            target = manager.allocate(seq, count)[0]
+            # Whole blocks: the tokens past `count` are overwritten before anyone reads them.
+            self.kv.write_block(target, self.kv.read_block(source, self._slot(source)), self._slot(target))
+        finally:
+            manager.unpin(source)
+        seq.num_computed_tokens = start + count
+        manager.slide(seq)
+        return count
 
     def admitted(self, seq: Sequence) -> None:
         """The scheduler admitted seq with the blocks attach() gave it: count the reuse once."""
@@ -116,11 +144,12 @@ class PrefixCache:
         seq.num_cached_tokens = seq.num_computed_tokens
         c = self.counters
         c.prefix_query_tokens += seq.num_prompt_tokens
-        c.prefix_hit_tokens_ram += seq.ram_blocks * bs
+        c.prefix_hit_tokens_ram += seq.ram_blocks * bs + seq.partial_tokens
         c.prefix_hit_tokens_store += seq.store_blocks * bs
         if seq.num_cached_tokens:
-            log.info("request %s: %d of %d prompt tokens from the prefix cache (%d from RAM, %d from the store)",
-                     seq.seq_id, seq.num_cached_tokens, seq.num_prompt_tokens, seq.ram_blocks * bs,
+            log.info("request %s: %d of %d prompt tokens from the prefix cache (%d from RAM, %d of them copied "
+                     "from a block's first tokens; %d from the store)", seq.seq_id, seq.num_cached_tokens,
+                     seq.num_prompt_tokens, seq.ram_blocks * bs + seq.partial_tokens, seq.partial_tokens,
                      seq.store_blocks * bs)
 
     def _restore(self, seq: Sequence, chain: list[bytes], start: int, usable: int) -> int:
@@ -155,7 +184,7 @@ class PrefixCache:
                 break
             block_id = manager.allocate(seq, bs)[0]
             self.kv.write_block(block_id, payload, self._slot(block_id))
-            manager.register(block_id, chain[i], token_ids)
+            manager.register(block_id, chain[i], token_ids, self._parent(seq, chain, i))
             seq.num_computed_tokens = (i + 1) * bs
             manager.slide(seq)  # only the last window's worth of blocks keep their slots
             done += 1
@@ -196,10 +225,30 @@ class PrefixCache:
         for i in range(seq.num_named_blocks, full):
             block_id = seq.block_table[i]
             token_ids = seq.block_token_ids(i, bs)
-            self.block_manager.register(block_id, chain[i], token_ids)
+            self.block_manager.register(block_id, chain[i], token_ids, self._parent(seq, chain, i))
             if writing and not self.store.contains(chain[i]):
                 self.writer.submit(chain[i], list(token_ids), self.kv.read_block(block_id, self._slot(block_id)))
         seq.num_named_blocks = full
+
+    def release(self, seq: Sequence) -> None:
+        """Free seq's blocks (it finished, was preempted or waits again), keeping the K/V of its
+        last block's computed tokens when that block is partly computed: the next turn of a
+        conversation, or the same prompt again, starts from them (see _copy_partial)."""
+        bs = self.block_size
+        full, extra = divmod(seq.num_computed_tokens, bs)
+        if extra and full < len(seq.block_table) and seq.num_named_blocks == full:
+            block_id = seq.block_table[full]
+            manager = self.block_manager
+            if manager.ref_count(block_id) == 1 and manager.block_hash(block_id) is None:
+                chain = seq.block_hashes
+                manager.register_partial(block_id, self._parent(seq, chain, full),
+                                         tuple(seq.token_ids[full * bs:full * bs + extra]))
+        self.block_manager.free(seq)
+
+    @staticmethod
+    def _parent(seq: Sequence, chain: list[bytes], index: int) -> bytes:
+        """The name block `index` follows: the one before it, or its namespace's root."""
+        return chain[index - 1] if index else namespace_root(seq.cache_namespace)
 
     def observe_step(self, prompt_tokens: int, seconds: float) -> None:
         """An engine step's prompt-chunk tokens and time, the recompute side of the cost model."""

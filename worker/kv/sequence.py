@@ -52,6 +52,7 @@ class Sequence:
         self.num_cached_tokens = 0  # prompt tokens whose K/V came from the prefix cache at admission
         self.ram_blocks = 0  # of those, blocks found in this worker's pool ...
         self.store_blocks = 0  # ... and blocks restored from the host's store
+        self.partial_tokens = 0  # ... and tokens copied from the start of a block after them
 
     def __repr__(self) -> str:
         return (f"Sequence({self.seq_id!r}, {self.status.name}, tokens={self.num_tokens}, "

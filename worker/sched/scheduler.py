@@ -307,9 +307,15 @@ class Scheduler:
                               draft=draft)
 
     def _release(self, seq: Sequence) -> None:
-        self.block_manager.free(seq)
+        self._free_blocks(seq)
         seq.num_computed_tokens = 0
         seq.num_named_blocks = 0
+
+    def _free_blocks(self, seq: Sequence) -> None:
+        if self.prefix is not None:
+            self.prefix.release(seq)  # keeps what a later request can start from
+        else:
+            self.block_manager.free(seq)
 
     def _preempt(self, seq: Sequence) -> None:
         self._release(seq)
@@ -320,7 +326,7 @@ class Scheduler:
     def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
         if seq.status is SequenceStatus.RUNNING:
             self._running.remove(seq)
-        self.block_manager.free(seq)
+        self._free_blocks(seq)
         seq.status = status
         del self._seqs[seq.seq_id]
 
