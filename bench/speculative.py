@@ -19,6 +19,11 @@ count; streams share one engine through the real BatchGenerator (the server's lo
 speculator serves a workload's runs as a worker's serves its traffic (--fresh: one per run). Decode
 tok/s counts tokens emitted by steps without prompt rows, over those steps' wall time
 (drafting and sampling included). Prints medians and the on/off ratio.
+
+`lookup bound` (qa, code, free): the most prompt lookup could give on these greedy outputs at the
+step costs measured in the run (the speculator's fit, base + per_row × rows): every step drafts
+exactly the tokens prompt lookup gets right, at most max_draft, and nothing when it gets none. A
+ratio above it needs other drafts (the archive), cheaper rows or a model that copies more.
 Not a test: shared, noisy machines; read ratios from one run.
 """
 from __future__ import annotations
@@ -147,6 +152,7 @@ class Result:
     drafts: int = 0
     drafted: int = 0
     accepted: int = 0
+    outputs: dict[str, list[int]] | None = None  # request id -> its generated tokens
 
     @property
     def tok_s(self) -> float:
@@ -166,11 +172,14 @@ def run_batch(engine, prompts: list[list[int]], stop_ids: tuple[int, ...], specu
     for i, ids in enumerate(prompts):
         generator.add(f"r{i}", ids, params)
     before = vars(speculator.counters).copy() if speculator is not None else {}
-    result = Result()
+    result = Result(outputs={f"r{i}": [] for i in range(len(prompts))})
     while generator.has_work:
         started = time.perf_counter()
         events = generator.step()
         seconds = time.perf_counter() - started
+        for e in events:
+            if isinstance(e, TokenEvent):
+                result.outputs[e.request_id].append(e.token)
         step = generator.last_step
         if step.sequences and step.decode_rows == step.sequences:  # no prompt rows in this step
             result.tokens += sum(1 for e in events if isinstance(e, TokenEvent))
@@ -181,6 +190,35 @@ def run_batch(engine, prompts: list[list[int]], stop_ids: tuple[int, ...], specu
         result.drafted = after["spec_drafted_tokens"] - before["spec_drafted_tokens"]
         result.accepted = after["spec_accepted_tokens"] - before["spec_accepted_tokens"]
     return result
+
+
+def lookup_bound(prompts: list[list[int]], outputs: list[list[int]], base: float, per_row: float,
+                 max_draft: int) -> float:
+    """on/off if every step drafted exactly what prompt lookup gets right (see the docstring):
+    the sequences step together, as in the batch, each verifying its right draft tokens."""
+    from worker.spec.prompt_lookup import PromptLookup
+
+    longest = max(map(len, outputs))
+    off = sum(base + per_row * sum(1 for out in outputs if len(out) > s) for s in range(longest))
+    seqs = [(list(prompt), out, PromptLookup()) for prompt, out in zip(prompts, outputs)]
+    done = [0] * len(seqs)
+    on = 0.0
+    while any(d < len(out) for d, (_, out, _) in zip(done, seqs)):
+        rows = 0
+        for i, (tokens, out, lookup) in enumerate(seqs):
+            if done[i] >= len(out):
+                continue
+            right = 0
+            found = lookup.find(tokens)
+            if found is not None:
+                draft = lookup.read(tokens, found[0], max_draft)
+                while right < len(draft) and done[i] + right < len(out) and draft[right] == out[done[i] + right]:
+                    right += 1
+            tokens.extend(out[done[i]:done[i] + right + 1])
+            done[i] += right + 1
+            rows += right + 1
+        on += base + per_row * rows
+    return off / on if on else 0.0
 
 
 def main() -> None:
@@ -228,6 +266,7 @@ def main() -> None:
     prefix = PrefixCache(blocks, b"bench-speculative")  # RAM only: shared documents prefill once
     series = {}  # streams -> (off Results, on Results) by json group, the restart after half of them
     rows = []  # (workload, streams, off Result list, on Result list)
+    bounds = {}  # (workload, streams) -> lookup_bound
     with threadpool_limits(limits=args.threads, user_api="blas"):
         # Compile and warm: one short request each way.
         run_batch(engine, [prompts["free"][0][:40]], stop_ids, None, prefix, max_tokens=8)
@@ -257,7 +296,11 @@ def main() -> None:
                         + "; acceptance by agreement length "
                         + (", ".join(f"{low}+: {p:.0%}" for low, p in stats["agreement_acceptance"].items()) or "-"))
                 rows.append((name, streams, off, on))
-    print_table(rows, args)
+                fit = speculator.cost.fit()
+                if fit is not None:
+                    outputs = [off[-1].outputs[f"r{i}"] for i in range(len(batch))]
+                    bounds[name, streams] = lookup_bound(batch, outputs, *fit, speculator.max_draft)
+    print_table(rows, bounds, args)
     if series:
         print_series(series)
         if args.plot:
@@ -330,21 +373,23 @@ def plot_series(series, path: str, args) -> None:
     say(f"wrote {path}")
 
 
-def print_table(rows, args) -> None:
+def print_table(rows, bounds, args) -> None:
     from worker.engine.kernels import matmul_i8
     isa = {"vnni": "AVX-512 VNNI", "avx2": "AVX2"}.get(matmul_i8.ISA, matmul_i8.ISA)
     load = os.getloadavg()[0]
     print(f"\n{args.model}, {args.threads} threads, {isa}, greedy, max_tokens {MAX_TOKENS}, medians of {args.runs} "
           f"runs, host load average {load:.1f}")
-    print(f"| workload | streams | off tok/s | on tok/s | on/off | acceptance | mean draft | mean accepted |")
-    print(f"|---|---|---|---|---|---|---|---|")
+    print(f"| workload | streams | off tok/s | on tok/s | on/off | lookup bound | acceptance | mean draft | mean accepted |")
+    print(f"|---|---|---|---|---|---|---|---|---|")
     for name, streams, off, on in rows:
         off_s = statistics.median(r.tok_s for r in off)
         on_s = statistics.median(r.tok_s for r in on)
         drafts = sum(r.drafts for r in on)
         drafted = sum(r.drafted for r in on)
         accepted = sum(r.accepted for r in on)
+        bound = bounds.get((name, streams))
         print(f"| {name} | {streams} | {off_s:.1f} | {on_s:.1f} | {on_s / off_s if off_s else 0:.2f}x | "
+              f"{f'{bound:.2f}x' if bound else '-'} | "
               f"{accepted / drafted if drafted else 0:.0%} | {drafted / drafts if drafts else 0:.1f} | "
               f"{accepted / drafts if drafts else 0:.1f} |")
 
