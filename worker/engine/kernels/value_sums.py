@@ -3,9 +3,9 @@
 acc[h] += Σ_r w[h, r] · v_r over a run of a block's value rows (block_size, head_dim): each row is
 loaded and converted from float16 once and multiplied into the accumulators of every head of the
 GQA group. The loop is built in LLVM IR (`_v_sums`) so that the accumulators of a slice of the
-dimensions of up to 4 heads stay in registers for the whole run (numba code would keep them in
+dimensions of up to 6 heads stay in registers for the whole run (numba code would keep them in
 memory and convert every row once per head): 64-dimension slices where the registers hold them
-(AVX-512: 4 heads × 4 zmm), 16-dimension ones elsewhere (AVX2: 4 heads × 64 dims would be 32 ymm
+(AVX-512: 6 heads × 4 zmm), 16-dimension ones elsewhere (AVX2: 4 heads × 64 dims would be 32 ymm
 accumulators in 16 registers; spilled, the value sums of 4 heads over a 16-row block took 1.5-2x
 as long as in 16-dimension slices, measured on AVX2). head_dim a multiple of 16 takes it; others
 take a plain numba loop. Each head's sum is the same sequence of multiply-adds (key by key, in order) whichever
@@ -20,7 +20,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from worker.engine.kernels.ir_vectors import I64, counted_loop, float_vector, fma_function, load_row, splat
-from worker.engine.kernels.key_scores import HEADS_AT_ONCE
+from worker.engine.kernels.key_scores import NARROW_HEADS_AT_ONCE
 from worker.engine.kernels.kv_element import kv_load
 
 _JIT = dict(fastmath=True, cache=True, nogil=True)
@@ -85,15 +85,19 @@ def _v_sums(typingctx, slab, ks, run, weights, w0, acc, col, heads, dims):
 
 @njit(**_JIT)
 def _heads(slab, ks, run, weights, w0, acc, col, heads, dims):
-    """_v_sums for 1..HEADS_AT_ONCE heads (a literal per case), `dims` a literal slice width."""
+    """_v_sums for 1..NARROW_HEADS_AT_ONCE heads (a literal per case), `dims` a literal slice width."""
     if heads == 1:
         _v_sums(slab, ks, run, weights, w0, acc, col, 1, dims)
     elif heads == 2:
         _v_sums(slab, ks, run, weights, w0, acc, col, 2, dims)
     elif heads == 3:
         _v_sums(slab, ks, run, weights, w0, acc, col, 3, dims)
-    else:
+    elif heads == 4:
         _v_sums(slab, ks, run, weights, w0, acc, col, 4, dims)
+    elif heads == 5:
+        _v_sums(slab, ks, run, weights, w0, acc, col, 5, dims)
+    else:
+        _v_sums(slab, ks, run, weights, w0, acc, col, 6, dims)
 
 
 @njit(**_JIT)
@@ -117,9 +121,11 @@ def value_sums(slab, ks, run, weights, w0, acc, heads):
     slab: one (block_size, head_dim) block of value rows (float32 or uint16); weights: float32
     (≥ heads, ≥ w0 + run); acc: float32 (≥ heads, head_dim)."""
     d = slab.shape[1]
+    # 6 heads a call, as key_scores' narrow blocks: 16-dimension slices carry 12 ymm chains of one
+    # FMA per key (4 heads' 8 waited on the FMA latency), 64-dimension ones 24 of 32 zmm.
     h = 0
     while h < heads:
-        n = min(HEADS_AT_ONCE, heads - h)
+        n = min(NARROW_HEADS_AT_ONCE, heads - h)
         w = weights[h:h + n]
         a = acc[h:h + n]
         if WIDE_SLICES and d % 64 == 0:
