@@ -288,7 +288,9 @@ def main() -> None:
                         speculator = Speculator(max_draft=8)
                     on.append(run_batch(engine, batch, stop_ids, speculator, prefix))
                     stats = speculator.stats()
-                    say(f"{name} x{streams} run {run + 1}: off {off[-1].tok_s:.1f} tok/s, on {on[-1].tok_s:.1f} tok/s; "
+                    say(f"{name} x{streams} run {run + 1}: off {off[-1].tok_s:.1f} tok/s, on {on[-1].tok_s:.1f} tok/s, "
+                        f"{on[-1].drafts} drafts of {on[-1].drafted} tokens ({on[-1].accepted} accepted) over "
+                        f"{on[-1].tokens} tokens; "
                         f"step fit base {1e3 * (stats['step_base_s'] or 0):.1f} ms + "
                         f"{1e3 * (stats['step_per_row_s'] or 0):.2f} ms/row, break-even {stats['break_even']:.2f}, "
                         f"switched off {stats['spec_switched_off']}, gate "
