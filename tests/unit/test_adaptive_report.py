@@ -53,6 +53,44 @@ def test_the_report_says_when_it_is_still_learning():
     assert idle.lines(30.0, [], BOOT_WALL)[1] == "  prefix cache hit-rate: 0.00 (n/a vs boot)"
 
 
+def minutes_at(report: AdaptiveReport, rates: list[float]) -> float:
+    """Minute m at rates[m] tok/s (12 five-second profiles a minute); returns the time after them."""
+    for m, rate in enumerate(rates):
+        for i in range(1, 13):
+            report.add(profile(output_tokens=round(5 * rate), finished=10, latency_ms_p95=300), now=60.0 * m + 5.0 * i)
+    return 60.0 * len(rates)
+
+
+def plateau_of(rates: list[float]) -> tuple[bool, str]:
+    report = AdaptiveReport(boot=0.0, window_s=60.0)
+    return report.plateau(minutes_at(report, rates), [], BOOT_WALL)
+
+
+def test_a_load_that_varies_without_a_trend_is_a_plateau():
+    # bench/agentic.py's adaptive run, minutes 1-10 (2-8 clients by design): ±9-12% minute to minute.
+    converged, why = plateau_of([171.0, 194.6, 179.6, 201.2, 207.2, 183.1, 195.3, 164.6, 186.7, 202.6])
+    assert converged, why
+    assert why.startswith("converged: no strategy change and throughput 184.7 tok/s over the last 3m vs 195.2 "
+                          "the 3m before (-5%; windows vary ±8%)"), why
+
+
+def test_a_trend_or_a_step_is_not_a_plateau_however_noisy_the_windows():
+    rising = [100.0 * 1.04 ** m for m in range(10)]  # +4% a minute: +12% from one 3 minutes to the next
+    assert plateau_of(rising) == (False, "still moving: throughput 136.9 tok/s over the last 3m vs 121.7 the 3m "
+                                         "before (+12%; windows vary ±4%)")
+    step = [100.0, 101.0, 99.0, 100.0, 101.0, 99.0, 100.0, 108.0, 107.0, 108.0]  # +8% in the last 3 minutes
+    converged, why = plateau_of(step)
+    assert not converged and why.startswith("still moving"), why
+    # The same +8% inside windows that vary by ±20% is within their noise: no trend shown.
+    noisy = [100.0, 140.0, 60.0, 100.0, 130.0, 70.0, 100.0, 138.0, 86.0, 100.0]
+    converged, why = plateau_of(noisy)
+    assert converged, why
+    # ... but never a drift over PLATEAU_DRIFT (10%), however noisy.
+    drift = [100.0, 140.0, 60.0, 100.0, 130.0, 70.0, 100.0, 150.0, 95.0, 100.0]
+    converged, why = plateau_of(drift)
+    assert not converged and "(+15%" in why, why
+
+
 def test_report_lines_reach_the_log_at_the_configured_interval(tmp_path, caplog):
     config = fake_config(tmp_path, f"[tuning]\nreport_interval = 0.2\nstate_path = {tmp_path}\n")
 
