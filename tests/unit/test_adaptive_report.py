@@ -74,21 +74,25 @@ def test_a_load_that_varies_without_a_trend_is_a_plateau():
                           "the 3m before (-5%; windows vary ±8%)"), why
 
 
-def test_a_trend_or_a_step_is_not_a_plateau_however_noisy_the_windows():
+def test_a_trend_or_a_step_is_not_a_plateau():
     rising = [100.0 * 1.04 ** m for m in range(10)]  # +4% a minute: +12% from one 3 minutes to the next
     assert plateau_of(rising) == (False, "still moving: throughput 136.9 tok/s over the last 3m vs 121.7 the 3m "
                                          "before (+12%; windows vary ±4%)")
     step = [100.0, 101.0, 99.0, 100.0, 101.0, 99.0, 100.0, 108.0, 107.0, 108.0]  # +8% in the last 3 minutes
     converged, why = plateau_of(step)
     assert not converged and why.startswith("still moving"), why
-    # The same +8% inside windows that vary by ±20% is within their noise: no trend shown.
-    noisy = [100.0, 140.0, 60.0, 100.0, 130.0, 70.0, 100.0, 138.0, 86.0, 100.0]
-    converged, why = plateau_of(noisy)
-    assert converged, why
-    # ... but never a drift over PLATEAU_DRIFT (10%), however noisy.
-    drift = [100.0, 140.0, 60.0, 100.0, 130.0, 70.0, 100.0, 150.0, 95.0, 100.0]
-    converged, why = plateau_of(drift)
-    assert not converged and "(+15%" in why, why
+    # The same +8% inside windows that vary by ±14% is within their noise: no trend shown.
+    varying = [100.0, 115.0, 85.0, 100.0, 115.0, 85.0, 100.0, 124.0, 100.0, 100.0]
+    converged, why = plateau_of(varying)
+    assert converged and "(+8%; windows vary ±14%)" in why, why
+
+
+def test_windows_too_noisy_to_judge_claim_no_plateau():
+    noisy = [100.0, 140.0, 60.0, 100.0, 140.0, 60.0, 100.0, 150.0, 74.0, 100.0]
+    assert plateau_of(noisy) == (False, "too noisy to tell: throughput 108.0 tok/s over the last 3m vs 100.0 the "
+                                        "3m before (+8%; windows vary ±39%)")
+    # A change under PLATEAU_SPREAD is flat however noisy.
+    assert plateau_of([100.0, 140.0, 60.0, 100.0, 140.0, 60.0, 100.0, 141.0, 62.0, 100.0])[0]
 
 
 def test_report_lines_reach_the_log_at_the_configured_interval(tmp_path, caplog):
