@@ -127,15 +127,14 @@ class AdaptiveReport:
         change = (now - then) / then
         # The windows' spread around their half's mean: what the load alone moves them by.
         var = (sum((v - now) ** 2 for v in recent) + sum((v - then) ** 2 for v in before)) / (2 * n - 2)
-        noise = (var * 2 / n) ** 0.5  # standard error of the difference of the two means
-        vary = f"windows vary ±{100 * var ** 0.5 / then:.0f}%"
+        spread = var ** 0.5 / then
+        noisy = spread > TOO_NOISY
+        standard_error = (var * 2 / n) ** 0.5  # of the difference of the two means
         compared = (f"throughput {now:.1f} tok/s over the last {_elapsed(n * w)} vs {then:.1f} the "
-                    f"{_elapsed(n * w)} before ({100 * change:+.0f}%; {vary})")
-        if abs(change) <= PLATEAU_SPREAD or (var ** 0.5 <= TOO_NOISY * then and abs(now - then) <= NOISE_SE * noise):
+                    f"{_elapsed(n * w)} before ({100 * change:+.0f}%; windows vary ±{100 * spread:.0f}%)")
+        if abs(change) <= PLATEAU_SPREAD or (not noisy and abs(now - then) <= NOISE_SE * standard_error):
             return True, f"converged: no strategy change and {compared}"
-        if var ** 0.5 > TOO_NOISY * then:
-            return False, f"too noisy to tell: {compared}"
-        return False, f"still moving: {compared}"
+        return False, f"{'too noisy to tell' if noisy else 'still moving'}: {compared}"
 
     def lines(self, at: float, history: list[Decision], boot_wall: float) -> list[str]:
         now, boot = self.now_summary(at), self.boot_summary()
