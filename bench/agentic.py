@@ -2,7 +2,7 @@
 
     python bench/agentic.py [--model PATH] [--threads 2] [--minutes 10] [--bucket 60]
                             [--workload agentic|low-overlap|both] [--modes on,off] [--repeats N]
-                            [--peer URL] [--json FILE] [--png FILE]
+                            [--peer URL] [--temperature T] [--json FILE] [--png FILE]
 
 agentic: several long system prompts (an agent's rules and a list of tool descriptions, ~700
 tokens each), short user turns, multi-turn conversations (each turn resends the history with the
@@ -102,8 +102,9 @@ class Run:
     elapsed: float = 0.0  # seconds from the first request to the last answer (traffic, then its drain)
 
 
-async def chat(session: aiohttp.ClientSession, url: str, messages: list[dict], run: Run, t0: float) -> str:
-    body = {"model": "reame", "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0.7,
+async def chat(session: aiohttp.ClientSession, url: str, messages: list[dict], run: Run, t0: float,
+               temperature: float) -> str:
+    body = {"model": "reame", "messages": messages, "max_tokens": MAX_TOKENS, "temperature": temperature,
             "stream": True, "stream_options": {"include_usage": True}}
     started = time.perf_counter()
     first, text, usage = None, [], {}
@@ -136,7 +137,8 @@ async def chat(session: aiohttp.ClientSession, url: str, messages: list[dict], r
     return "".join(text)
 
 
-async def client(url: str, workload: str, seed: int, run: Run, t0: float, stop_at: float, active) -> None:
+async def client(url: str, workload: str, seed: int, run: Run, t0: float, stop_at: float, active,
+                 temperature: float) -> None:
     rng = random.Random(seed)
     timeout = aiohttp.ClientTimeout(total=300)
     async with aiohttp.ClientSession(timeout=timeout) as session:
@@ -145,18 +147,18 @@ async def client(url: str, workload: str, seed: int, run: Run, t0: float, stop_a
                 await asyncio.sleep(0.2)
                 continue
             if workload == "low-overlap":
-                await chat(session, url, [{"role": "user", "content": unique_prompt(rng)}], run, t0)
+                await chat(session, url, [{"role": "user", "content": unique_prompt(rng)}], run, t0, temperature)
                 continue
             messages = [{"role": "system", "content": system_prompt(rng.randrange(AGENTS))},
                         {"role": "user", "content": rng.choice(QUESTIONS)}]
             for turn in range(rng.randint(*TURNS)):
                 if time.perf_counter() >= stop_at:
                     return
-                answer = await chat(session, url, messages, run, t0)
+                answer = await chat(session, url, messages, run, t0, temperature)
                 messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": rng.choice(FOLLOW_UPS)}]
 
 
-async def drive(url: str, workload: str, seconds: float, run: Run) -> None:
+async def drive(url: str, workload: str, seconds: float, run: Run, temperature: float) -> None:
     t0 = time.perf_counter()
     stop_at = t0 + seconds
     most = max(PHASES)
@@ -167,7 +169,8 @@ async def drive(url: str, workload: str, seconds: float, run: Run) -> None:
             return i < PHASES[phase]
         return active
 
-    await asyncio.gather(*(client(url, workload, 7919 * i + 1, run, t0, stop_at, active_for(i)) for i in range(most)))
+    await asyncio.gather(*(client(url, workload, 7919 * i + 1, run, t0, stop_at, active_for(i), temperature)
+                           for i in range(most)))
     run.elapsed = time.perf_counter() - t0
 
 
@@ -187,7 +190,7 @@ def buckets(run: Run, seconds: float, bucket: float) -> list[dict]:
 
 
 def run_reame(model: Path, threads: int, adaptive: bool, workload: str, seconds: float, bucket: float,
-              directory: Path, screenshot: Path | None = None) -> tuple[Run, list[dict]]:
+              directory: Path, temperature: float, screenshot: Path | None = None) -> tuple[Run, list[dict]]:
     port = free_port()
     config = write_config(directory, model, port, {
         "engine": {"threads": threads}, "logging": {"level": "info"},
@@ -196,7 +199,7 @@ def run_reame(model: Path, threads: int, adaptive: bool, workload: str, seconds:
     run = Run(f"reame adaptive {'on' if adaptive else 'off'} ({workload})")
     with gateway_and_worker(run.name, directory, config, port, progress=say) as server:
         say(f"{run.name}: {seconds:.0f} s of traffic")
-        asyncio.run(drive(server.url, workload, seconds, run))
+        asyncio.run(drive(server.url, workload, seconds, run, temperature))
         try:
             with urllib.request.urlopen(server.url + "/admin/report", timeout=10) as response:
                 report = json.loads(response.read())
@@ -206,9 +209,30 @@ def run_reame(model: Path, threads: int, adaptive: bool, workload: str, seconds:
                 say(f"  v{d['version']} {d['kind']} {d['policy']}: {d['outcome']} {d.get('effect') or ''}")
         except OSError as exc:
             say(f"  no report: {exc}")
+        drafting = speculation_totals(server.url)
+        if drafting:
+            say(f"  speculation: {drafting}")
         if screenshot:
             take_screenshot(server.url + "/dashboard", screenshot)
     return run, buckets(run, seconds, bucket)
+
+
+def speculation_totals(url: str) -> str:
+    """What drafting did over the run, from /metrics: drafts, tokens drafted and accepted."""
+    try:
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
+            text = response.read().decode()
+    except OSError:
+        return ""
+    values = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in ("reame_spec_drafts_total", "reame_spec_drafted_tokens_total", "reame_spec_accepted_tokens_total"):
+            values[name[len("reame_spec_"):-len("_total")]] = float(value)
+    if not values.get("drafts"):
+        return "no drafts" if values else ""
+    return (f"{values['drafts']:.0f} drafts of {values['drafted_tokens']:.0f} tokens, "
+            f"{values['accepted_tokens']:.0f} accepted ({values['accepted_tokens'] / values['drafted_tokens']:.0%})")
 
 
 def take_screenshot(url: str, path: Path) -> None:
@@ -223,9 +247,9 @@ def take_screenshot(url: str, path: Path) -> None:
     say(f"  dashboard screenshot: {path}" if path.exists() else "  the screenshot failed")
 
 
-def run_peer(url: str, workload: str, seconds: float, bucket: float) -> tuple[Run, list[dict]]:
+def run_peer(url: str, workload: str, seconds: float, bucket: float, temperature: float) -> tuple[Run, list[dict]]:
     run = Run(f"peer {url} ({workload})")
-    asyncio.run(drive(url, workload, seconds, run))
+    asyncio.run(drive(url, workload, seconds, run, temperature))
     return run, buckets(run, seconds, bucket)
 
 
@@ -298,6 +322,8 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=1,
                         help="run the modes this many times, alternating their order (load drifts on a shared host)")
     parser.add_argument("--peer", help="also drive this OpenAI-compatible server's URL")
+    parser.add_argument("--temperature", type=float, default=0.7,
+                        help="every request's sampling temperature (0: greedy, as agents that call tools often ask)")
     parser.add_argument("--json", type=Path, default=Path("bench-agentic.json"))
     parser.add_argument("--png", type=Path, default=Path("bench-agentic.png"))
     parser.add_argument("--screenshot", type=Path,
@@ -315,7 +341,7 @@ def main() -> int:
                 for mode in (modes if repeat % 2 == 0 else modes[::-1]):
                     shot = args.screenshot if mode == "on" and repeat == 0 and workload == workloads[0] else None
                     run, rows = run_reame(Path(args.model), args.threads, mode == "on", workload, seconds,
-                                          args.bucket, Path(tmp) / f"{workload}-{mode}-{repeat}", shot)
+                                          args.bucket, Path(tmp) / f"{workload}-{mode}-{repeat}", args.temperature, shot)
                     if args.repeats > 1:
                         run.name += f" #{repeat + 1}"
                     print_table(run.name, rows, run.errors)
@@ -325,7 +351,7 @@ def main() -> int:
                     totals[workload].append((mode, whole_run(run)))
                     say(f"{run.name}: whole run {totals[workload][-1][1]}")
             if args.peer:
-                run, rows = run_peer(args.peer, workload, seconds, args.bucket)
+                run, rows = run_peer(args.peer, workload, seconds, args.bucket, args.temperature)
                 print_table(run.name, rows, run.errors)
                 results[run.name], summary[run.name] = rows, steady(rows)
     print("\nsteady state (medians of the second half's buckets):")
