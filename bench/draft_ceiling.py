@@ -123,43 +123,18 @@ def main() -> None:
     prefix = PrefixCache(blocks, b"bench-draft-ceiling")  # the system prompts prefill once, as when serving
     off_rate: dict[int, float] = {}
     ratio: dict[tuple[int, int], float] = {}
-    rows = []
+    rows = []  # (streams, k, off tok/s, oracle tok/s, on/off, accepted share)
     speculator_rows = []  # (streams, on/off, accepted, drafted) of the worker's own speculator
     with threadpool_limits(limits=args.threads, user_api="blas"):
         run_batch(engine, [prompts[0][:40]], stop_ids, None, prefix, max_tokens=8)  # compile and warm
         run_batch(engine, prompts, stop_ids, None, prefix, max_tokens=1)  # prompts into the prefix cache
         for streams in args.streams:
-            batch = prompts[:streams]
-            off, on = [], {k: [] for k in args.drafts}
-            accepted = {k: [0, 0] for k in args.drafts}
-            speculator = Speculator(max_draft=8, archive=NgramArchive())
-            run_batch(engine, batch, stop_ids, speculator, prefix, max_tokens=args.max_tokens)  # fills its archive
-            real, real_accepted = [], [0, 0]
-            for run in range(args.runs):
-                plain = run_batch(engine, batch, stop_ids, None, prefix, max_tokens=args.max_tokens)
-                off.append(plain.tok_s)
-                for k in args.drafts:
-                    oracle = OracleDrafter(plain.outputs, k)
-                    drafted = run_batch(engine, batch, stop_ids, oracle, prefix, max_tokens=args.max_tokens)
-                    if drafted.outputs != plain.outputs:
-                        raise SystemExit(f"{streams} streams, k={k}: drafted output differs from greedy")
-                    on[k].append(drafted.tok_s)
-                    accepted[k][0] += drafted.accepted
-                    accepted[k][1] += drafted.drafted
-                served = run_batch(engine, batch, stop_ids, speculator, prefix, max_tokens=args.max_tokens)
-                if served.outputs != plain.outputs:
-                    raise SystemExit(f"{streams} streams: the speculator's output differs from greedy")
-                real.append(served.tok_s)
-                real_accepted[0] += served.accepted
-                real_accepted[1] += served.drafted
-                say(f"{streams} streams run {run + 1}/{args.runs}: off {off[-1]:.1f} tok/s, "
-                    + ", ".join(f"k={k} {on[k][-1]:.1f}" for k in args.drafts) + f", speculator {real[-1]:.1f}")
-            off_rate[streams] = statistics.median(off)
-            for k in args.drafts:
-                ratio[streams, k] = statistics.median(on[k]) / off_rate[streams]
-                rows.append((streams, k, off_rate[streams], statistics.median(on[k]), ratio[streams, k],
-                             accepted[k][0] / accepted[k][1] if accepted[k][1] else 0.0))
-            speculator_rows.append((streams, statistics.median(real) / off_rate[streams], *real_accepted))
+            off, oracle, speculator = measure(engine, prompts[:streams], stop_ids, prefix, args)
+            off_rate[streams] = off
+            for k, (rate, share) in oracle.items():
+                ratio[streams, k] = rate / off
+                rows.append((streams, k, off, rate, ratio[streams, k], share))
+            speculator_rows.append((streams, speculator[0] / off, *speculator[1:]))
     print(f"\nalways-right drafts on agentic first turns (at most {args.max_tokens} tokens), {args.threads} threads, "
           f"medians of {args.runs}")
     print("| streams | draft k | off tok/s | oracle tok/s | ceiling on/off | drafts accepted |")
@@ -198,6 +173,39 @@ def main() -> None:
         print(f"| {c} | {k if options[k] > 1 else 0} | {best[c]:.2f}x |")
     weighted = sum(off_rate[c] * best[c] for c in phases) / sum(off_rate[c] for c in phases)
     print(f"agentic phases {phases} at temperature {args.temperature}: decode ceiling {weighted:.2f}x off")
+
+
+def measure(engine, batch, stop_ids, prefix, args) -> tuple[float, dict[int, tuple[float, float]], tuple]:
+    """For one stream count, medians over --runs (alternating in each run): plain decode tok/s;
+    per draft length k the oracle's tok/s and the share of its drafted tokens accepted; and the
+    worker's speculator's (tok/s, accepted, drafted). Every drafted run's output must equal greedy."""
+    off, on = [], {k: [] for k in args.drafts}
+    accepted = {k: [0, 0] for k in args.drafts}
+    speculator = Speculator(max_draft=8, archive=NgramArchive())
+    run_batch(engine, batch, stop_ids, speculator, prefix, max_tokens=args.max_tokens)  # fills its archive
+    real, real_accepted = [], [0, 0]
+    for run in range(args.runs):
+        plain = run_batch(engine, batch, stop_ids, None, prefix, max_tokens=args.max_tokens)
+        off.append(plain.tok_s)
+        for k in args.drafts:
+            drafted = run_batch(engine, batch, stop_ids, OracleDrafter(plain.outputs, k), prefix,
+                                max_tokens=args.max_tokens)
+            if drafted.outputs != plain.outputs:
+                raise SystemExit(f"{len(batch)} streams, k={k}: drafted output differs from greedy")
+            on[k].append(drafted.tok_s)
+            accepted[k][0] += drafted.accepted
+            accepted[k][1] += drafted.drafted
+        served = run_batch(engine, batch, stop_ids, speculator, prefix, max_tokens=args.max_tokens)
+        if served.outputs != plain.outputs:
+            raise SystemExit(f"{len(batch)} streams: the speculator's output differs from greedy")
+        real.append(served.tok_s)
+        real_accepted[0] += served.accepted
+        real_accepted[1] += served.drafted
+        say(f"{len(batch)} streams run {run + 1}/{args.runs}: off {off[-1]:.1f} tok/s, "
+            + ", ".join(f"k={k} {on[k][-1]:.1f}" for k in args.drafts) + f", speculator {real[-1]:.1f}")
+    oracle = {k: (statistics.median(on[k]), accepted[k][0] / accepted[k][1] if accepted[k][1] else 0.0)
+              for k in args.drafts}
+    return statistics.median(off), oracle, (statistics.median(real), *real_accepted)
 
 
 def best_token_probabilities(engine, prompts, stop_ids, prefix, args) -> list[list[float]]:
