@@ -14,7 +14,15 @@ from tests.e2e.servers import NO_END, auth, gateway_and_worker
 
 MAX_BODY = 4 * 1024 * 1024
 PAIR = "<|im_start|><|im_end|>"
-LIMIT_MS = 100
+LIMIT_MS = 100  # /health's worst answer under the attack
+# Streams measured per side. A stall the attack causes shows in each of them; a hiccup of the host
+# shows in one (2-core Zen 1 VM: one stream's longest gap 76-183 ms with nothing else running, and
+# this test failed 2 runs in 7 on its single attacked stream, 167-246 ms above its single quiet one).
+STREAMS = 2
+# The attacked stream's least disturbed longest gap may exceed the quiet one's by this much. On that
+# host, 2 streams a side: +10 to +110 ms in 8 runs (the tokenizing processes run at nice 19, not
+# never); what this guards against is tokenizing on the gateway's threads: gaps of seconds.
+STREAM_LIMIT_MS = 200
 N_CTX = 8192  # SmolLM2's trained context, which is also [engine] max_context's default
 
 
@@ -55,7 +63,7 @@ def test_a_maximal_body_delays_no_other_stream_or_health(big_body_server, smollm
     bound = N_CTX * Tokenizer.from_gguf(smollm2_gguf).max_token_bytes
     bodies = attack_bodies(bound)
     stream_gaps(server)     # the first stream after start-up is not the quiet baseline
-    quiet = stream_gaps(server)
+    quiet = [max(stream_gaps(server)) for _ in range(STREAMS)]
 
     stop = threading.Event()
     answers: list[tuple[int, str, float]] = []
@@ -80,15 +88,15 @@ def test_a_maximal_body_delays_no_other_stream_or_health(big_body_server, smollm
         t.start()
     try:
         time.sleep(1.0)     # the attack under way first
-        attacked = stream_gaps(server)
+        attacked = [max(stream_gaps(server)) for _ in range(STREAMS)]
     finally:
         stop.set()
         for t in threads:
             t.join(120)
-    quiet_ms, attacked_ms = max(quiet) * 1000, max(attacked) * 1000
+    quiet_ms, attacked_ms = min(quiet) * 1000, min(attacked) * 1000  # each side's least disturbed stream
     print(f"\nlongest gap quiet {quiet_ms:.0f} ms, under attack {attacked_ms:.0f} ms; /health worst "
           f"{max(health_ms):.0f} ms of {len(health_ms)}; attack answers {len(answers)}, "
           f"slowest {max(a[2] for a in answers):.2f} s")
     assert answers and all(status == 400 and code == "context_length_exceeded" for status, code, _ in answers)
     assert max(health_ms) < LIMIT_MS
-    assert attacked_ms < quiet_ms + LIMIT_MS
+    assert attacked_ms < quiet_ms + STREAM_LIMIT_MS
