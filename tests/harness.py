@@ -41,12 +41,14 @@ def free_port() -> int:
 
 
 def write_config(directory: Path, model: Path, port: int, sections: dict[str, dict] | None = None) -> Path:
-    """`directory/reame.conf` for `model` on `port`, with the state, the prefix store and the tuning
-    strategy inside `directory` (nothing is shared with the user's own); `sections`
-    ({section: {key: value}}) add keys or replace these."""
+    """`directory/reame.conf` for `model` on `port`, with the state, the prefix store, the tuning
+    strategy and the speculation archive (with what drafting learned) inside `directory` (nothing
+    is shared with the user's own, or between two servers); `sections` ({section: {key: value}})
+    add keys or replace these."""
     config: dict[str, dict] = {"model": {"model_path": model}, "server": {"state_dir": directory / "state"},
                                "gateway": {"port": port}, "prefix_cache": {"store_path": directory / "prefix-store"},
-                               "tuning": {"state_path": directory / "tuning"}}
+                               "tuning": {"state_path": directory / "tuning"},
+                               "speculative": {"archive_path": directory / "spec-archive"}}
     for name, keys in (sections or {}).items():
         config.setdefault(name, {}).update(keys)
     directory.mkdir(parents=True, exist_ok=True)
