@@ -123,6 +123,8 @@ def profile_level(engine, tokenizer, streams: int, steps: int, prompt_tokens: in
             t0 = time.perf_counter()
             for frame in frames:
                 message = protocol.decode(frame)
+                if not isinstance(message, protocol.TokenChunk):  # a warm-up request that finished
+                    continue
                 for token in message.tokens:
                     stops[message.request_id].push(decoders[message.request_id].push(token))
             clock.current["gateway: decode+detok+stops"] += time.perf_counter() - t0
