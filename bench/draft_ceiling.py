@@ -6,14 +6,15 @@
 Speculation is the one lever of adaptivity that changes how many tokens a step yields; the
 scheduler knobs and kernel choice only change what a step costs. This measures its ceiling on the
 first turns of bench/agentic.py (its four agents' ~550-token system prompts and questions, at
-most 48 tokens each: greedy answers may end sooner): for N streams, greedy decoding through the worker's own loop (BatchGenerator, as in
-bench/speculative.py), then the same requests with an oracle drafter that proposes the next k
-tokens of the greedy output it has already seen. Every draft is accepted (the table checks it),
-so no drafter, prompt lookup, archive or learned, can do better at that draft length: what is
-left is what verifying k rows per sequence costs against k plain steps. Beside it runs the
-worker's own speculator (max_draft 8, prompt lookup and an n-gram archive in RAM, one per stream
-count, kept across runs as a worker keeps it, after one unmeasured run that fills its archive
-with these outputs, as traffic that repeats would): how much of the ceiling it reaches.
+most 48 tokens each: greedy answers may end sooner): for N streams, greedy decoding through the
+worker's own loop (BatchGenerator, as in bench/speculative.py), then the same requests with an
+oracle drafter that proposes the next k tokens of the greedy output it has already seen. Every
+draft is accepted (the table checks it), so no drafter, prompt lookup, archive or learned, can do
+better at that draft length: what is left is what verifying k rows per sequence costs against k
+plain steps. Beside it runs the worker's own speculator (max_draft 8, prompt lookup and an n-gram
+archive in RAM, one per stream count, kept across runs as a worker keeps it, after one unmeasured
+run that fills its archive with these outputs, as traffic that repeats would): how much of the
+ceiling it reaches.
 
 Decode tok/s counts tokens of steps without prompt rows over those steps' time. The last lines
 weigh each stream count by the agentic workload's phases (bench/agentic.PHASES, 30 s each) and
@@ -150,7 +151,7 @@ def main() -> None:
     if not phases:
         return
     for k in args.drafts:
-        weighted = sum(off_rate[c] * ratio[c, k] for c in phases) / sum(off_rate[c] for c in phases)
+        weighted = phase_weighted(off_rate, {c: ratio[c, k] for c in phases}, phases)
         print(f"agentic phases {phases}, k={k}: decode ceiling {weighted:.2f}x off (every draft right)")
     if args.temperature <= 0:
         return
@@ -171,8 +172,14 @@ def main() -> None:
         k = max(options, key=options.get)
         best[c] = max(1.0, options[k])
         print(f"| {c} | {k if options[k] > 1 else 0} | {best[c]:.2f}x |")
-    weighted = sum(off_rate[c] * best[c] for c in phases) / sum(off_rate[c] for c in phases)
+    weighted = phase_weighted(off_rate, best, phases)
     print(f"agentic phases {phases} at temperature {args.temperature}: decode ceiling {weighted:.2f}x off")
+
+
+def phase_weighted(off_rate: dict[int, float], ratio: dict[int, float], phases: list[int]) -> float:
+    """The whole run's on/off when each phase of `phases` clients runs as long and at its stream
+    count's off rate times its ratio: tokens with drafting over tokens without."""
+    return sum(off_rate[c] * ratio[c] for c in phases) / sum(off_rate[c] for c in phases)
 
 
 def measure(engine, batch, stop_ids, prefix, args) -> tuple[float, dict[int, tuple[float, float]], tuple]:
