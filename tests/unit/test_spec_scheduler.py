@@ -102,14 +102,21 @@ def _check_pool(scheduler: Scheduler) -> None:
 
 
 def _check_names(scheduler: Scheduler) -> None:
-    """Every named block of a running sequence carries the chain hash of its accepted tokens."""
+    """Every named block of a running sequence carries the chain hash of its accepted tokens, or,
+    when another sequence computed the same tokens first, that sequence's block does."""
     manager = scheduler.block_manager
     bs = manager.block_size
     for seq in scheduler.running:
         named = seq.num_named_blocks
         assert named == seq.num_computed_tokens // bs
         chain = extend_chain([], seq.token_ids, bs, named, FINGERPRINT, namespace_root(b""))
-        assert [manager.block_hash(b) for b in seq.block_table[:named]] == chain[:named]
+        for i, block_id in enumerate(seq.block_table[:named]):
+            tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            if manager.block_hash(block_id) is None:
+                holder = manager.lookup(chain[i], tokens)
+                assert holder is not None and holder != block_id
+            else:
+                assert manager.block_hash(block_id) == chain[i]
 
 
 def test_a_random_workload_with_drafts_keeps_the_pool_and_the_prefix_names_consistent():
@@ -154,3 +161,20 @@ def test_a_random_workload_with_drafts_keeps_the_pool_and_the_prefix_names_consi
             assert seq.num_output_tokens == seq.params.max_tokens
         if seq.status is SequenceStatus.FINISHED_STOPPED:
             assert seq.output_token_ids.count(STOP) == 1 and seq.output_token_ids[-1] == STOP
+
+
+def test_a_step_that_admits_a_sequence_or_feeds_a_prompt_carries_no_drafts():
+    scheduler = _scheduler(lambda seq, limit: [50] * limit, prefill_chunk=4, max_batch_size=2)
+    a = _seq("a", [1, 2, 3])
+    scheduler.add(a)
+    scheduler.update(scheduler.schedule(0.0), {"a": 7})
+    scheduler.add(_seq("b", [1, 2, 3, 4, 5, 6]))  # two chunks of prompt
+    batch = scheduler.schedule(0.0)  # admits b: a decodes without a draft
+    assert [(c.seq.seq_id, c.num_tokens, c.draft) for c in batch.chunks] == [("a", 1, ()), ("b", 4, ())]
+    scheduler.update(batch, {"a": 7})
+    batch = scheduler.schedule(0.0)  # b's prompt goes on: still no draft
+    assert [(c.seq.seq_id, c.num_tokens, c.draft) for c in batch.chunks] == [("a", 1, ()), ("b", 2, ())]
+    scheduler.update(batch, {"a": 7, "b": 7})
+    scheduler.add(_seq("c", [1, 2, 3]))  # the batch is full: c cannot come in, so drafting goes on
+    batch = scheduler.schedule(0.0)
+    assert [c.seq.seq_id for c in batch.chunks] == ["a", "b"] and all(c.draft for c in batch.chunks)
