@@ -204,7 +204,9 @@ def test_tokens_sampled_at_drafted_positions_follow_the_target_distribution(tiny
     generator = _generator(tiny, spec, max_batch_size=64, token_budget=512)
     requests = {f"r{i}": (prompt, SamplingParams(max_tokens=3, temperature=temperature, seed=i)) for i in range(n)}
     tokens = run_requests(generator, requests).tokens
-    assert spec.counters.spec_drafts == n
+    # Every request drafts once, but those whose decode step also admits the last of the queue
+    # (it then fits in the batch: such steps carry no drafts) sample t2 and t3 in plain steps.
+    assert n - 100 <= spec.counters.spec_drafts <= n
 
     def probs(row):
         p = np.exp((row - row.max()) / temperature)
