@@ -293,7 +293,7 @@ class Scheduler:
         """The next step admits a sequence or feeds part of a prompt: then it carries no drafts.
         A newcomer waits for the step in progress and then for its first step, and drafted rows
         make steps several times longer (greedy agentic traffic, 2 threads, AVX2 Zen 1: TTFT p95
-        849-1126 ms drafting in such steps, 479-556 ms without; off: 237-278 ms). When more wait
+        657-849 ms drafting in such steps, 479-556 ms without; off: 237-278 ms). When more wait
         than the batch has room for, some wait on whatever this step does, and the drafts that
         finish running sequences sooner also let them in sooner: drafting goes on."""
         room = knobs.max_batch_size - len(self._running)
