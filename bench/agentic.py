@@ -224,11 +224,11 @@ def speculation_totals(url: str) -> str:
             text = response.read().decode()
     except OSError:
         return ""
-    values = {}
-    for line in text.splitlines():
-        name, _, value = line.partition(" ")
-        if name in ("reame_spec_drafts_total", "reame_spec_drafted_tokens_total", "reame_spec_accepted_tokens_total"):
-            values[name[len("reame_spec_"):-len("_total")]] = float(value)
+    from prometheus_client.parser import text_string_to_metric_families
+
+    values = {family.name[len("reame_spec_"):]: sum(s.value for s in family.samples if s.name.endswith("_total"))
+              for family in text_string_to_metric_families(text)
+              if family.name in ("reame_spec_drafts", "reame_spec_drafted_tokens", "reame_spec_accepted_tokens")}
     if not values.get("drafts"):
         return "no drafts" if values else ""
     return (f"{values['drafts']:.0f} drafts of {values['drafted_tokens']:.0f} tokens, "

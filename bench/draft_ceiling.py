@@ -44,7 +44,7 @@ from shared import blas_env  # noqa: E402
 blas_env.prefer_native_blas()
 
 from benchlib import say  # noqa: E402  (bench/, the script's directory, is on sys.path)
-from speculative import run_batch  # noqa: E402
+from speculative import load_chat_model, run_batch  # noqa: E402
 
 from worker.spec.archive import NgramArchive  # noqa: E402
 from worker.spec.speculator import SpecCounters, Speculator  # noqa: E402
@@ -100,24 +100,13 @@ def main() -> None:
                         help="also bound drafting for requests sampled at this temperature (0: skip)")
     args = parser.parse_args()
 
-    import numba
     from threadpoolctl import threadpool_limits
 
     from agentic import PHASES
-    from gateway.chat_template import template_for
-    from gateway.tokenizer import Tokenizer
-    from shared.config import Config
-    from shared.model_store import ensure_model
-    from worker.engine.engine import load_engine
     from worker.kv.block_manager import BlockManager
     from worker.kv.prefix_cache import PrefixCache
 
-    path = ensure_model(args.model, Path("~/.cache/reame/models").expanduser())
-    engine = load_engine(path, threads=args.threads, context_length=2048, progress=say)
-    numba.set_num_threads(args.threads)
-    tok = Tokenizer.from_gguf(path)
-    template = template_for(tok, Config())
-    stop_ids = tuple(sorted(set(template.stop_ids) | ({tok.eos_id} if tok.eos_id is not None else set())))
+    _, engine, tok, template, stop_ids = load_chat_model(args.model, args.threads)
     prompts = [tok.encode(template.render(m, add_generation_prompt=True)) for m in agentic_prompts(max(args.streams))]
     say(f"prompt tokens: {min(map(len, prompts))}-{max(map(len, prompts))}")
     blocks = BlockManager.for_pool(engine.kv)

@@ -239,25 +239,13 @@ def main() -> None:
     args = parser.parse_args()
     MAX_TOKENS = args.max_tokens
 
-    import numba
     from threadpoolctl import threadpool_limits
 
-    from gateway.chat_template import template_for
-    from gateway.tokenizer import Tokenizer
-    from shared.config import Config
-    from shared.model_store import ensure_model
-    from worker.engine.engine import load_engine
     from worker.kv.block_manager import BlockManager
     from worker.kv.prefix_cache import PrefixCache
     from worker.spec.speculator import Speculator
 
-    models_dir = Path("~/.cache/reame/models").expanduser()
-    path = ensure_model(args.model, models_dir)
-    engine = load_engine(path, threads=args.threads, context_length=2048, progress=say)
-    numba.set_num_threads(args.threads)
-    tok = Tokenizer.from_gguf(path)
-    template = template_for(tok, Config())
-    stop_ids = tuple(sorted(set(template.stop_ids) | ({tok.eos_id} if tok.eos_id is not None else set())))
+    _, engine, tok, template, stop_ids = load_chat_model(args.model, args.threads)
     texts = workloads(random.Random(7), 2 * args.json_requests)
     prompts = {name: [tok.encode(template.render(m, add_generation_prompt=True)) for m in convs]
                for name, convs in texts.items()}
@@ -307,6 +295,26 @@ def main() -> None:
         print_series(series)
         if args.plot:
             plot_series(series, args.plot, args)
+
+
+def load_chat_model(model: str, threads: int):
+    """(path, engine, tokenizer, chat template, stop token ids) of a model by name, loaded as a
+    worker loads it (context 2,048), with numba at `threads` threads."""
+    import numba
+
+    from gateway.chat_template import template_for
+    from gateway.tokenizer import Tokenizer
+    from shared.config import Config
+    from shared.model_store import ensure_model
+    from worker.engine.engine import load_engine
+
+    path = ensure_model(model, Path("~/.cache/reame/models").expanduser())
+    engine = load_engine(path, threads=threads, context_length=2048, progress=say)
+    numba.set_num_threads(threads)
+    tok = Tokenizer.from_gguf(path)
+    template = template_for(tok, Config())
+    stop_ids = tuple(sorted(set(template.stop_ids) | ({tok.eos_id} if tok.eos_id is not None else set())))
+    return path, engine, tok, template, stop_ids
 
 
 def json_rows(engine, prompts, streams, stop_ids, prefix, model_sha256):
