@@ -94,6 +94,10 @@ class _Cursor:
 def read_header(path: str | Path) -> GGUFHeader:
     """Metadata and tensor index of a GGUF file; GGUFFormatError if it is malformed."""
     with open(path, "rb") as f:
+        # The magic first: a short file that is not GGUF at all is reported as such, in the
+        # same words whichever process (gateway or worker) reads it first.
+        if f.read(4) != GGUF_MAGIC:
+            raise GGUFFormatError("bad magic (not a GGUF file)")
         size = f.seek(0, 2)
         if size < 24:
             raise GGUFFormatError(f"file too small for a GGUF header ({size} bytes)")

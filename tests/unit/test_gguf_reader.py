@@ -5,8 +5,11 @@ import gguf
 import numpy as np
 import pytest
 
+from shared.errors import ModelLoadError, TokenizerError
 from shared.gguf_reader import GGUFFormatError, read_header
+from shared.vocab import read_vocab
 from tests.model.tiny_gguf import TinyModel, write_tiny
+from worker.engine.gguf_file import GGUFFile
 
 
 def _same_as_gguf_reader(path) -> None:
@@ -60,3 +63,15 @@ def test_wrong_magic_is_a_format_error(tmp_path):
     path.write_bytes(b"GGML" + b"\0" * 60)
     with pytest.raises(GGUFFormatError, match="bad magic"):
         read_header(path)
+
+
+@pytest.mark.parametrize("content", [b"this is no model", b"x" * 100])
+def test_a_file_that_is_not_gguf_reads_the_same_in_gateway_and_worker(tmp_path, content):
+    # `reame serve` reports whichever process reads the model first; a 16-byte file once made the
+    # gateway say "file too small" where the worker says "not a GGUF file" (a flaky CI run).
+    path = tmp_path / "model.gguf"
+    path.write_bytes(content)
+    with pytest.raises(TokenizerError, match="not a GGUF file"):
+        read_vocab(path)
+    with pytest.raises(ModelLoadError, match="not a GGUF file"):
+        GGUFFile(path)
