@@ -66,7 +66,7 @@ def variant_table(engine, threads: int, runs: int) -> dict:
     # The weights are packed in the layout of the engine's numerics: only its variants can run.
     arms = [(v, t) for v in variants_of("matmul", numerics) for t in range(threads, 0, -1)]
     # A variant below its min_rows runs as another one does: its cell would time the same code twice.
-    served = {arm: [b for b, _ in enumerate(BUCKET_NAMES) if serves_bucket(variants_of("matmul")[arm[0]], b)]
+    served = {arm: [b for b in range(len(BUCKET_NAMES)) if serves_bucket(variants_of("matmul")[arm[0]], b)]
               for arm in arms}
     timings = {arm: {b: [] for b in served[arm]} for arm in arms}
     for run in range(runs):
