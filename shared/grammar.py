@@ -28,6 +28,19 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 LIMITS = dict(max_items_in_row=2000, initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000,
               step_max_items=50_000, max_lexer_states=250_000, max_grammar_size=500_000)
 
+# Digits a JSON number may have, as llama.cpp's json-schema-to-grammar caps them: without a cap
+# a small model under greedy decoding may write `"population": 1111...` until max_tokens (issue
+# 41, item 10). llguidance has no option for it, so each integer or number a schema types gets
+# bounds (minimum/maximum) and, for numbers, a multipleOf of 1e-10 (llguidance refuses finer
+# steps), unless the schema bounds that side itself. Exponents are not written then.
+INTEGER_DIGITS = 16
+FRACTION_DIGITS = 10
+_NUMBER_CAP = 10 ** INTEGER_DIGITS - 1
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "allOf", "oneOf", "prefixItems", "items")
+_SCHEMA_VALUES = ("items", "additionalProperties", "additionalItems", "unevaluatedProperties",
+                  "unevaluatedItems", "contains", "if", "then", "else")
+
 # What llguidance says when a budget ran out; such grammars are "too complex", not "invalid".
 _TOO_COMPLEX_MARKERS = ("fuel", "too complex", "too many", "limit", "max_")
 
@@ -39,9 +52,64 @@ def parser_limits() -> llguidance.LLParserLimits:
 def json_schema_grammar(schema: dict[str, Any], param: str) -> str:
     """The grammar of JSON documents that validate against `schema`; InvalidRequestError naming `param`."""
     try:
-        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+        return llguidance.LLMatcher.grammar_from_json_schema(bounded_numbers(schema), defaults=JSON_OPTIONS)
     except (ValueError, TypeError) as exc:
         raise InvalidRequestError(f"'{param}' is not a usable JSON schema: {_one_line(exc)}", param=param) from None
+
+
+def bounded_numbers(schema: Any) -> Any:
+    """A copy of `schema` whose typed integers and numbers have at most INTEGER_DIGITS digits
+    before the point and FRACTION_DIGITS after it (the schema's own bounds win). Walks the
+    subschema keywords only (not const, enum or examples, which are data), without recursion:
+    a schema may nest as deep as the JSON parser allows."""
+    root = _copy(schema)
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        types = node.get("type")
+        types = types if isinstance(types, list) else [types]
+        if "integer" in types or "number" in types:
+            _bound(node, fractions="number" in types and "integer" not in types)
+        for key in _SCHEMA_MAPS:
+            if isinstance(node.get(key), dict):
+                stack.extend(node[key].values())
+        for key in _SCHEMA_LISTS:
+            if isinstance(node.get(key), list):
+                stack.extend(node[key])
+        stack.extend(node.get(key) for key in _SCHEMA_VALUES)
+    return root
+
+
+def _bound(node: dict, fractions: bool) -> None:
+    def number(key: str) -> float | None:
+        value = node.get(key)
+        return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+    low = [v for v in (number("minimum"), number("exclusiveMinimum")) if v is not None]
+    high = [v for v in (number("maximum"), number("exclusiveMaximum")) if v is not None]
+    if not low and (not high or min(high) > -_NUMBER_CAP):
+        node["minimum"] = -_NUMBER_CAP
+    if not high and (not low or max(low) < _NUMBER_CAP):
+        node["maximum"] = _NUMBER_CAP
+    if fractions and "multipleOf" not in node:
+        node["multipleOf"] = 10.0 ** -FRACTION_DIGITS
+
+
+def _copy(value: Any) -> Any:
+    """A deep copy of JSON data (dicts and lists), without recursion."""
+    if not isinstance(value, (dict, list)):
+        return value
+    root = type(value)(value)
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        items = node.items() if isinstance(node, dict) else enumerate(node)
+        for key, item in list(items):
+            if isinstance(item, (dict, list)):
+                node[key] = type(item)(item)
+                stack.append(node[key])
+    return root
 
 
 def lark_grammar(text: str) -> str:

@@ -8,7 +8,8 @@ import re
 import numpy as np
 import pytest
 
-from shared.grammar import json_schema_grammar, regex_grammar, token_table
+from shared.grammar import (FRACTION_DIGITS, INTEGER_DIGITS, bounded_numbers, json_schema_grammar, regex_grammar,
+                            token_table)
 from shared.sampling import SamplingParams
 from shared.vocab import BYTE, CONTROL, NORMAL, Vocab
 from worker.sched.constraint import Constraints
@@ -92,3 +93,55 @@ def test_sampler_mask_wins_over_the_best_logit():
     mask = np.zeros(2, np.int32)
     mask[0] = 1 << 9
     assert sampler.sample(logits, mask) == 9
+
+
+CITY = {"title": "City", "type": "object", "required": ["name", "population", "area"],  # as Pydantic writes it
+        "properties": {"name": {"title": "Name", "type": "string"},
+                       "population": {"title": "Population", "type": "integer"},
+                       "area": {"title": "Area", "type": "number"}}}
+
+
+def longest_run(constraints: Constraints, grammar: str, prefix: str, digit: str = "1") -> int:
+    """How many `digit`s the grammar lets follow `prefix` (issue 41, item 10: greedy SmolLM2 wrote
+    "population": 1111... until max_tokens)."""
+    row = constraints.compile(grammar, (EOS,))
+    for byte in prefix.encode():
+        assert row.advance(byte) is False
+    for written in range(200):
+        mask = constraints.masks(constraints.start([row]))[0]
+        if not np.unpackbits(mask.view(np.uint8), bitorder="little")[ord(digit)]:
+            return written
+        row.advance(ord(digit))
+    return written + 1
+
+
+def test_json_numbers_have_bounded_digits(constraints):
+    grammar = json_schema_grammar(CITY, "response_format")
+    assert longest_run(constraints, grammar, '{"name": "x", "population": ') == INTEGER_DIGITS
+    assert longest_run(constraints, grammar, '{"name": "x", "population": -') == INTEGER_DIGITS
+    assert longest_run(constraints, grammar, '{"name": "x", "population": 7, "area": 3.') == FRACTION_DIGITS
+
+
+def test_a_schema_keeps_its_own_number_bounds():
+    schema = {"type": "object", "properties": {
+        "big": {"type": "integer", "minimum": 10 ** 20},
+        "step": {"type": "number", "multipleOf": 0.5, "exclusiveMaximum": 4},
+        "list": {"type": "array", "items": {"type": ["number", "null"]}},
+        "const": {"const": {"type": "integer"}}}}
+    bounded = bounded_numbers(schema)
+    assert bounded["properties"]["big"] == {"type": "integer", "minimum": 10 ** 20}  # no maximum below its minimum
+    assert bounded["properties"]["step"] == {"type": "number", "multipleOf": 0.5, "exclusiveMaximum": 4,
+                                             "minimum": -(10 ** INTEGER_DIGITS - 1)}
+    assert bounded["properties"]["list"]["items"]["multipleOf"] == 10.0 ** -FRACTION_DIGITS
+    assert bounded["properties"]["const"] == {"const": {"type": "integer"}}  # data, not a schema
+    assert "minimum" not in schema["properties"]["list"]["items"]  # the caller's schema is left alone
+
+
+def test_a_deep_schema_is_bounded_without_recursion():
+    schema: dict = {"type": "integer"}
+    for _ in range(5000):
+        schema = {"type": "array", "items": schema}
+    node = bounded_numbers(schema)
+    while "items" in node:
+        node = node["items"]
+    assert node["maximum"] == 10 ** INTEGER_DIGITS - 1
