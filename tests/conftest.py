@@ -28,5 +28,15 @@ def gemma3_gguf() -> Path:
     return _model("gemma3-270m")
 
 
+@pytest.fixture(scope="session")
+def qwen05_gguf() -> Path:
+    return _model("qwen2.5-coder-0.5b")
+
+
+@pytest.fixture(scope="session")
+def qwen15_gguf() -> Path:
+    return _model("qwen2.5-coder-1.5b")
+
+
 def load_reference(name: str) -> dict:
     return json.loads((REFERENCE_DIR / name).read_text(encoding="utf-8"))

@@ -11,17 +11,28 @@ from worker.engine.gguf_file import GGUFFile
 MODELS = {  # name → (model fixture, reference file stem)
     "smollm2": ("smollm2_gguf", "smollm2-135m-instruct-q4_1"),
     "gemma3": ("gemma3_gguf", "gemma-3-270m-q4_k_m"),
+    "qwen05": ("qwen05_gguf", "qwen2.5-coder-0.5b-instruct-q4_k_m"),
+    "qwen15": ("qwen15_gguf", "qwen2.5-coder-1.5b-instruct-q4_k_m"),
 }
+# The Qwen files come as shipped only, and their rule goes on through near-ties where both
+# sides chose the same token (tests/data/reference/README.md).
+SHIPPED_ONLY = {"qwen05", "qwen15"}
 
 
 def _cases(variants):
     cases = []
     for model, (_, stem) in MODELS.items():
         for variant in variants:
+            if variant == "exact" and model in SHIPPED_ONLY:
+                continue
             ref = load_reference(f"{stem}{'.f32-exact' if variant == 'exact' else ''}.json")
             for i, case in enumerate(ref["greedy"]):
                 cases.append(pytest.param(model, variant, case, ref["eos_id"], id=f"{model}-{variant}-{case['kind']}{i}"))
     return cases
+
+
+def _check(engine, model, case, eos_id, rule) -> int:
+    return check_greedy_case(engine, case, eos_id, rule, through_agreeing_ties=model in SHIPPED_ONLY)
 
 
 @pytest.fixture(scope="module")
@@ -51,14 +62,14 @@ def test_reference_kernels(engines, model, variant, case, eos_id):
 def test_default_kernels_float32_activations(engines, model, variant, case, eos_id):
     # With float32 activations the fast kernels also meet the exact file's tight rule.
     rule = EXACT_RULE if variant == "exact" else SHIPPED_RULE
-    assert check_greedy_case(engines(model, "auto", "float32"), case, eos_id, rule) >= 1
+    assert _check(engines(model, "auto", "float32"), model, case, eos_id, rule) >= 1
 
 
 @pytest.mark.parametrize("model, variant, case, eos_id", _cases(["shipped"]))
 def test_default_kernels_int8_activations(engines, model, variant, case, eos_id):
     # int8 decode activations (the default on VNNI hosts) round like llama.cpp's own Q8
     # activations: the as-shipped rule, as the reference README asks of default kernels.
-    assert check_greedy_case(engines(model, "auto", "int8"), case, eos_id, SHIPPED_RULE) >= 1
+    assert _check(engines(model, "auto", "int8"), model, case, eos_id, SHIPPED_RULE) >= 1
 
 
 @pytest.mark.parametrize("model", list(MODELS))

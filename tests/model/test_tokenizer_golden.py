@@ -11,8 +11,9 @@ from gateway.chat_template import ChatTemplate
 from gateway.tokenizer import Tokenizer
 from tests.conftest import REFERENCE_DIR, load_reference
 
-FILES = sorted(p.name for p in REFERENCE_DIR.glob("*.json") if p.name != "cases.json")
-FIXTURE = {"smollm2": "smollm2_gguf", "gemma-3": "gemma3_gguf"}
+FILES = sorted(p.name for p in REFERENCE_DIR.glob("*.json") if not p.name.startswith("cases"))
+FIXTURE = {"smollm2": "smollm2_gguf", "gemma-3": "gemma3_gguf",
+           "qwen2.5-coder-0.5b": "qwen05_gguf", "qwen2.5-coder-1.5b": "qwen15_gguf"}
 
 
 def tokenizer_for(name: str, request) -> Tokenizer:
