@@ -2,9 +2,9 @@
 llguidance grammar string (shared.grammar), checked before any worker sees it.
 
 Parsing (`constraint_of`) is pure and names the field in every error. Compiling (`GrammarCache`)
-runs llguidance off the event loop, bounded in time, and remembers each result (grammar or
-error) by the SHA-256 of what was asked, so an agent that sends the same schema with every call
-pays for it once.
+runs llguidance in processes that are killed past a CPU limit (gateway.grammar_compiler), and
+remembers each grammar or refusal by the SHA-256 of what was asked, so an agent that sends the
+same schema with every call pays for it once; a timeout is never remembered for other tenants.
 """
 from __future__ import annotations
 
@@ -14,18 +14,21 @@ import logging
 import re
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import orjson
 from llguidance.gbnf_to_lark import any_to_lark
 
+from gateway.grammar_compiler import COMPILE_PROCESSES, CPU_LIMIT_S, CompilePool, CompileTimeout
 from shared import grammar as grammars
 from shared.errors import InvalidRequestError
 
 log = logging.getLogger("reame.structured")
 
-COMPILE_TIMEOUT_S = 2.0  # a grammar llguidance cannot check in this long is refused as too complex
+COMPILE_TIMEOUT_S = CPU_LIMIT_S  # CPU seconds: a grammar llguidance cannot check in this long is too complex
+TIMEOUT_MEMORY_S = 60.0  # how long a tenant's compile that timed out is refused to it again without compiling
 CACHE_ENTRIES = 256
 MAX_GRAMMAR_CHARS = 32768
 _SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for json_schema.name
@@ -104,41 +107,67 @@ def _grammar(value: Any) -> Constraint | None:
 
 
 class GrammarCache:
-    """Constraint → llguidance grammar string, compiled once per distinct constraint."""
+    """Constraint → llguidance grammar string, compiled once per distinct constraint in a pool of
+    processes (gateway.grammar_compiler) with a share per tenant.
 
-    def __init__(self, entries: int = CACHE_ENTRIES, timeout: float = COMPILE_TIMEOUT_S):
+    Grammars and llguidance's refusals are remembered for everyone: they depend only on what was
+    asked. A compile stopped at its CPU limit is remembered for its sender only, for
+    TIMEOUT_MEMORY_S (its retries cost nothing; nobody else inherits the refusal), and a compile
+    that failed for the server's sake (busy, a process lost) is not remembered at all.
+    compiler: for tests, a module-level stand-in for `_compile`."""
+
+    def __init__(self, entries: int = CACHE_ENTRIES, timeout: float = COMPILE_TIMEOUT_S,
+                 compiler: Callable[[Constraint], str] | None = None, processes: int = COMPILE_PROCESSES):
         self._entries = entries
-        self._timeout = timeout
         self._done: OrderedDict[str, str | InvalidRequestError] = OrderedDict()
+        self._timed_out: OrderedDict[tuple[str, str], float] = OrderedDict()  # (tenant, key) -> until
+        self._compiling: dict[tuple[str, str], asyncio.Future] = {}  # one compile per tenant and key at a time
+        self.pool = CompilePool(compiler or _compile, size=processes, cpu_limit=timeout)
         self.compile_seconds = 0.0  # total, for bench/structured.py and logs
         self.hits = 0
 
-    async def compile(self, constraint: Constraint) -> str:
+    async def compile(self, constraint: Constraint, tenant: str = "") -> str:
         key = hashlib.sha256(f"{constraint.kind}\0{constraint.param}\0{constraint.source}".encode()).hexdigest()
+        while (pending := self._compiling.get((tenant, key))) is not None:
+            await asyncio.shield(pending)  # the same tenant sent it again before it compiled: its answer
         result = self._done.get(key)
-        if result is None:
-            started = time.perf_counter()
-            try:
-                result = await asyncio.wait_for(asyncio.to_thread(_compile, constraint), self._timeout)
-            except TimeoutError:
-                # The thread runs on to its fuel limit; the answer is not waited for.
-                result = InvalidRequestError(f"'{constraint.param}' is too complex to enforce: it did not compile "
-                                             f"within {self._timeout:g} s", param=constraint.param,
-                                             code="grammar_too_complex")
-            except InvalidRequestError as exc:
-                result = exc
-            seconds = time.perf_counter() - started
-            self.compile_seconds += seconds
-            log.debug("%s %s compiled in %.1f ms%s", constraint.param, key[:12], seconds * 1e3,
-                      "" if isinstance(result, str) else f" (refused: {result.message})")
-            self._done[key] = result
-            while len(self._done) > self._entries:
-                self._done.popitem(last=False)
-        else:
+        if result is not None:
             self.hits += 1
             self._done.move_to_end(key)
+        elif self._timed_out.get((tenant, key), 0.0) > time.monotonic():
+            self.hits += 1
+            result = CompileTimeout(f"'{constraint.param}' is too complex to enforce: it did not compile within "
+                                    f"{self.pool.cpu_limit:g} s of CPU time", param=constraint.param)
+        else:
+            pending = self._compiling[(tenant, key)] = asyncio.get_running_loop().create_future()
+            try:
+                result = await self._compile(constraint, tenant, key)
+            finally:
+                del self._compiling[(tenant, key)]
+                pending.set_result(None)  # those waiting read what was remembered, or compile it themselves
         if isinstance(result, InvalidRequestError):
-            raise InvalidRequestError(result.message, param=result.param, code=result.code)
+            raise type(result)(result.message, param=result.param, code=result.code)
+        return result
+
+    async def _compile(self, constraint: Constraint, tenant: str, key: str) -> str | InvalidRequestError:
+        """Compile and remember; the refusal to give is returned, errors not about the grammar raised."""
+        started = time.perf_counter()
+        try:
+            result: str | InvalidRequestError = await self.pool.compile(constraint, constraint.param, tenant)
+        except CompileTimeout as exc:
+            self._timed_out[(tenant, key)] = time.monotonic() + TIMEOUT_MEMORY_S
+            while len(self._timed_out) > self._entries:
+                self._timed_out.popitem(last=False)
+            return exc
+        except InvalidRequestError as exc:
+            result = exc
+        seconds = time.perf_counter() - started
+        self.compile_seconds += seconds
+        log.debug("%s %s compiled in %.1f ms%s", constraint.param, key[:12], seconds * 1e3,
+                  "" if isinstance(result, str) else f" (refused: {result.message})")
+        self._done[key] = result
+        while len(self._done) > self._entries:
+            self._done.popitem(last=False)
         return result
 
 

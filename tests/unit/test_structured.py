@@ -1,13 +1,17 @@
 """gateway.structured: response_format / grammar parsing (errors name the field) and the compile
-cache (one compile per distinct constraint, refusals remembered too, a slow compile refused)."""
+cache (one compile per distinct constraint, refusals remembered too, a slow compile refused and
+its process killed, a timeout never remembered for another tenant, a share of the compiling
+processes per tenant)."""
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import time
 
 import pytest
 
 from gateway import structured
+from gateway.errors import OverloadedError
 from gateway.structured import Constraint, GrammarCache, constraint_of
 from shared.errors import InvalidRequestError
 
@@ -64,9 +68,101 @@ def test_cache_compiles_once_and_remembers_refusals():
     assert cache.hits == 2
 
 
-def test_a_compile_over_the_time_limit_is_refused(monkeypatch):
-    monkeypatch.setattr(structured, "_compile", lambda constraint: time.sleep(0.5) or "never used")
-    cache = GrammarCache(timeout=0.05)
-    with pytest.raises(InvalidRequestError) as caught:
-        asyncio.run(cache.compile(Constraint("regex", "a+", "grammar")))
-    assert caught.value.code == "grammar_too_complex" and caught.value.param == "grammar"
+def compile_for_test(constraint: Constraint) -> str:
+    """A stand-in compiler, run in the pool's processes: "spin" burns CPU until killed, "spin N"
+    for N CPU seconds, "sleep N" waits N s without CPU; anything else compiles at once."""
+    word, seconds, *_ = constraint.source.split(" ") + [""]
+    if word == "spin":
+        until = time.process_time() + (float(seconds) if seconds else 3600.0)
+        while time.process_time() < until:
+            pass
+    elif word == "sleep":
+        time.sleep(float(seconds))
+    return f"grammar of {constraint.source}"
+
+
+def regex(source: str) -> Constraint:
+    return Constraint("regex", source, "grammar")
+
+
+@pytest.fixture
+def make_cache():
+    caches = []
+
+    def make(**options) -> GrammarCache:
+        cache = GrammarCache(compiler=compile_for_test, **options)
+        caches.append(cache)
+        return cache
+    yield make
+    for cache in caches:
+        cache.pool.close()
+
+
+def live_compilers() -> list:
+    """The pool's processes still running (a killed one is gone within moments)."""
+    deadline = time.monotonic() + 10
+    while (alive := [p for p in multiprocessing.active_children() if p.name == "reame-grammar"]) \
+            and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return alive
+
+
+def test_a_compile_over_its_cpu_limit_is_refused_and_its_process_killed(make_cache):
+    cache = make_cache(timeout=0.3, processes=1)
+
+    async def run():
+        with pytest.raises(InvalidRequestError) as caught:
+            await cache.compile(regex("spin"), "mallory")
+        assert caught.value.code == "grammar_too_complex" and caught.value.param == "grammar"
+        assert "CPU" in caught.value.message
+        assert cache.pool.killed == 1
+        assert live_compilers() == []  # not left burning a CPU until llguidance's fuel runs out
+        assert await cache.compile(regex("a+"), "mallory") == "grammar of a+"  # a new process
+    asyncio.run(run())
+
+
+def test_a_timeout_is_never_remembered_for_another_tenant(make_cache):
+    """Issue 41, item 4: a refusal for time was cached for every tenant."""
+    cache = make_cache(timeout=0.3)
+
+    async def run():
+        for _ in range(2):
+            with pytest.raises(InvalidRequestError):
+                await cache.compile(regex("spin"), "mallory")
+        assert cache.pool.killed == 1  # mallory's retry is refused without compiling again
+        with pytest.raises(InvalidRequestError):
+            await cache.compile(regex("spin"), "alice")
+        assert cache.pool.killed == 2  # alice's compile was her own
+    asyncio.run(run())
+
+
+def test_slow_compiles_of_one_tenant_leave_room_for_the_others(make_cache):
+    """Issue 41, item 4: seven slow schemas filled the compile threads, and a small valid schema
+    waited in their queue until it was refused as "did not compile within 2 s", for everyone. Here
+    mallory's compiles take 0.5 s of CPU each, 1.5 s in all against a 1 s limit per compile; alice's
+    small schema, sent last, runs beside them (the limit counts its compile, not its wait)."""
+    cache = make_cache(timeout=1.0, processes=2)
+
+    async def run():
+        async def alice():
+            await asyncio.sleep(0.2)  # after mallory's are under way
+            return await cache.compile(regex("[0-9]+"), "alice")
+        *slow, small = await asyncio.gather(*(cache.compile(regex(f"spin 0.5 {i}"), "mallory") for i in range(3)),
+                                            alice(), return_exceptions=True)
+        assert small == "grammar of [0-9]+"
+        assert slow == [f"grammar of spin 0.5 {i}" for i in range(3)]  # waiting for a process is not timed
+        assert cache.pool.killed == 0
+    asyncio.run(run())
+
+
+def test_a_tenant_waiting_past_its_share_is_told_to_retry(make_cache):
+    cache = make_cache(processes=2)
+    cache.pool.wait_limit = 0.3
+
+    async def run():
+        first, second = await asyncio.gather(cache.compile(regex("sleep 1.5 a"), "mallory"),
+                                             cache.compile(regex("sleep 1.5 b"), "mallory"), return_exceptions=True)
+        assert first == "grammar of sleep 1.5 a"
+        assert isinstance(second, OverloadedError) and second.status == 429
+        assert await cache.compile(regex("sleep 1.5 b"), "mallory") == "grammar of sleep 1.5 b"  # not remembered
+    asyncio.run(run())
