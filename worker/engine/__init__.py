@@ -14,12 +14,10 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 import sys
-import time
 from pathlib import Path
 
-_STALE_AFTER_S = 14 * 86400
+from worker.engine import numba_cache
 
 
 def _source_digest() -> str:
@@ -44,27 +42,8 @@ def _source_digest() -> str:
 SOURCE_DIGEST = _source_digest()
 
 
-# Marks a version directory as this engine's: $NUMBA_CACHE_DIR may be shared with other numba
-# projects, whose directories the clean-up below must never touch.
-_OWN_MARKER = ".reame-engine-cache"
-
-
 def _numba_cache_dir(base: Path | None = None) -> str:
-    if base is None:
-        base = Path(os.environ.get("REAME_NUMBA_CACHE_BASE")
-                    or os.environ.get("NUMBA_CACHE_DIR", "~/.cache/reame/numba")).expanduser()
-    here = base / SOURCE_DIGEST
-    try:
-        here.mkdir(parents=True, exist_ok=True)
-        (here / _OWN_MARKER).touch()
-        os.utime(here)
-        for old in base.iterdir():  # our versions nobody has used for two weeks
-            if (old != here and (old / _OWN_MARKER).is_file()
-                    and time.time() - old.stat().st_mtime > _STALE_AFTER_S):
-                shutil.rmtree(old, ignore_errors=True)
-    except OSError:
-        pass  # numba reports an unusable cache directory itself
-    return str(here)
+    return numba_cache.cache_dir(numba_cache.default_base() if base is None else base, SOURCE_DIGEST)
 
 
 # Compiled kernels are cached on disk so a restart does not recompile (seconds, not a minute).
@@ -74,3 +53,6 @@ os.environ["REAME_NUMBA_CACHE_BASE"] = os.environ.get("REAME_NUMBA_CACHE_BASE") 
 os.environ["NUMBA_CACHE_DIR"] = _numba_cache_dir()
 if "numba" in sys.modules:  # imported before us: numba read the variable already
     sys.modules["numba"].config.CACHE_DIR = os.environ["NUMBA_CACHE_DIR"]
+# Before any kernel is loaded from that cache (numba_cache's doc: a cache filled by another entry
+# point killed the process otherwise).
+numba_cache.start_threading_layer()
