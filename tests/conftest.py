@@ -7,9 +7,21 @@ from pathlib import Path
 
 import pytest
 
+from tests import system_tools
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 REFERENCE_DIR = REPO_ROOT / "tests" / "data" / "reference"  # llama.cpp's outputs, kept as data
 TEST_MODELS_DIR = Path(os.environ.get("REAME_TEST_MODELS", "~/.cache/reame/models")).expanduser()
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "system_tool(*names, package): the test drives a system tool "
+                            "(tests/system_tools.py: skips without it, fails in CI)")
+
+
+@pytest.hookimpl(tryfirst=True)  # before the test's fixtures start servers
+def pytest_runtest_setup(item):
+    system_tools.check_marked(item)
 
 
 def _model(name: str) -> Path:

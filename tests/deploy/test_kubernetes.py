@@ -121,7 +121,7 @@ def _kustomize() -> list[str] | None:
     return None
 
 
-@pytest.mark.skipif(_kustomize() is None, reason="neither kustomize nor kubectl is installed (optional)")
+@pytest.mark.system_tool("kustomize", "kubectl", package=None)
 def test_kustomize_builds_valid_manifests():
     built = subprocess.run([*_kustomize(), str(K8S)], capture_output=True, text=True, timeout=60)
     assert built.returncode == 0, built.stderr

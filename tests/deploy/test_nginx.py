@@ -5,7 +5,6 @@ every request is answered by the other."""
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -16,12 +15,12 @@ import requests
 
 from tests import harness
 from tests.e2e.servers import API_KEY, NO_END, auth, gateway_and_worker, metric
+from tests.system_tools import find_tool
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "deploy/examples/nginx/reame.conf"
-NGINX = shutil.which("nginx") or "/usr/sbin/nginx"
+NGINX = find_tool("nginx") or "nginx"
 
-pytestmark = pytest.mark.skipif(not Path(NGINX).exists(),
-                                reason="nginx missing: install Debian's nginx (.ci/debian-packages)")
+pytestmark = pytest.mark.system_tool("nginx", package="nginx")
 
 
 def nginx_config(directory: Path, port: int, upstreams: list[int]) -> Path:

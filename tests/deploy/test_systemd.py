@@ -23,8 +23,7 @@ EXPOSURE_LIMITS = {"reame-gateway.service": 1.4, "reame-worker@0.service": 1.4, 
 # What the units create for the services; every path of the shipped reame.conf must lie inside one.
 SERVICE_DIRECTORIES = (Path("/var/lib/reame"), Path("/var/cache/reame"), Path("/run/reame"))
 
-pytestmark = pytest.mark.skipif(shutil.which("systemd-analyze") is None,
-                                reason="systemd-analyze missing: install Debian's systemd (.ci/debian-packages)")
+pytestmark = pytest.mark.system_tool("systemd-analyze", package="systemd")
 
 
 @pytest.fixture(scope="module")

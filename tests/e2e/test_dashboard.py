@@ -3,22 +3,22 @@ page loads against a live gateway, its charts receive the profiles' data, a scre
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
 
 import pytest
 
 from tests.fakes import FakeServer
+from tests.system_tools import require_tool
 from tests.unit.test_tuning_gateway import WORKER, add_tuned_worker, feed
+
+pytestmark = pytest.mark.system_tool("chromium", "chromium-browser", package="chromium")
 
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
                   "--virtual-time-budget=4000", "--window-size=1280,900"]
 
 
 def chromium() -> str:
-    path = shutil.which("chromium") or shutil.which("chromium-browser")
-    assert path, "headless Chromium is needed: apt-get install -y chromium (.ci/debian-packages lists it)"
-    return path
+    return require_tool("chromium", "chromium-browser", package="chromium")
 
 
 @pytest.fixture

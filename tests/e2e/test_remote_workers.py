@@ -26,6 +26,7 @@ import requests
 from shared.curve import generate
 from tests import harness
 from tests.e2e.servers import API_KEY, NO_END, auth, metric
+from tests.system_tools import require_tool
 
 HTTP_PORT, WORKER_PORT = 8000, 5557  # inside the namespaces, so fixed ports cannot collide
 BATCH = 2  # requests per worker at once
@@ -34,8 +35,7 @@ BATCH = 2  # requests per worker at once
 def _netns_unavailable() -> str | None:
     if os.geteuid() != 0:
         return "network namespaces need root"
-    if shutil.which("ip") is None:
-        return "`ip` (iproute2) is not installed"
+    require_tool("ip", package="iproute2")
     probe = f"reame-probe-{os.getpid()}"
     made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
     if made.returncode != 0:
