@@ -263,8 +263,12 @@ def test_a_constrained_request_never_drafts_and_batches_with_drafted_ones(engine
 
 def test_a_restarted_worker_drafts_from_its_first_request_as_it_did_before_the_restart(tiny, tmp_path):
     """The archive, the class records and the gate's verdicts outlive the worker (built and shut
-    down as worker.main does); after a restart the first request drafts on nearly every decode
-    step, where a cold speculator spends half its first steps measuring plain ones."""
+    down as worker.main does); after a restart the first request drafts from the archive from its
+    first decode step on, and on nearly every one, where a cold speculator spends half its first
+    steps measuring plain ones.
+
+    Steps are timed by a fixed cost model, not the clock: the gate and the break-even read step
+    times, and on a loaded host real ones made the restarted worker draft in 2 of 28 steps."""
     from shared.config import Config, override
     from worker.spec.gate import SAMPLES
     from worker.spec.setup import build_speculator
@@ -279,14 +283,22 @@ def test_a_restarted_worker_drafts_from_its_first_request_as_it_did_before_the_r
         """(decode steps, steps in which it verified a draft) of one request run alone."""
         counts = [0, 0]
         last = [speculator.counters.spec_drafts]
+        observe_step = speculator.observe_step
+
+        def fixed_cost(rows, sequences, seconds, **step):  # 10 ms a step + 1 ms a row, whatever the load
+            observe_step(rows, sequences, 0.010 + 0.001 * rows, **step)
+        speculator.observe_step = fixed_cost
 
         def each_step(generator):
             if generator.last_step.decode_rows:
                 counts[0] += 1
                 counts[1] += speculator.counters.spec_drafts > last[0]
+                if counts[0] == 1:
+                    first_step_sources.append(speculator.counters.spec_from_archive)
             last[0] = speculator.counters.spec_drafts
         out = run_requests(_generator(tiny, speculator), {rid: requests[rid]}, each_step)
         return out.tokens[rid], counts
+    first_step_sources = []  # archive drafts so far, after each run's first decode step
 
     speculator, store = build_speculator(config, model)
     plain = {rid: run_requests(_generator(tiny), {rid: r}).tokens[rid] for rid, r in requests.items()}
@@ -299,7 +311,9 @@ def test_a_restarted_worker_drafts_from_its_first_request_as_it_did_before_the_r
 
     restarted, store = build_speculator(config, model)
     assert restarted.gate.snapshot()["gate_1+"] == "on"
+    first_step_sources.clear()
     tokens, (steps, drafted) = drafting_steps(restarted, "r0")
+    assert first_step_sources == [1]  # its first decode step verified a draft from the archive
     assert tokens == plain["r0"] and restarted.counters.spec_from_archive + restarted.counters.spec_from_prompt > 0
     assert drafted >= 0.8 * steps, (drafted, steps)
     store.close()
