@@ -89,6 +89,9 @@ class PromptEncoder:
     # ---- the work, run on the pool (and called directly by tests) --------------------------------
 
     def encode_chat(self, messages: tuple[dict, ...], n_ctx: int = 0, tools: tuple[dict, ...] = ()) -> list[int]:
+        # Templates render every message's content: content that alone cannot fit is refused before
+        # the scan and the render (seconds of CPU for a 4 MiB body), not after.
+        self._check_bytes(sum(map(_utf8_size, _contents(messages))), n_ctx, "messages")
         messages, placeholders = self._plain_messages(messages)
         try:
             extra = {"tools": list(tools)} if tools else {}
@@ -114,10 +117,12 @@ class PromptEncoder:
         return await asyncio.get_running_loop().run_in_executor(self._executor, work, *args)
 
     def _check_size(self, text: str, n_ctx: int, param: str) -> None:
+        self._check_bytes(_utf8_size(text), n_ctx, param)
+
+    def _check_bytes(self, size: int, n_ctx: int, param: str) -> None:
         token_bytes = getattr(self.tokenizer, "max_token_bytes", None)
         if not n_ctx or not token_bytes:
             return
-        size = len(text.encode("utf-8", errors="surrogatepass"))
         if size > n_ctx * token_bytes:
             raise ContextLengthError(
                 f"This model's maximum context length is {n_ctx} tokens. The {param} is {size} bytes, "
@@ -262,6 +267,21 @@ def _child_chat(messages: tuple[dict, ...], n_ctx: int, tools: tuple[dict, ...] 
 
 def _child_prompt(prompt: str, n_ctx: int) -> list[int]:
     return _child.encode_prompt(prompt, n_ctx)
+
+
+def _utf8_size(text: str) -> int:
+    return len(text.encode("utf-8", errors="surrogatepass"))
+
+
+def _contents(messages: tuple[dict, ...]) -> Iterator[str]:
+    """Each message's content: the string, or the text of each of its parts."""
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        parts = [content] if isinstance(content, str) else content if isinstance(content, (list, tuple)) else ()
+        for part in parts:
+            text = part.get("text") if isinstance(part, dict) else part
+            if isinstance(text, str):
+                yield text
 
 
 def _strings(value: Any, where: str = "messages") -> Iterator[tuple[str, str]]:

@@ -121,6 +121,27 @@ def test_text_that_cannot_fit_is_refused_before_tokenizing():
     assert tok.calls == 1
 
 
+class CountingTemplate(ChatTemplate):
+    """A chat template that records whether it was asked to render."""
+    renders = 0
+
+    def render(self, *args, **kwargs):
+        self.renders += 1
+        return super().render(*args, **kwargs)
+
+
+def test_chat_content_that_cannot_fit_is_refused_before_rendering():
+    template = CountingTemplate("{% for m in messages %}{{ m.content }}{% endfor %}")
+    prompts = PromptEncoder(CountingTokenizer(), template)
+    with pytest.raises(ContextLengthError) as caught:
+        prompts.encode_chat(({"role": "system", "content": "x" * 300},
+                             {"role": "user", "content": [{"type": "text", "text": "é" * 51}]}), n_ctx=100)
+    assert caught.value.param == "messages" and "402 bytes" in caught.value.message
+    assert template.renders == 0
+    assert len(prompts.encode_chat(({"role": "user", "content": "x" * 400},), n_ctx=100)) == 400
+    assert template.renders == 1
+
+
 def test_max_token_bytes_bounds_every_token(tok):
     assert tok.max_token_bytes == max(len(tok.token_bytes(i)) for i in range(tok.vocab_size))
 
