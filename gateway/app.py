@@ -4,11 +4,13 @@ from __future__ import annotations
 from aiohttp import web
 
 from gateway.admin import add_admin_routes
+from gateway.anthropic_api import add_anthropic_routes, anthropic_middleware
 from gateway.auth import auth_middleware, load_tenants
 from gateway.browsers import browser_middleware
 from gateway.cache_namespace import check_isolation
 from gateway.errors import error_middleware
 from gateway.request_id import add_header, request_id_middleware
+from gateway.responses_api import add_responses_routes
 from gateway.routes import add_routes
 from gateway.state import STATE, GatewayState
 
@@ -18,7 +20,8 @@ def build_app(state: GatewayState) -> web.Application:
     # turn exceptions into OpenAI errors, then what browsers may do (before auth: a CORS preflight
     # carries no key), then auth (whose refusals are such exceptions).
     browser_guard, add_cors_headers = browser_middleware(state.config.gateway)
-    middlewares = [request_id_middleware, _count_requests, error_middleware, browser_guard]
+    # Anthropic's API rewrites the error middleware's answers into its own envelope.
+    middlewares = [request_id_middleware, _count_requests, anthropic_middleware, error_middleware, browser_guard]
     tenants = load_tenants(state.config)
     check_isolation(state.config.prefix_cache.isolation, bool(tenants))
     if tenants:
@@ -27,6 +30,8 @@ def build_app(state: GatewayState) -> web.Application:
     app[STATE] = state
     add_routes(app)
     add_admin_routes(app)
+    add_anthropic_routes(app)
+    add_responses_routes(app)
     app.on_response_prepare.append(add_header)
     app.on_response_prepare.append(add_cors_headers)
     app.on_startup.append(_start_pool)

@@ -13,7 +13,7 @@ import logging
 import time
 import uuid
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Awaitable, Callable
 
 import orjson
 from aiohttp import web
@@ -39,7 +39,11 @@ log = logging.getLogger("reame.gateway")
 
 
 async def complete(state: GatewayState, request: web.Request, req: CompletionRequest, prompts: list[list[int]],
-                   arrived: float, extra_stops: tuple[str, ...] = ()) -> web.StreamResponse:
+                   arrived: float, extra_stops: tuple[str, ...] = (),
+                   answer: Callable[[_Run, web.Request], Awaitable[web.StreamResponse]] | None = None
+                   ) -> web.StreamResponse:
+    """`answer`: how an API other than OpenAI's completions shapes the reply (gateway.reply); it
+    reads the run's choices as they arrive, and the jobs are released here whatever it does."""
     await state.pool.wait_ready(state.config.gateway.queue_timeout)  # n_ctx is known from here on
     param = "messages" if req.chat else "prompt"
     _check_vocab(state, req, prompts)
@@ -68,6 +72,8 @@ async def complete(state: GatewayState, request: web.Request, req: CompletionReq
     state.metrics.prompt_tokens.inc(sum(len(ids) for ids in prompts))
     run = _Run(state, req, jobs, sink, arrived, sum(len(ids) for ids in prompts), req.stop + extra_stops, rid)
     try:
+        if answer is not None:
+            return await answer(run, request)
         if req.stream:
             return await run.stream(request)
         return await run.collect()
@@ -245,6 +251,10 @@ class _Run:
                                          "finish_reason": None}]))
 
     # ---- applying worker events --------------------------------------------------------------
+
+    async def next_deltas(self) -> list[tuple[Job, Delta]]:
+        """Wait for events, apply all that are waiting, and return the merged delta per choice."""
+        return await self._next()
 
     async def _next(self) -> list[tuple[Job, Delta]]:
         """Wait for events, apply all that are waiting, and return the merged delta per choice."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from gateway.openapi_apis import agent_api_paths
 from gateway.requests import (
     MAX_CACHE_SALT,
     MAX_LOGPROBS_COMPLETION,
@@ -55,6 +56,7 @@ def openapi_document(config: Config, vocab_size: int | None = None) -> Schema:
                 "200": {"description": "OpenAPI 3.1 document", "content": {"application/json": {
                     "schema": {"type": "object"}}}}})},
             **_admin_paths(secured),
+            **agent_api_paths(secured),
         },
         "components": {"schemas": _schemas(config.gateway.max_n, vocab_size), "headers": {
             "Retry-After": {"description": "Seconds to wait before retrying", "required": True,

@@ -21,7 +21,7 @@ from gateway.completion import complete
 from gateway.errors import ModelNotFoundError, PayloadTooLargeError, RequestTimeoutError
 from gateway.metrics import CONTENT_TYPE
 from gateway.openapi import openapi_document
-from gateway.requests import parse_chat, parse_completion, parse_warm
+from gateway.requests import CompletionRequest, parse_chat, parse_completion, parse_warm
 from gateway.state import STATE, GatewayState
 from gateway.tools import call_constraint, family_of, native_tools, prompt_messages
 from gateway.warm import prefill
@@ -33,6 +33,14 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     req = parse_chat(await _read_json(request, state), max_n=state.config.gateway.max_n)
     _check_model(state, req.model)
+    req, ids = await chat_prompt(state, req)
+    return await complete(state, request, req, [ids], arrived, extra_stops=state.chat_stops)
+
+
+async def chat_prompt(state: GatewayState, req: CompletionRequest) -> tuple[CompletionRequest, list[int]]:
+    """A chat request's token ids (its tools shown to the model as its template wants), and the
+    request with a forced tool call's grammar as its constraint. /v1/messages and /v1/responses
+    come here too, so the same conversation is the same prompt (and prefix) through every API."""
     source = getattr(state.template, "source", "")
     native = native_tools(source)
     tools = req.tools if req.tools is not None and req.tools.active else None
@@ -44,8 +52,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         req = replace(req, constraint=forced)
     messages = prompt_messages(req.messages, tools, native)
     listed = tuple(t.as_openai() for t in tools.tools) if tools is not None and native else ()
-    ids = await state.prompts.chat_ids(messages, state.pool.n_ctx, listed)
-    return await complete(state, request, req, [ids], arrived, extra_stops=state.chat_stops)
+    return req, await state.prompts.chat_ids(messages, state.pool.n_ctx, listed)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:

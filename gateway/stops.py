@@ -14,6 +14,7 @@ class StopMatcher:
         self.stops = tuple(s for s in stops if s)
         self.held = ""  # text that may be the beginning of a stop string
         self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the text, once one has
 
     def push(self, text: str) -> str:
         """Feed newly decoded text; returns the text that is now safe to show."""
@@ -25,6 +26,7 @@ class StopMatcher:
         cut = self._first_match(buffer)
         if cut is not None:
             self.stopped = True
+            self.matched = next(s for s in self.stops if buffer.find(s) == cut)
             self.held = ""
             return buffer[:cut]
         keep = self._longest_partial(buffer)

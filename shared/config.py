@@ -101,6 +101,8 @@ class GatewaySection:
     allowed_hosts: str = ""  # Host names accepted besides `host` and loopback names, comma-separated
     cors_origins: str = ""  # browser origins allowed to call the API, comma-separated; "" = CORS off
     routing: str = "affinity"  # affinity (prefix, then host, then load) | least_loaded
+    stored_response_hours: float = 720.0  # /v1/responses with store: kept this long (per key, in state_dir)
+    stored_responses_per_key: int = 10000  # and at most this many per API key, the oldest deleted first
 
 
     @property
