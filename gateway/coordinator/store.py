@@ -7,6 +7,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from shared.private_state import make_private
+
 log = logging.getLogger("reame.coordinator")
 
 FILE_NAME = "strategy.json"
@@ -19,7 +21,13 @@ class StrategyStore:
 
     def load(self) -> dict[str, Any] | None:
         """The saved strategy; None when there is none or it cannot be read (then the defaults serve)."""
-        if self.path is None or not self.path.exists():
+        if self.path is None:
+            return None
+        try:
+            make_private(self.path.parent, "[tuning] state_path", log)  # ConfigError: another user's
+        except OSError as exc:
+            log.warning("coordinator: cannot check %s (%s)", self.path.parent, exc)
+        if not self.path.exists():
             return None
         try:
             doc = json.loads(self.path.read_text(encoding="utf-8"))
@@ -33,9 +41,10 @@ class StrategyStore:
         if self.path is None:
             return
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             tmp = self.path.with_suffix(".tmp")
             tmp.write_text(json.dumps(doc, indent=1), encoding="utf-8")
+            tmp.chmod(0o600)
             os.replace(tmp, self.path)
         except OSError as exc:  # losing the file costs a restart its resume, never the serving
             log.warning("coordinator: cannot save the strategy to %s: %s", self.path, exc)

@@ -295,10 +295,11 @@ def test_the_store_is_owner_only(tmp_path, caplog):
     assert modes == {"store": 0o700, "data.mdb": 0o600, "lock.mdb": 0o600}
 
     (tmp_path / "old").mkdir()
-    os.chmod(tmp_path / "old", 0o755)  # as an older version left it: kept, but said
+    os.chmod(tmp_path / "old", 0o755)  # as an older version left it: made private, and said
     with caplog.at_level(logging.WARNING, logger="reame.kvstore"):
         open_store(tmp_path / "old").close()
-    assert f"prefix store at {tmp_path / 'old'}: the directory is open to other users (mode 755)" in caplog.text
+    assert stat.S_IMODE((tmp_path / "old").stat().st_mode) == 0o700
+    assert f"{tmp_path / 'old'} was open to other users (mode 755" in caplog.text
 
 
 def test_an_entry_larger_than_the_budget_is_skipped(tmp_path):

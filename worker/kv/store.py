@@ -25,7 +25,6 @@ until open transactions end.
 from __future__ import annotations
 
 import logging
-import stat
 import struct
 import threading
 import time
@@ -36,6 +35,8 @@ from pathlib import Path
 import lmdb
 import numpy as np
 
+from shared.errors import ConfigError
+from shared.private_state import make_private
 from worker.kv.block_format import FORMAT_VERSION, MAGIC, BlockCodec
 
 __all__ = ["FORMAT_VERSION", "MAGIC", "KVStore", "KVStoreUnavailable", "StoreStats", "check_key"]
@@ -521,10 +522,7 @@ def _open_env(path: Path, map_bytes: int):
     try:
         # Owner-only: the entries hold other users' prompts (their token ids, and K/V that give
         # them away). The workers of a host run as one user, so they still share it.
-        path.mkdir(mode=0o700, parents=True, exist_ok=True)
-        if stat.S_IMODE(path.stat().st_mode) & 0o077:
-            log.warning("prefix store at %s: the directory is open to other users (mode %o); "
-                        "chmod 700 it to keep cached prompts private", path, stat.S_IMODE(path.stat().st_mode))
+        make_private(path, f"prefix store at {path}", log)
         # readahead off: reads are random single blocks; metasync off: a system crash may undo the
         # last commit but never breaks the B-tree (fine for a cache, half the fsyncs).
         env = lmdb.open(str(path), map_size=map_bytes, max_dbs=len(_DB_NAMES), subdir=True, mode=0o600,
@@ -537,6 +535,8 @@ def _open_env(path: Path, map_bytes: int):
         if env is not None:
             env.close()
         raise KVStoreUnavailable(f"prefix store at {path} cannot be opened: {exc}") from exc
+    except ConfigError as exc:  # another user's directory: not used
+        raise KVStoreUnavailable(exc.message) from exc
 
 
 def check_key(key) -> None:

@@ -17,6 +17,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from shared.config import Config
+from shared.private_state import make_private
 from worker.sched.kernel_tuner import FixedKernels, KernelTuner, TunerSettings
 
 log = logging.getLogger("reame.kernel_tuner")
@@ -59,8 +60,10 @@ class KernelTableStore:
         self.path = self.directory / f"{FILE_PREFIX}{digest}.json"
 
     def load(self) -> dict | None:
-        """The saved choices {bucket: [variant, threads]}, or None (none saved, another key, unreadable)."""
+        """The saved choices {bucket: [variant, threads]}, or None (none saved, another key, unreadable).
+        ConfigError when the directory belongs to another user (start-up is refused)."""
         try:
+            make_private(self.directory, "[tuning] state_path", log)
             saved = json.loads(self.path.read_text(encoding="utf-8"))
         except FileNotFoundError:
             return None
@@ -75,9 +78,10 @@ class KernelTableStore:
         """Write atomically (a reader never sees half a file); a failure is a warning, never fatal."""
         record = {"key": self.parts, "choices": {k: list(v) for k, v in choices.items()}, "saved_at": time.time()}
         try:
-            self.directory.mkdir(parents=True, exist_ok=True)
+            self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
             tmp = self.path.with_suffix(f".tmp{os.getpid()}")
             tmp.write_text(json.dumps(record, indent=1, sort_keys=True), encoding="utf-8")
+            tmp.chmod(0o600)
             os.replace(tmp, self.path)
         except OSError as exc:
             log.warning("kernel table not saved to %s: %s", self.path, exc)

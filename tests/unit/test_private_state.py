@@ -1,0 +1,79 @@
+"""State directories left open to other users by an older version or a loose umask are made
+owner-only at start-up, with a log line; another user's are refused (issue 41.7)."""
+from __future__ import annotations
+
+import logging
+import os
+import stat
+
+import pytest
+
+from gateway.coordinator.store import StrategyStore
+from shared.errors import ConfigError
+from shared.private_state import make_private
+from worker.sched.kernel_table_store import KernelTableStore
+
+log = logging.getLogger("reame.test")
+
+
+def mode(path) -> int:
+    return stat.S_IMODE(os.lstat(path).st_mode)
+
+
+def loose_state(directory):
+    """A state directory as umask 002 (or an older version) left it."""
+    directory.mkdir()
+    directory.chmod(0o775)
+    (directory / "strategy.json").write_text('{"version": 1}')
+    (directory / "strategy.json").chmod(0o666)
+    return directory
+
+
+def test_a_loose_directory_and_its_files_are_made_owner_only_with_a_log_line(tmp_path, caplog):
+    state = loose_state(tmp_path / "tuning")
+    with caplog.at_level(logging.WARNING, "reame.test"):
+        make_private(state, "[tuning] state_path", log)
+    assert mode(state) == 0o700 and mode(state / "strategy.json") == 0o600
+    assert f"[tuning] state_path: {state} was open to other users (mode 775" in caplog.text
+    assert f"{state / 'strategy.json'} was open to other users (mode 666" in caplog.text
+    caplog.clear()
+    make_private(state, "[tuning] state_path", log)
+    assert caplog.text == ""  # once fixed, nothing more to say
+
+
+def test_a_new_directory_is_owner_only_under_a_loose_umask(tmp_path):
+    old = os.umask(0o002)
+    try:
+        make_private(tmp_path / "new" / "tuning", "[tuning] state_path", log)
+    finally:
+        os.umask(old)
+    assert mode(tmp_path / "new" / "tuning") == 0o700
+
+
+def test_the_coordinators_strategy_and_the_kernel_tables_are_made_private_when_loaded(tmp_path):
+    state = loose_state(tmp_path / "tuning")
+    assert StrategyStore(state).load() == {"version": 1}
+    assert mode(state) == 0o700 and mode(state / "strategy.json") == 0o600
+    StrategyStore(state).save({"version": 2})
+    assert mode(state / "strategy.json") == 0o600
+
+    tables = loose_state(tmp_path / "tables")
+    store = KernelTableStore(tables, {"model": "m"})
+    assert store.load() is None
+    assert mode(tables) == 0o700 and mode(tables / "strategy.json") == 0o600
+    old = os.umask(0o002)
+    try:
+        store.save({"0": ["int8", 2]})
+    finally:
+        os.umask(old)
+    assert mode(store.path) == 0o600 and store.load() == {"0": ["int8", 2]}
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making a file owned by another user needs root")
+def test_another_users_state_is_refused(tmp_path):
+    state = loose_state(tmp_path / "tuning")
+    os.chown(state / "strategy.json", 65534, 65534)
+    with pytest.raises(ConfigError, match="belongs to uid 65534"):
+        StrategyStore(state).load()
+    with pytest.raises(ConfigError, match="belongs to uid 65534"):
+        KernelTableStore(state, {}).load()
