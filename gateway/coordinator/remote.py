@@ -134,8 +134,10 @@ class RemoteTuning:
             self._calls.pop(call_id, None)
         if reply.error == "ConfigError":
             raise ConfigError(reply.message)
-        if reply.error:
-            raise ServiceUnavailableError(f"the tuning coordinator failed: {reply.message}")
+        if reply.error:  # a bug's text (paths, values) is for the operator's log, not for callers
+            log.warning("coordinator: %s failed there: %s: %s", action, reply.error, reply.message)
+            raise ServiceUnavailableError(f"the tuning coordinator failed to answer {action!r}; the "
+                                          "gateway's and the coordinator's logs have the detail")
         return orjson.loads(reply.body)
 
     # ---- the socket ----------------------------------------------------------------------------
