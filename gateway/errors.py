@@ -26,6 +26,13 @@ class AuthenticationError(ReameError):
     code = "invalid_api_key"
 
 
+class PermissionDeniedError(ReameError):
+    """A valid key asked for what only the operator's keys may (gateway.auth.OPERATOR_PATHS)."""
+    status = 403
+    type = "invalid_request_error"
+    code = "permission_denied"
+
+
 class NotFoundError(InvalidRequestError):
     status = 404
     code = "not_found"
