@@ -199,15 +199,33 @@ class Coordinator:
         now, under a new version, and the strategy is frozen so nothing learns it away
         (`unfreeze` lets learning resume from it). The document's own "frozen" is not read: it
         says how the exporting server was, not what the operator wants now."""
+        return self.pin(self.check_import(doc, frozenset(self.slots)))
+
+    def check_import(self, doc: Any, known: frozenset[str]) -> dict[str, Knobs]:
+        """The knobs an import pins per slot; ConfigError naming what is wrong. Reads only its
+        arguments and the defaults, so it may run off the event loop (`known`: the slot names,
+        copied on it). A slot must be one of `known` or "*": an import cannot make slots (thousands
+        of new names grew a gateway by 96 MB), and knobs keep to Knobs.check_within's bounds."""
         if not self.adaptive:
             raise ConfigError("adaptivity is off ([tuning] adaptive = false): the knobs stay as reame.conf says")
         workers = _workers(doc)
         if not workers:
             raise ConfigError("strategy: no workers to import (expected {\"workers\": {SLOT: {\"knobs\": {...}}}})")
+        unknown = [name for name in workers if name != "*" and name not in known]
+        if unknown:
+            shown = ", ".join(repr(name[:80]) for name in unknown[:3]) + (", ..." if len(unknown) > 3 else "")
+            raise ConfigError(f"strategy: {len(unknown)} worker slot(s) this server does not know ({shown}); "
+                              "name slots of GET /admin/strategy's workers, or \"*\" for every worker")
         chosen = {name: Knobs.from_dict(entry.get("knobs"), f"strategy workers[{name!r}]")
                   for name, entry in workers.items()}
         for name, knobs in chosen.items():
             knobs.check_within(self.defaults, f"strategy workers[{name!r}]")
+        return chosen
+
+    def pin(self, chosen: dict[str, Knobs]) -> list[Outgoing]:
+        """Apply check_import's knobs, frozen."""
+        if not self.adaptive:
+            raise ConfigError("adaptivity is off ([tuning] adaptive = false): the knobs stay as reame.conf says")
         frozen = True
         targets = set(self.slots) | (set(chosen) - {"*"})
         out = []

@@ -10,6 +10,13 @@ from shared.errors import ConfigError
 from shared.protocol import Strategy
 
 MAX_BATCH_GROWTH = 2  # the window-KV pool of sliding-window models holds twice the configured batch
+# Bounds of what the policies choose (policy.py), and so of what an import may pin: knobs of 1 and
+# a 1 s window took another tenant's 1.3k-token request from 4.6 s to 94.6 s (issue 41).
+MIN_BATCH = 2
+MIN_WINDOW_MS = 0.5
+MAX_WINDOW_MS = 8.0
+MIN_PREFILL_CHUNK = 64
+MIN_ATTENTION_CHUNK = 64
 MAX_CPUS = 4096
 OPTIONAL = {"threads", "cpus", "bind_memory"}  # knobs added after strategies were first saved
 
@@ -63,8 +70,23 @@ class Knobs:
                       "bind_memory": bind_memory})
 
     def check_within(self, started: "Knobs", where: str = "knobs") -> None:
-        """ConfigError unless a worker started with `started` can take these: its engine sized the
-        window-KV pool for prefill_chunk and twice max_batch_size at start-up."""
+        """ConfigError unless a worker started with `started` can take these (its engine sized the
+        window-KV pool for prefill_chunk and twice max_batch_size at start-up) and they stay
+        within what the policies would choose: no floor below reame.conf's own values, where
+        those are lower."""
+        floors = {"max_batch_size": min(MIN_BATCH, started.max_batch_size),
+                  "prefill_chunk": min(MIN_PREFILL_CHUNK, started.prefill_chunk),
+                  "token_budget": max(self.max_batch_size, min(MIN_PREFILL_CHUNK, started.token_budget)),
+                  "attention_chunk": min(MIN_ATTENTION_CHUNK, started.attention_chunk)}
+        for name, floor in floors.items():
+            if getattr(self, name) < floor:
+                raise ConfigError(f"{where}.{name}: at least {floor}, got {getattr(self, name)}")
+        most_budget = MAX_BATCH_GROWTH * max(started.token_budget, started.prefill_chunk + started.max_batch_size)
+        if self.token_budget > most_budget:
+            raise ConfigError(f"{where}.token_budget: at most {most_budget}, got {self.token_budget}")
+        most_window = max(MAX_WINDOW_MS, started.batching_window_ms)
+        if self.batching_window_ms > most_window:
+            raise ConfigError(f"{where}.batching_window_ms: at most {most_window:g}, got {self.batching_window_ms:g}")
         if self.prefill_chunk > started.prefill_chunk:
             raise ConfigError(f"{where}.prefill_chunk: at most {started.prefill_chunk} (the workers' "
                               f"[engine] prefill_chunk), got {self.prefill_chunk}")

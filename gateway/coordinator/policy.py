@@ -27,7 +27,8 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
-from gateway.coordinator.knobs import MAX_BATCH_GROWTH, Knobs
+from gateway.coordinator.knobs import (MAX_BATCH_GROWTH, MAX_WINDOW_MS, MIN_BATCH, MIN_PREFILL_CHUNK, MIN_WINDOW_MS,
+                                      Knobs)
 from shared.protocol import Profile
 
 
@@ -50,11 +51,8 @@ METRICS = {m.name: m for m in (
 )}
 THROUGHPUT, STEP_MS, PREFILL_STEP_MS, QUEUE_WAIT = METRICS
 
-# Bounds of what the policies may choose (the batch: knobs.MAX_BATCH_GROWTH times reame.conf's).
-MIN_BATCH = 2
-MAX_WINDOW_MS = 8.0
-MIN_WINDOW_MS = 0.5
-MIN_PREFILL_CHUNK = 64
+# Bounds of what the policies may choose are knobs.py's (MIN_BATCH, MIN/MAX_WINDOW_MS,
+# MIN_PREFILL_CHUNK; the batch: MAX_BATCH_GROWTH times reame.conf's): an import keeps to them too.
 
 # When a policy fires (measured per profile window).
 SHORT_OUTPUT_TOKENS = 96  # a generation this short (p50) is a short request

@@ -15,6 +15,9 @@ throughput no different from the PLATEAU_WINDOWS windows before them (see platea
 """
 from __future__ import annotations
 
+import bisect
+import itertools
+import math
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +37,7 @@ PLATEAU_SPREAD = 0.05
 NOISE_SE = 2.0
 TOO_NOISY = 0.20
 MAX_SAMPLES = 100_000  # ~6 days of one worker's 5-second profiles
+MAX_POINTS = 2000  # buckets in one series
 
 
 @dataclass(frozen=True)
@@ -82,17 +86,10 @@ class AdaptiveReport:
             self.first_traffic = max(0.0, at - profile.seconds)
 
     def summary(self, start: float, end: float) -> Summary:
-        chosen = [s for s in self.samples if start < s.at <= end]
-        length = max(end - start, 1e-9)
-        finished = sum(s.finished for s in chosen)
-        weight = sum(s.finished for s in chosen if s.latency_ms_p95)
-        latency = sum(s.latency_ms_p95 * s.finished for s in chosen) / weight if weight else 0.0
-        ttft = sum(s.ttft_ms_p95 * s.finished for s in chosen) / weight if weight else 0.0
-        queried = sum(s.prefix_query_tokens for s in chosen)
-        hits = sum(s.prefix_hit_tokens for s in chosen)
-        kernel = next((s.kernel for s in reversed(chosen) if s.kernel), "")
-        return Summary(start, end, sum(s.output_tokens for s in chosen) / length, latency, ttft,
-                       hits / queried if queried else 0.0, finished, kernel)
+        # Samples arrive in time order: the window's are found by bisection, not by a full scan.
+        lo = bisect.bisect_right(self.samples, start, key=_at)
+        hi = bisect.bisect_right(self.samples, end, key=_at)
+        return _summarise(start, end, list(itertools.islice(self.samples, lo, hi)))
 
     def boot_summary(self) -> Summary | None:
         if self.first_traffic is None:
@@ -102,11 +99,21 @@ class AdaptiveReport:
     def now_summary(self, at: float) -> Summary:
         return self.summary(max(0.0, at - self.window_s), at)
 
-    def series(self, at: float, bucket_s: float) -> list[Summary]:
-        """One summary per bucket from boot to `at` (the dashboard's curves)."""
-        count = min(int(at // bucket_s) + 1, 2000)
+    def series(self, at: float, bucket_s: float, samples: list[Sample] | None = None) -> list[Summary]:
+        """One summary per bucket from boot to `at` (the dashboard's curves), in one pass over the
+        samples (in arrival order): a summary per bucket over all of them took 4.25 s at the cap of
+        2000 buckets x MAX_SAMPLES. `samples`: a copy of self.samples, for a caller off the event
+        loop (the deque changes under it as profiles arrive)."""
+        count = min(int(at // bucket_s) + 1, MAX_POINTS)
         first = max(0.0, at - count * bucket_s)
-        return [self.summary(first + i * bucket_s, first + (i + 1) * bucket_s) for i in range(count)]
+        samples = list(self.samples) if samples is None else samples
+        buckets: list[list[Sample]] = [[] for _ in range(count)]
+        for s in samples[bisect.bisect_right(samples, first, key=_at):]:
+            if s.at > at:
+                break
+            buckets[min(count - 1, max(0, math.ceil((s.at - first) / bucket_s) - 1))].append(s)
+        return [_summarise(first + i * bucket_s, first + (i + 1) * bucket_s, chosen)
+                for i, chosen in enumerate(buckets)]
 
     def plateau(self, at: float, history: list[Decision], boot_wall: float) -> tuple[bool, str]:
         """(converged, why): no strategy change in the last PLATEAU_WINDOWS windows, and their mean
@@ -158,6 +165,24 @@ class AdaptiveReport:
         return {"uptime_s": round(at, 1), "window_s": self.window_s,
                 "boot": boot.as_dict() if boot else None, "now": self.now_summary(at).as_dict(),
                 "converged": converged, "plateau": why, "text": "\n".join(self.lines(at, history, boot_wall))}
+
+
+def _at(sample: Sample) -> float:
+    return sample.at
+
+
+def _summarise(start: float, end: float, chosen: list[Sample]) -> Summary:
+    """The summary of the samples that arrived in (start, end]."""
+    length = max(end - start, 1e-9)
+    finished = sum(s.finished for s in chosen)
+    weight = sum(s.finished for s in chosen if s.latency_ms_p95)
+    latency = sum(s.latency_ms_p95 * s.finished for s in chosen) / weight if weight else 0.0
+    ttft = sum(s.ttft_ms_p95 * s.finished for s in chosen) / weight if weight else 0.0
+    queried = sum(s.prefix_query_tokens for s in chosen)
+    hits = sum(s.prefix_hit_tokens for s in chosen)
+    kernel = next((s.kernel for s in reversed(chosen) if s.kernel), "")
+    return Summary(start, end, sum(s.output_tokens for s in chosen) / length, latency, ttft,
+                   hits / queried if queried else 0.0, finished, kernel)
 
 
 def _delta_abs(now: float, boot: float | None) -> str:

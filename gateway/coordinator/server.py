@@ -76,6 +76,7 @@ class CoordinatorServer:
         self._socket: zmq.asyncio.Socket | None = None
         self._authenticator: WorkerAuthenticator | None = None
         self._tasks: list[asyncio.Task] = []
+        self._calls: set[asyncio.Task] = set()  # AdminCalls being answered
         self._refused_versions: set[bytes] = set()
 
     # ---- lifecycle -----------------------------------------------------------------------------
@@ -106,9 +107,10 @@ class CoordinatorServer:
                  "on" if self.config.tuning.adaptive else "off")
 
     async def close(self) -> None:
-        for task in self._tasks:
+        tasks = [*self._tasks, *self._calls]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         await self.tuning.close()  # saves the strategy
         if self._authenticator is not None:
             await self._authenticator.close()
@@ -155,7 +157,11 @@ class CoordinatorServer:
             self.links.route[message.worker_id] = gateway
             self.tuning.on_profile(message)
         elif isinstance(message, AdminCall):
-            self._send(gateway, self._answer(message))
+            # Answered in a task: an import's checks and the series run in a thread (TuningService.call)
+            # while this loop goes on relaying profiles.
+            task = asyncio.get_running_loop().create_task(self._answer(gateway, message))
+            self._calls.add(task)
+            task.add_done_callback(self._calls.discard)
         else:
             log.warning("coordinator: unexpected %s from %r", type(message).__name__, gateway)
 
@@ -173,7 +179,10 @@ class CoordinatorServer:
         self.gateways[gateway] = self.clock()
         self._send(gateway, Attached(fresh=fresh))
 
-    def _answer(self, call: AdminCall) -> AdminReply:
+    async def _answer(self, gateway: bytes, call: AdminCall) -> None:
+        self._send(gateway, await self._reply(call))
+
+    async def _reply(self, call: AdminCall) -> AdminReply:
         try:
             argument: Any = None
             if call.argument:
@@ -181,7 +190,7 @@ class CoordinatorServer:
                     argument = orjson.loads(call.argument)
                 except orjson.JSONDecodeError as exc:
                     raise ConfigError(f"the argument is not valid JSON: {exc}") from None
-            body = self.tuning.dispatch(call.action, argument)
+            body = await self.tuning.call(call.action, argument)
             return AdminReply(call.call_id, orjson.dumps(body).decode())
         except ReameError as exc:
             return AdminReply(call.call_id, error=type(exc).__name__, message=exc.message)

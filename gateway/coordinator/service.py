@@ -114,12 +114,15 @@ class TuningService:
 
     def series(self, bucket_s: float) -> dict[str, Any]:
         """The dashboard's curves: one point per bucket since boot, and the strategy changes."""
-        at = self.clock() - self.report.boot
+        return self._series(bucket_s, self.clock() - self.report.boot, list(self.report.samples),
+                            self.coordinator.history)
+
+    def _series(self, bucket_s: float, at: float, samples: list, history: list) -> dict[str, Any]:
         return {"bucket_s": bucket_s, "uptime_s": round(at, 1),
-                "points": [s.as_dict() for s in self.report.series(at, bucket_s)],
+                "points": [s.as_dict() for s in self.report.series(at, bucket_s, samples)],
                 "changes": [{"at": round(d.at - self.boot_wall, 1), "kind": d.kind, "policy": d.policy,
                              "slot": d.slot, "outcome": d.outcome, "version": d.version}
-                            for d in self.coordinator.history if d.at >= self.boot_wall]}
+                            for d in history if d.at >= self.boot_wall]}
 
     def dispatch(self, action: str, argument: Any = None) -> dict[str, Any]:
         """One operator call by name (shared.protocol.AdminAction): the /admin routes, and the
@@ -137,7 +140,18 @@ class TuningService:
         return self.strategy()
 
     async def call(self, action: str, argument: Any = None) -> dict[str, Any]:
-        """dispatch(), as gateway.admin awaits it (the remote twin, RemoteTuning, waits on a socket)."""
+        """dispatch(), as gateway.admin awaits it (the remote twin, RemoteTuning, waits on a socket).
+        An import's checks and the series' summing run in a thread, over copies taken here: the
+        event loop serves every tenant's streams meanwhile. What changes state stays on the loop."""
+        if action == "import":
+            chosen = await asyncio.to_thread(self.coordinator.check_import, argument, frozenset(self.coordinator.slots))
+            self._send(self.coordinator.pin(chosen))
+            self._save()
+            return self.strategy()
+        if action == "series":
+            bucket_s, samples = float(argument), list(self.report.samples)
+            at, changes = self.clock() - self.report.boot, list(self.coordinator.history)
+            return await asyncio.to_thread(self._series, bucket_s, at, samples, changes)
         return self.dispatch(action, argument)
 
     def report_lines(self) -> list[str]:

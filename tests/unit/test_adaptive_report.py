@@ -3,10 +3,13 @@ statement, and lines in the log at the configured interval."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import threading
+from collections import deque
 
 from gateway.coordinator.coordinator import Decision
-from gateway.coordinator.report import AdaptiveReport
+from gateway.coordinator.report import AdaptiveReport, Sample
 from gateway.coordinator.service import TuningService
 from tests.fakes import fake_config
 from tests.unit.test_coordinator import profile
@@ -111,3 +114,59 @@ def test_report_lines_reach_the_log_at_the_configured_interval(tmp_path, caplog)
         asyncio.run(run())
     headers = [r.getMessage() for r in caplog.records if r.getMessage().startswith("[reame] adaptive report @ ")]
     assert len(headers) == 2  # at 0.2 s and 0.4 s
+
+
+class _CountedSample(Sample):
+    """A Sample that counts how often its arrival time is read: the work a series does."""
+    reads = 0
+
+    def __getattribute__(self, name):
+        if name == "at":
+            _CountedSample.reads += 1
+        return super().__getattribute__(name)
+
+
+def test_a_series_reads_each_sample_a_few_times_not_once_per_bucket():
+    """Issue 41: /admin/series summed every sample for every bucket, 4.25 s per call at the cap
+    (2000 buckets x 100,000 samples) on the gateway's event loop."""
+    report = AdaptiveReport(boot=0.0, window_s=60.0)
+    history_of(report, minutes=20)  # 240 samples over 1200 s
+    expected = report.series(1200.0, 1.0)
+    report.samples = deque(_CountedSample(*dataclasses.astuple(s)) for s in report.samples)
+    _CountedSample.reads = 0
+    points = report.series(1200.0, 1.0)
+    assert len(points) == 1201 and points == expected
+    assert [p.throughput for p in points if p.throughput] == [500.0] * 12 + [750.0] * 228  # one sample a bucket
+    assert _CountedSample.reads <= 20 * len(report.samples)  # a full scan per bucket: 1201 each
+
+
+def test_the_series_and_an_import_are_worked_out_off_the_event_loop(tmp_path):
+    config = fake_config(tmp_path, f"[tuning]\nstate_path = {tmp_path}\n")
+
+    class Pool:
+        on_profile = on_register = None
+
+        def send_strategy(self, worker_id, strategy):
+            return True
+
+    threads: dict[str, str] = {}
+
+    async def run() -> None:
+        service = TuningService(config, Pool())
+        series, check_import = service.report.series, service.coordinator.check_import
+
+        def spy(name, fn):
+            def called(*args):
+                threads[name] = threading.current_thread().name
+                return fn(*args)
+            return called
+        service.report.series = spy("series", series)
+        service.coordinator.check_import = spy("import", check_import)
+        service.on_profile(profile(worker_id="h/node0/1", cpus=[0]))
+        assert (await service.call("series", 5.0))["bucket_s"] == 5.0
+        knobs = service.coordinator.defaults.as_dict()
+        assert (await service.call("import", {"workers": {"*": {"knobs": knobs}}}))["frozen"] is True
+        threads["loop"] = threading.current_thread().name
+
+    asyncio.run(run())
+    assert threads["series"] != threads["loop"] and threads["import"] != threads["loop"]

@@ -270,3 +270,29 @@ def test_a_cpu_set_that_costs_throughput_is_reverted_and_one_that_helps_is_kept(
 def test_adaptive_off_never_moves_a_worker():
     coordinator = Coordinator(DEFAULTS, adaptive=False)
     assert feed(coordinator, 20, cpu_others_each=[0.02, 0.9], numa_nodes=2) == []
+
+
+def test_an_import_names_known_slots_only_within_the_policies_bounds():
+    """Issue 41: thousands of new slot names grew a gateway by 96 MB; knobs of 1 and a 1 s window
+    slowed another tenant's request 20x. Both are refused, and nothing is pinned."""
+    coordinator = Coordinator(DEFAULTS)
+    feed(coordinator, 1)  # the worker's slot is known now
+    known = slot_of(WORKER, [0, 1])
+    invented = {f"h/node0/cpus{i}": {"knobs": DEFAULTS.as_dict()} for i in range(1000, 3000)}
+    with pytest.raises(ConfigError, match="2000 worker slot\\(s\\) this server does not know"):
+        coordinator.import_strategy({"workers": invented})
+    assert set(coordinator.slots) == {known} and coordinator.history == []
+    attack = DEFAULTS.with_(max_batch_size=1, token_budget=1, prefill_chunk=1, batching_window_ms=1000.0)
+    for knobs, wrong in ((attack, "max_batch_size: at least 2"),
+                         (DEFAULTS.with_(token_budget=1), "token_budget: at least 64"),
+                         (DEFAULTS.with_(prefill_chunk=8), "prefill_chunk: at least 64"),
+                         (DEFAULTS.with_(attention_chunk=1), "attention_chunk: at least 64"),
+                         (DEFAULTS.with_(token_budget=1 << 20), "token_budget: at most 1040"),
+                         (DEFAULTS.with_(batching_window_ms=1000.0), "batching_window_ms: at most 8")):
+        with pytest.raises(ConfigError, match=wrong):
+            coordinator.import_strategy({"workers": {known: {"knobs": knobs.as_dict()}}})
+    assert coordinator.history == [] and not coordinator.frozen
+    # What the policies themselves may reach is still accepted.
+    edge = DEFAULTS.with_(max_batch_size=2, token_budget=66, prefill_chunk=64, batching_window_ms=8.0)
+    [out] = coordinator.import_strategy({"workers": {known: {"knobs": edge.as_dict()}}})
+    assert out.strategy.token_budget == 66 and coordinator.frozen
