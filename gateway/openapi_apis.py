@@ -1,6 +1,7 @@
 """The Anthropic Messages and OpenAI Responses routes in /openapi.json (gateway.openapi adds them).
 
-Their request bodies are described loosely (an object, with the fields each API requires): the
+Their request bodies are described loosely (an object, with the fields each API requires; an
+optional field may be null, as everywhere in the document): the
 full shapes are Anthropic's and OpenAI's own published schemas, and the checks are in
 gateway.anthropic_requests and gateway.responses_requests. What the document promises, and
 tests/e2e/test_openapi_fuzz.py holds the server to, is the statuses: a bad body is a 4xx in the
@@ -20,13 +21,13 @@ _EVENTS = {"text/event-stream": {"schema": {"type": "string"}}}
 def agent_api_paths(secured: bool) -> Schema:
     messages_body = {"type": "object", "required": ["max_tokens", "messages"], "properties": {
         "max_tokens": {"type": "integer", "minimum": 1}, "messages": {"type": "array", "minItems": 1},
-        "model": {"type": "string"}, "stream": {"type": "boolean"}}}
+        "model": {"type": ["string", "null"]}, "stream": {"type": ["boolean", "null"]}}}
     count_body = {"type": "object", "required": ["messages"], "properties": {
-        "messages": {"type": "array", "minItems": 1}, "model": {"type": "string"}}}
+        "messages": {"type": "array", "minItems": 1}, "model": {"type": ["string", "null"]}}}
     responses_body = {"type": "object", "required": ["input"], "properties": {
-        "input": {"type": ["string", "array"], "minLength": 1, "minItems": 1}, "model": {"type": "string"},
-        "stream": {"type": "boolean"}, "store": {"type": "boolean"},
-        "max_output_tokens": {"type": "integer", "minimum": 1}}}
+        "input": {"type": ["string", "array"], "minLength": 1, "minItems": 1}, "model": {"type": ["string", "null"]},
+        "stream": {"type": ["boolean", "null"]}, "store": {"type": ["boolean", "null"]},
+        "max_output_tokens": {"type": ["integer", "null"], "minimum": 1}}}
     response_id = {"name": "response_id", "in": "path", "required": True,
                    "schema": {"type": "string", "minLength": 1, "maxLength": MAX_ID}}
     items = _operation("The input items of a stored response", _ok(), secured, _error("no such response (of this "

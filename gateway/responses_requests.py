@@ -47,7 +47,8 @@ def parse_responses(body: Any) -> ResponsesRequest:
     previous = _optional_str(body, "previous_response_id")
     if previous is not None and not 0 < len(previous) <= MAX_ID:
         raise InvalidRequestError("'previous_response_id' is not a response id", param="previous_response_id")
-    store = body.get("store", True)
+    store = body.get("store")
+    store = True if store is None else store  # the API's default
     if not isinstance(store, bool):
         raise InvalidRequestError("'store' must be a boolean", param="store")
     truncation = body.get("truncation")
@@ -105,10 +106,10 @@ def _metadata(value: Any) -> dict:
 
 def _input(value: Any) -> tuple[list[dict], list[dict]]:
     """`input` → (items with ids, chat messages)."""
-    if isinstance(value, str):
+    if isinstance(value, str) and value:
         value = [{"type": "message", "role": "user", "content": value}]
     if not isinstance(value, list) or not value:
-        raise InvalidRequestError("'input' must be a string or a non-empty array of items", param="input")
+        raise InvalidRequestError("'input' must be a non-empty string or a non-empty array of items", param="input")
     items: list[dict] = []
     messages: list[dict] = []
     for i, item in enumerate(value):

@@ -15,7 +15,7 @@ def before_call(context, case, kwargs):
     body = case.body
     if not isinstance(body, dict):
         return
-    for key in ("max_tokens", "max_completion_tokens"):
+    for key in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
         value = body.get(key)
         if isinstance(value, int) and not isinstance(value, bool) and value > MAX_TOKENS:
             body[key] = MAX_TOKENS
