@@ -1,5 +1,5 @@
-"""Grammar-constrained rows of a step: one llguidance matcher per constrained request, and the
-masks of all of them computed together, off the GIL, while the engine runs the step.
+"""Grammar-constrained rows of a step: one llguidance matcher per constrained request, its masks
+computed off the GIL on a helper thread while the engine runs, and a mask-time budget per request.
 
 A mask is llguidance's bitmask (one bit per token, int32 words, bit i of word i // 32 = token i
 allowed); the sampler turns the zero bits into -inf logits (Sampler.sample(mask=...)). Free rows
@@ -8,13 +8,25 @@ of the same step have no mask and cost nothing here.
 When the grammar is complete and admits no further byte, the request is finished ("stop") right
 after the token that completed it; while it is complete but could go on (a JSON number), the
 request's end-of-generation tokens are allowed too, so the model may end it there.
+
+A mask may take long: with an ambiguous grammar llguidance's work per mask grows with the output,
+and its fuel limits do not stop it (issue 41, item 3: 8 such rows took another tenant's token gap
+from 12 to 351 ms, the step waiting for their masks). So a step never waits for a late mask while
+it holds any other row (worker.sched.generation defers that row instead); the helper thread takes
+the request with the least mask time so far first, so a cheap grammar is not queued behind a
+costly one; and a request whose masks have taken more than MASK_BUDGET_S in all is stopped with
+an error (code grammar_too_complex).
 """
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
+import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent import futures
+from concurrent.futures import Future
 
 import llguidance
 import numpy as np
@@ -25,13 +37,24 @@ from shared.vocab import end_of_generation_ids, read_vocab
 
 log = logging.getLogger("reame.constraint")
 
+# Mask time one request may use in all. Measured on SmolLM2's token table (bench/structured.py):
+# a JSON-schema mask takes 0.05-0.2 ms, so 4,096 tokens of output take under a second. The
+# ambiguous Lark grammar `s: s s | "a" | "b" | "ab"` (bench/abuse.py's grammar_stall), fed "a":
+# 4 ms a mask at 100 tokens, 32 ms at 200, 81 ms at 300; 5 s in all after about 260 tokens.
+MASK_BUDGET_S = 5.0
+
 
 class GrammarConstraint:
-    """One request's grammar state: what it may generate next, advanced token by token."""
+    """One request's grammar state: what it may generate next, advanced token by token, and its
+    next mask (computed on the helper thread: `pending` until it is done)."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, end_ids: tuple[int, ...]):
+    def __init__(self, matcher: llguidance.LLMatcher, end_ids: tuple[int, ...], words: int):
         self.matcher = matcher
         self.end_ids = np.asarray(end_ids, np.int64)  # the request's stop tokens, allowed once complete
+        self.mask = np.full(words, -1, np.int32)  # the next token's mask, once `pending` is done
+        self.pending: Future | None = None  # the computation of `mask` for the current state
+        self.mask_seconds = 0.0  # spent on this request's masks so far (finished ones)
+        self.computing_since: float | None = None  # when the helper began the mask it computes now
 
     def allow_end(self, mask: np.ndarray) -> None:
         """After the mask is computed: a grammar that may stop here lets the request's own
@@ -40,9 +63,15 @@ class GrammarConstraint:
             words = mask.view(np.uint32)
             np.bitwise_or.at(words, self.end_ids // 32, (np.uint32(1) << (self.end_ids % 32).astype(np.uint32)))
 
+    def fill(self) -> None:
+        """Compute `mask` for the current state (drops the GIL)."""
+        self.matcher.unsafe_compute_mask_ptr(self.mask.ctypes.data, self.mask.nbytes)
+        self.allow_end(self.mask)
+
     def advance(self, token: int) -> bool:
         """Take the sampled token; True when the grammar is now complete and admits nothing more.
         Raises InvalidRequestError if the grammar broke (a budget ran out mid-generation)."""
+        self.pending = None  # the mask was for the state before this token
         if not self.matcher.consume_token(token):
             raise InvalidRequestError(f"the grammar could not follow token {token}: "
                                       f"{self.matcher.get_error() or 'rejected'}", param="response_format",
@@ -52,21 +81,33 @@ class GrammarConstraint:
     def error(self) -> str:
         return self.matcher.get_error()
 
+    def drop(self) -> None:
+        """The request ended: a mask still queued for it is not computed."""
+        if self.pending is not None:
+            self.pending.cancel()
+
 
 class Constraints:
     """Builds matchers over the model's token table (read from its GGUF on first use) and computes
-    a step's masks on a helper thread.
+    masks on a helper thread.
 
-    capacity: the most rows one step samples (the scheduler's batch size)."""
+    capacity: the most rows one step samples (the scheduler's batch size); the size of the array
+    `masks` returns. clock: for the mask-time budget (tests pass their own)."""
 
-    def __init__(self, vocab_source: Callable[[], llguidance.LLTokenizer], vocab_size: int, capacity: int):
+    def __init__(self, vocab_source: Callable[[], llguidance.LLTokenizer], vocab_size: int, capacity: int,
+                 budget: float = MASK_BUDGET_S, clock: Callable[[], float] = time.perf_counter):
         self._vocab_source = vocab_source
         self._table: llguidance.LLTokenizer | None = None
         self.vocab_size = vocab_size
         self._words = (vocab_size + 31) // 32
         self._masks = np.full((max(capacity, 1), self._words), -1, np.int32)
-        self._executor: llguidance.LLExecutor | None = None
-        self._thread: ThreadPoolExecutor | None = None
+        self.budget = budget
+        self.clock = clock
+        self._queue: list[tuple[float, int, GrammarConstraint, Future]] = []  # least mask time first
+        self._order = itertools.count()
+        self._wake = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._closed = False
         self.mask_seconds = 0.0  # total time spent computing masks (bench/structured.py reads it)
         self.masks_computed = 0
 
@@ -88,37 +129,91 @@ class Constraints:
         matcher = llguidance.LLMatcher(self._table, grammar, log_level=0, limits=parser_limits())
         if matcher.is_error():
             raise InvalidRequestError(f"the grammar cannot be enforced: {matcher.get_error()}", param="response_format")
-        return GrammarConstraint(matcher, end_ids)
+        return GrammarConstraint(matcher, end_ids, self._words)
 
-    def start(self, rows: list[GrammarConstraint]) -> Future | None:
-        """Begin computing the masks of `rows` (row i into mask i) on the helper thread; the
-        caller runs the engine meanwhile and collects them with `masks(future, n)`."""
-        if not rows:
+    # ---- masks ---------------------------------------------------------------------------------
+
+    def request(self, rows: list[GrammarConstraint]) -> None:
+        """Begin computing the next mask of each row that is not already being computed."""
+        for row in rows:
+            if row.pending is None:
+                row.pending = Future()
+                with self._wake:
+                    heapq.heappush(self._queue, (row.mask_seconds, next(self._order), row, row.pending))
+                    self._wake.notify()
+        if rows and self._thread is None:
+            # One thread: on a 2-core host the engine's threads need the rest.
+            self._thread = threading.Thread(target=self._serve, name="grammar-masks", daemon=True)
+            self._thread.start()
+
+    def ready(self, row: GrammarConstraint) -> bool:
+        return row.pending is not None and row.pending.done()
+
+    def wait(self, rows: list[GrammarConstraint], first: bool = False, limit: float | None = None) -> None:
+        """Wait until each row's mask is done (`first`: any one of them), or until a request's
+        budget runs out (counted as if its mask were being computed now), or `limit` seconds."""
+        pending = [row.pending for row in rows if row.pending is not None]
+        if pending:
+            timeout = max(min(self.budget - self.spent(row) for row in rows), 0.0)
+            timeout = timeout if limit is None else min(timeout, limit)
+            futures.wait(pending, timeout, futures.FIRST_COMPLETED if first else futures.ALL_COMPLETED)
+
+    def spent(self, row: GrammarConstraint) -> float:
+        """Mask time of the row's request so far, the mask being computed now included."""
+        since = row.computing_since
+        return row.mask_seconds + (self.clock() - since if since is not None else 0.0)
+
+    def over_budget(self, row: GrammarConstraint) -> InvalidRequestError | None:
+        """The error that stops the request when its masks took more than the budget (the mask
+        being computed counts from when the helper began it, not its wait in the queue), else None."""
+        if self.spent(row) <= self.budget:
             return None
+        return InvalidRequestError(f"the grammar is too complex to enforce: its masks took more than {self.budget:g} s "
+                                   "of computation for this request", param="response_format",
+                                   code="grammar_too_complex")
+
+    def start(self, rows: list[GrammarConstraint]) -> list[GrammarConstraint]:
+        """`request` the rows' masks; collect them with `masks(rows)` (row i is mask i)."""
+        self.request(rows)
+        return rows
+
+    def masks(self, rows: list[GrammarConstraint]) -> np.ndarray:
+        """The masks of `rows`, waited for, in order (row i is mask i)."""
         if len(rows) > self._masks.shape[0]:
             self._masks = np.full((len(rows), self._words), -1, np.int32)
-        if self._thread is None:
-            # One Rust thread: on a 2-core host the engine's threads need the rest.
-            self._executor = llguidance.LLExecutor(num_threads=1)
-            self._thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
-        return self._thread.submit(self._fill, rows)
-
-    def masks(self, future: Future | None) -> np.ndarray:
-        """The masks of the rows given to `start`, in order (row i is mask i)."""
-        if future is not None:
-            future.result()
+        for i, row in enumerate(rows):
+            if row.pending is not None:
+                row.pending.result()
+            self._masks[i] = row.mask
         return self._masks
 
-    def _fill(self, rows: list[GrammarConstraint]) -> None:
-        started = time.perf_counter()
-        masks = self._masks
-        pairs = [(row.matcher, i) for i, row in enumerate(rows)]
-        self._executor.unsafe_compute_mask_ptr(pairs, masks.ctypes.data, self._words * 4, masks.shape[0])
-        for i, row in enumerate(rows):
-            row.allow_end(masks[i])
-        self.mask_seconds += time.perf_counter() - started
-        self.masks_computed += len(rows)
+    def _serve(self) -> None:
+        while True:
+            with self._wake:
+                while not self._queue and not self._closed:
+                    self._wake.wait()
+                if self._closed:
+                    return
+                _, _, row, done = heapq.heappop(self._queue)
+            if not done.set_running_or_notify_cancel():
+                continue  # its request ended before its turn
+            started = row.computing_since = self.clock()
+            try:
+                row.fill()
+            except BaseException as exc:  # a matcher error ends that request, never the thread
+                done.set_exception(exc)
+                continue
+            finally:
+                seconds = self.clock() - started
+                row.mask_seconds += seconds
+                row.computing_since = None
+                self.mask_seconds += seconds
+                self.masks_computed += 1
+            done.set_result(None)
 
     def close(self) -> None:
+        with self._wake:
+            self._closed = True
+            self._wake.notify()
         if self._thread is not None:
-            self._thread.shutdown(wait=True)
+            self._thread.join(5.0)  # a mask still being computed ends with the process (a daemon thread)

@@ -33,6 +33,7 @@ log = logging.getLogger("reame.generation")
 
 WARM_TIMEOUT_S = 30.0  # a warm request's finish waits this long at most for the store's commit
 WARM_POLL_S = 0.005  # how often an otherwise idle loop checks the store for them
+LONE_MASK_WAIT_S = 0.05  # the longest a step of late grammar masks alone waits for one (_late_masks)
 
 
 class BatchEngine(Protocol):
@@ -207,18 +208,16 @@ class BatchGenerator:
         # Grammar masks depend only on tokens already taken: computed while the engine runs.
         # A constrained request never drafts (add()), so it has one row here.
         constrained = [c.seq.seq_id for c in batch.chunks if c.samples and c.seq.seq_id in self._grammars]
-        pending_masks = self.constraints.start([self._grammars[r] for r in constrained]) if constrained else None
+        if constrained:
+            self.constraints.request([self._grammars[r] for r in constrained])
         started = time.perf_counter()
         try:
             with self.kernel_tuner.step(batch.num_tokens):  # the op table and threads, swapped between steps
                 logits = self.engine.execute(chunks, batch.knobs.attention_chunk)
         except Exception as exc:  # an engine bug fails this step's requests, never the worker
             log.exception("engine step failed (%d sequences)", len(batch))
-            if pending_masks is not None:
-                pending_masks.exception()  # the helper thread must be done with the matchers
-            return self._fail(batch, exc)
-        masks = self.constraints.masks(pending_masks) if constrained else None
-        mask_of = {request_id: masks[i] for i, request_id in enumerate(constrained)}
+            return self._fail(batch, exc)  # a mask being computed is dropped with its request
+        deferred, failed = self._late_masks(batch, constrained)
         decoding = sum(1 for c in batch.chunks if c.num_tokens - len(c.draft) == 1)
         self.last_step = StepStats(len(batch), batch.num_tokens, decoding, time.perf_counter() - started)
         if self.prefix is not None:
@@ -231,13 +230,17 @@ class BatchGenerator:
             if not chunk.samples:
                 continue
             seq_id = chunk.seq.seq_id
-            if seq_id in self._grammars:
-                token = self._sample_constrained(chunk, logits[lo], mask_of[seq_id], events, completed)
+            if seq_id in failed:
+                self._stop(seq_id, failed[seq_id], events)
+            elif seq_id in deferred:
+                continue
+            elif seq_id in self._grammars:
+                token = self._sample_constrained(chunk, logits[lo], self._grammars[seq_id].mask, events, completed)
                 if token is not None:
                     sampled[seq_id] = [token]
             else:
                 sampled[seq_id] = self._sample(chunk, logits[lo:hi], events)
-        for seq in self.scheduler.update(batch, sampled, completed):
+        for seq in self.scheduler.update(batch, sampled, completed, deferred):
             warm = seq.seq_id in self._warm
             if self.speculator is not None:
                 self.speculator.end(seq.seq_id, seq.token_ids, seq.num_prompt_tokens)
@@ -295,10 +298,7 @@ class BatchGenerator:
                 if self._grammars[seq.seq_id].advance(token):
                     completed.add(seq.seq_id)
             except ReameError as exc:
-                log.warning("request %s: %s", seq.seq_id, exc.message)
-                self.scheduler.abort(seq.seq_id)
-                self._forget(seq.seq_id)
-                events.append(ErrorEvent(seq.seq_id, exc))
+                self._stop(seq.seq_id, exc, events)
                 return None
         top_logits = _top_logits(row, self._top_logits.get(seq.seq_id, 0))
         if seq.params.logprobs > 0:
@@ -307,6 +307,43 @@ class BatchGenerator:
         else:
             events.append(TokenEvent(seq.seq_id, token, top_logits=top_logits))
         return token
+
+    def _late_masks(self, batch: ScheduledBatch, constrained: list[str]) -> tuple[set[str], dict[str, ReameError]]:
+        """After the engine: the constrained rows whose masks are not ready (deferred: they sample
+        next step, from the same row computed again), and the requests to stop with an error (over
+        their mask-time budget, or their mask failed).
+
+        A late row costs the others nothing: they sample now, and the late one feeds its last
+        token again next step (one more row of the step) instead of holding every stream of the
+        worker for its mask (issue 41, item 3). The step waits only when it holds nobody else (all
+        its rows are late constrained rows and no request waits to be admitted), and then at most
+        LONE_MASK_WAIT_S, until the first mask is done: computing the same rows again and again
+        would only take the CPU the masks need, while arrivals still join within that time."""
+        if not constrained:
+            return set(), {}
+        constraints = self.constraints
+        rows = {r: self._grammars[r] for r in constrained}
+        late = {r for r, row in rows.items() if not constraints.ready(row)}
+        if late and len(late) == len(batch.chunks) and not self.scheduler.num_waiting:
+            constraints.wait([rows[r] for r in late], first=True, limit=LONE_MASK_WAIT_S)
+            late = {r for r in late if not constraints.ready(rows[r])}
+        failed: dict[str, ReameError] = {}
+        for r, row in rows.items():
+            error = constraints.over_budget(row)
+            if error is None and r not in late and row.pending.exception() is not None:
+                exc = row.pending.exception()
+                error = exc if isinstance(exc, ReameError) else InvalidRequestError(
+                    f"the grammar's mask failed: {exc}", param="response_format", code="grammar_too_complex")
+            if error is not None:
+                failed[r] = error
+        return late - failed.keys(), failed
+
+    def _stop(self, request_id: str, error: ReameError, events: list[Event]) -> None:
+        """End a request now with `error`; the step goes on."""
+        log.warning("request %s: %s", request_id, error.message)
+        self.scheduler.abort(request_id)
+        self._forget(request_id)
+        events.append(ErrorEvent(request_id, error))
 
     def _sample(self, chunk: ScheduledChunk, rows: list[np.ndarray], events: list[Event]) -> list[int]:
         """Sample a chunk's rows in order while they confirm its draft; one TokenEvent each."""
@@ -335,7 +372,9 @@ class BatchGenerator:
 
     def _forget(self, request_id: str) -> None:
         self._samplers.pop(request_id, None)
-        self._grammars.pop(request_id, None)
+        grammar = self._grammars.pop(request_id, None)
+        if grammar is not None:
+            grammar.drop()
         self._warm.discard(request_id)
         self._top_logits.pop(request_id, None)
 

@@ -203,28 +203,40 @@ class Scheduler:
         return batch
 
     def update(self, batch: ScheduledBatch, sampled: dict[str, int | Tokens[int]],
-               completed: frozenset[str] | set[str] = frozenset()) -> list[Sequence]:
+               completed: frozenset[str] | set[str] = frozenset(),
+               deferred: frozenset[str] | set[str] = frozenset()) -> list[Sequence]:
         """Advance the batch's sequences by what the engine computed; return those that finished.
 
         sampled maps seq_id -> token (or, for a drafted chunk, the tokens emitted: the accepted
         draft tokens, then the one sampled after them) for every chunk with samples=True (aborted
         sequences may be missing). A sampled stop token is appended, then the sequence is
         FINISHED_STOPPED; so is a sequence in `completed` (its grammar admits no further token).
+        `deferred`: sampling chunks (never drafted) that sample nothing this step (their grammar
+        mask was late): all but their last token count as computed, and the last is fed again next
+        step (its K/V row is rewritten with the same values).
         """
         if batch.is_empty:
             return []
         if batch is not self._in_flight:
             raise RuntimeError("update() takes the batch returned by the last schedule()")
         live = [chunk for chunk in batch.chunks if chunk.seq.status is SequenceStatus.RUNNING]
-        missing = [c.seq.seq_id for c in live if c.samples and c.seq.seq_id not in sampled]
+        missing = [c.seq.seq_id for c in live if c.samples and c.seq.seq_id not in sampled
+                   and c.seq.seq_id not in deferred]
         if missing:  # checked before changing anything, so the caller can retry
             raise ValueError(f"no sampled token for {missing}")
-        emitted = {c.seq.seq_id: _emitted(c, sampled[c.seq.seq_id]) for c in live if c.samples}
+        emitted = {c.seq.seq_id: _emitted(c, sampled[c.seq.seq_id]) for c in live
+                   if c.samples and c.seq.seq_id not in deferred}
         self._in_flight = None
 
         finished = []
         for chunk in live:
             seq = chunk.seq
+            if chunk.samples and seq.seq_id in deferred:
+                seq.num_computed_tokens += chunk.num_tokens - 1
+                if self.prefix is not None:
+                    self.prefix.commit(seq)
+                self.block_manager.slide(seq)
+                continue
             tokens = emitted.get(seq.seq_id, [])
             accepted = len(tokens) - 1 if chunk.draft else 0
             seq.num_computed_tokens += chunk.num_tokens - len(chunk.draft) + accepted
