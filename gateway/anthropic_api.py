@@ -152,8 +152,8 @@ async def _stream(run: _Run, out: NamedEventStream, model: str) -> None:
         text_open = True
     if text_open:
         await close_block()
-    await out.emit("message_delta", {"type": "message_delta", "delta": _stop(ending),
-                                     "usage": {"output_tokens": ending.output_tokens}})
+    # The final usage: the cached share of the prompt is known only now (message_start had none).
+    await out.emit("message_delta", {"type": "message_delta", "delta": _stop(ending), "usage": _usage(ending)})
     await out.emit("message_stop", {"type": "message_stop"})
 
 

@@ -38,6 +38,10 @@ def test_stream_equals_non_stream(claude):
         final = stream.get_final_message()
     assert text == plain.content[0].text == final.content[0].text
     assert final.stop_reason == plain.stop_reason and final.usage.output_tokens == plain.usage.output_tokens
+    # The same prompt again: its prefix came from the cache, and the stream's final usage says so.
+    assert final.usage.cache_read_input_tokens > 0
+    assert final.usage.input_tokens + final.usage.cache_read_input_tokens == \
+        plain.usage.input_tokens + plain.usage.cache_read_input_tokens
 
 
 def test_stop_sequence(claude):
