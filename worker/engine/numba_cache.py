@@ -17,6 +17,7 @@ is imported. Two faults are closed here:
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import shutil
@@ -65,6 +66,7 @@ def cache_dir(base: Path, digest: str) -> str:
         _remove_stale(base, here)
     except UntrustedCache as exc:
         fallback = tempfile.mkdtemp(prefix=f"reame-numba-{digest}-")
+        atexit.register(shutil.rmtree, fallback, True)  # nobody else would ever load it
         log.warning("numba cache %s is not safe to load (%s): compiling into %s instead, which is "
                     "slow on every start; give the cache directory to this user and `chmod go-w` it",
                     here, exc, fallback)
