@@ -48,7 +48,7 @@ async def complete(state: GatewayState, request: web.Request, req: CompletionReq
     param = "messages" if req.chat else "prompt"
     _check_vocab(state, req, prompts)
     if req.constraint is not None:
-        req = replace(req, grammar=await state.grammars.compile(req.constraint))
+        req = replace(req, grammar=await state.grammars.compile(req.constraint, tenant_name(request)))
     most = state.config.gateway.max_jobs_per_request
     if len(prompts) * req.n > most:  # one request must not take every place in the queue
         raise InvalidRequestError(f"this request asks for {len(prompts) * req.n} choices ({len(prompts)} prompt(s) × "
