@@ -12,8 +12,9 @@ CPU from the worker beside it, whose stream then stalled for seconds.
 Plain text: the rendered template is tokenized with special tokens parsed, so that its own turn
 markers become control tokens. A message containing `<|im_end|>\\n<|im_start|>system\\n...` must
 not open a system turn. Before rendering, each control token's text found in a client's strings
-(content, name, tool call arguments, any string in the message) is replaced by a private-use
-character that occurs nowhere in the messages or the template; after rendering those characters
+(content, name, tool call arguments, any string or key in the message, and in the tool list a
+template prints itself) is replaced by a private-use character that occurs nowhere in the messages,
+the tools or the template; after rendering those characters
 are put back and their spans tokenized as with parse_special=False. Requests without such text
 render and tokenize exactly as before. With `[gateway] content_specials = reject` such a
 message is refused instead (400 naming the field).
@@ -70,7 +71,7 @@ class PromptEncoder:
 
     async def chat_ids(self, messages: tuple[dict, ...], n_ctx: int, tools: tuple[dict, ...] = ()) -> list[int]:
         """tools: OpenAI tool objects for a template that renders them itself (gateway.tools)."""
-        if self._processes is not None and sum(len(v) for _, v in _strings(messages)) > SHORT_TEXT:
+        if self._processes is not None and sum(len(v) for _, v in _strings((messages, tools))) > SHORT_TEXT:
             return await self._processes.run(_child_chat, messages, n_ctx, tools)
         return await self._off_loop(self.encode_chat, messages, n_ctx, tools)
 
@@ -92,7 +93,9 @@ class PromptEncoder:
         # Templates render every message's content: content that alone cannot fit is refused before
         # the scan and the render (seconds of CPU for a 4 MiB body), not after.
         self._check_bytes(sum(map(_utf8_size, _contents(messages))), n_ctx, "messages")
-        messages, placeholders = self._plain_messages(messages)
+        # The tool list reaches the template as it is (Qwen prints it with tojson): its names,
+        # descriptions and schema keys are scanned as the messages are.
+        (messages, tools), placeholders = self._plain_messages((tuple(messages), tuple(tools)))
         try:
             extra = {"tools": list(tools)} if tools else {}
             text = self.template.render(messages, add_generation_prompt=True, **extra)
@@ -129,31 +132,34 @@ class PromptEncoder:
                 f"more than {n_ctx} tokens of at most {token_bytes} bytes can hold. Please reduce the "
                 f"length of the {param}.", param=param)
 
-    def _plain_messages(self, messages: tuple[dict, ...]) -> tuple[list[dict], dict[str, str]]:
-        """`messages` with control-token text in any string replaced by placeholders (or refused)."""
+    def _plain_messages(self, parts: tuple[tuple[dict, ...], tuple[dict, ...]]
+                        ) -> tuple[tuple[list[dict], list[dict]], dict[str, str]]:
+        """(messages, tools) with control-token text in any string replaced by placeholders (or refused)."""
+        messages, tools = list(parts[0]), list(parts[1])
         if self._control is None:
-            return list(messages), {}
+            return (messages, tools), {}
         found: dict[str, str] = {}      # control text → where it was first seen
-        for where, value in _strings(messages):
+        for where, value in [*_strings(messages), *_strings(tools, "tools")]:
             for match in self._control.finditer(value):
                 found.setdefault(match.group(), where)
         if not found:
-            return list(messages), {}
+            return (messages, tools), {}
         if self.content_specials == "reject":
             text, where = next(iter(found.items()))
             raise InvalidRequestError(f"'{where}' contains the special token {text!r}; this server refuses "
-                                      "special-token text in messages", param=where.split(".")[0])
-        placeholder_of = dict(zip(found, self._free_characters(messages, len(found))))
+                                      "special-token text in messages and tools",
+                                      param=where.split(".")[0])
+        placeholder_of = dict(zip(found, self._free_characters((messages, tools), len(found))))
 
         def swap(value: str) -> str:
             return self._control.sub(lambda m: placeholder_of[m.group()], value)
 
-        replaced = [_map_strings(m, swap) for m in messages]
+        replaced = ([_map_strings(m, swap) for m in messages], [_map_strings(t, swap) for t in tools])
         return replaced, {p: text for text, p in placeholder_of.items()}
 
-    def _free_characters(self, messages: tuple[dict, ...], count: int) -> list[str]:
-        """`count` characters that occur in no string of `messages` nor in the template's source."""
-        texts = [value for _, value in _strings(messages)] + [getattr(self.template, "source", "")]
+    def _free_characters(self, values: object, count: int) -> list[str]:
+        """`count` characters that occur in no string of `values` nor in the template's source."""
+        texts = [value for _, value in _strings(values)] + [getattr(self.template, "source", "")]
         free, code = [], _FIRST_PLACEHOLDER
         while len(free) < count:
             ch = chr(code)
@@ -285,14 +291,14 @@ def _contents(messages: tuple[dict, ...]) -> Iterator[str]:
 
 
 def _strings(value: Any, where: str = "messages") -> Iterator[tuple[str, str]]:
-    """(path, string) for every string value inside `value`, role names aside."""
+    """(path, string) for every string value inside `value`, keys too. Roles are scanned as well:
+    a "role" key deeper down (a tool's property, a call's arguments) is text like any other."""
     if isinstance(value, str):
         yield where, value
     elif isinstance(value, dict):
         for key, item in value.items():
-            if key != "role":
-                yield from _strings(key, f"{where}.{key}")   # a key, too, can reach the text (tojson)
-                yield from _strings(item, f"{where}.{key}")
+            yield from _strings(key, f"{where}.{key}")   # a key, too, can reach the text (tojson)
+            yield from _strings(item, f"{where}.{key}")
     elif isinstance(value, (list, tuple)):
         for i, item in enumerate(value):
             yield from _strings(item, f"{where}[{i}]")
@@ -302,8 +308,7 @@ def _map_strings(value: Any, change: Callable[[str], str]) -> Any:
     if isinstance(value, str):
         return change(value)
     if isinstance(value, dict):
-        return {(k if k == "role" else _map_strings(k, change)): (v if k == "role" else _map_strings(v, change))
-                for k, v in value.items()}
+        return {_map_strings(k, change): _map_strings(v, change) for k, v in value.items()}
     if isinstance(value, list):
         return [_map_strings(v, change) for v in value]
     return value

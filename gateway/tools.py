@@ -255,9 +255,11 @@ class ToolCallParser:
                 return content, calls
             call = _parse_call(self._pending[start + len(OPEN):end])
             content += self._release(self._pending[:start])
-            if call is not None:
+            if call is not None and call.name in self.names:
                 calls.append(call)
                 self._calls_seen = True
+            elif call is not None:  # a tool that was not offered: what the model wrote stays text
+                content += self._release(self._pending[start:end + len(CLOSE)])
             self._pending = self._pending[end + len(CLOSE):]
         if self._may_be_json_call():
             return content, calls
@@ -271,7 +273,7 @@ class ToolCallParser:
         text, self._pending = self._pending, ""
         if text.startswith(OPEN):
             call = _parse_call(text[len(OPEN):])
-            if call is not None:
+            if call is not None and call.name in self.names:
                 return "", [call]
         if not self._calls_seen and not self._released_any:
             calls = self._json_calls(text)

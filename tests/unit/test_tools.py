@@ -107,3 +107,12 @@ def test_bad_tool_fields(body, param):
     with pytest.raises(InvalidRequestError) as caught:
         parse_tools(body)
     assert caught.value.param == param
+
+
+@pytest.mark.parametrize("parse", [parse_whole, parse_streamed])
+def test_a_call_to_a_tool_not_offered_is_not_a_call(parse):
+    """The model may name any function; only the offered ones come back as calls, the rest as text."""
+    other = CALL.replace("get_weather", "delete_files")
+    assert parse(other) == (other, [])
+    assert parse("Ok.\n" + other + "\n" + CALL) == ("Ok.\n" + other + "\n", [("get_weather", {"city": "Paris"})])
+    assert parse(other.removesuffix("</tool_call>")) == (other.removesuffix("</tool_call>"), [])
