@@ -87,7 +87,7 @@ class ChatTemplate:
         if override is not None:
             source, origin = override, "override"
         elif tok.chat_template:
-            source, origin = tok.chat_template, "gguf"
+            source, origin = _repaired(tok.chat_template), "gguf"
         else:
             source, marker = _BUILTIN.get(tok.arch, _DEFAULT_BUILTIN)
             origin = f"builtin:{tok.arch or 'unknown'}"
@@ -122,6 +122,18 @@ class ChatTemplate:
         if self._strip_eos and self._eos and text.endswith(self._eos):
             text = text[:-len(self._eos)]
         return text
+
+
+# Qwen2.5-Coder-1.5B-Instruct's file shows the tool-call format as `{{"name": <function-name>,
+# "arguments": <args-json-object>}}` inside a string literal (the 0.5B file, like Qwen2.5's, has single
+# braces). Jinja prints the braces doubled, as llama.cpp's --jinja does, and the model copies them:
+# after a tool result it wrote `{{"name": "get_weather", ...}}}` as text, which no parser reads as a
+# call. The example is printed with single braces, as the model's other files have it.
+_DOUBLED_CALL_EXAMPLE = '{{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}}'
+
+
+def _repaired(source: str) -> str:
+    return source.replace(_DOUBLED_CALL_EXAMPLE, _DOUBLED_CALL_EXAMPLE[1:-1])
 
 
 class _TemplateRaised(Exception):

@@ -155,3 +155,40 @@ def test_templates_cannot_mutate_the_callers_messages():
     with pytest.raises(TokenizerError):
         render("{{ messages.append(1) }}", messages)
     assert messages == [{"role": "user", "content": "x"}]
+
+
+# What llama.cpp's --jinja renders for a tool round trip on Qwen2.5's template: its chat layer turns
+# the call's `arguments` string into an object before rendering (the template prints it with tojson),
+# and the tool's result goes inside <tool_response> in a user turn.
+QWEN_ROUND_TRIP = (
+    "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.\n\n# Tools\n\n"
+    "You may call one or more functions to assist with the user query.\n\nYou are provided with function "
+    "signatures within <tools></tools> XML tags:\n<tools>\n"
+    '{"type": "function", "function": {"name": "get_weather", "description": "Weather.", "parameters": {}}}\n'
+    "</tools>\n\nFor each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n'
+    "<|im_start|>user\nWeather in Paris?<|im_end|>\n"
+    '<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+    "</tool_call><|im_end|>\n"
+    '<|im_start|>user\n<tool_response>\n{"temperature": 23}\n</tool_response><|im_end|>\n'
+    "<|im_start|>assistant\n")
+
+
+@pytest.mark.parametrize("model", ["qwen05_gguf", "qwen15_gguf"])
+def test_qwen_tool_round_trip_renders_as_llama_cpp_does(model, request):
+    """Both Qwen files: the history's call (arguments sent as a JSON string) and the tool's result.
+    The 1.5B file's template shows the call format with doubled braces (`{{"name": ...}}`), which
+    the model copied as text after a tool result; it is printed with single braces, as in the 0.5B's."""
+    from gateway.requests import parse_chat
+    from gateway.tokenizer import Tokenizer
+    from gateway.tools import prompt_messages
+    req = parse_chat({"messages": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 23}'}],
+        "tools": [{"type": "function", "function": {"name": "get_weather", "description": "Weather."}}]}, max_n=1)
+    template = ChatTemplate.for_tokenizer(Tokenizer.from_gguf(request.getfixturevalue(model)))
+    tools = [{**t.as_openai(), "function": {**t.as_openai()["function"], "parameters": {}}} for t in req.tools.tools]
+    assert template.render(prompt_messages(req.messages, req.tools, True), tools=tools) == QWEN_ROUND_TRIP
