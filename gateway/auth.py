@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +24,9 @@ from aiohttp import web
 from gateway.errors import AuthenticationError, PermissionDeniedError
 from shared.config import Config
 from shared.errors import ConfigError
+from shared.private_state import check_secret_file
+
+log = logging.getLogger("reame.gateway")
 
 OPEN_PATHS = frozenset({"/health", "/openapi.json", "/dashboard"})  # /dashboard: a page without data
 OPERATOR_PATHS = frozenset({"/dashboard", "/metrics"})  # and everything under /admin/
@@ -54,6 +58,7 @@ def load_tenants(config: Config) -> list[tuple[bytes, Tenant]]:
         keys.append(_tenant("default", config.gateway.api_key, admin=True))
     if config.gateway.api_keys_file:
         path = config.resolve_path(config.gateway.api_keys_file)
+        check_secret_file(path, "[gateway] api_keys_file", log)
         try:
             lines = path.read_text(encoding="utf-8").splitlines()
         except OSError as exc:

@@ -43,3 +43,27 @@ def _tighten(path: Path, info: os.stat_result, private: int, what: str, log: log
     os.chmod(path, mode & private)
     log.warning("%s: %s was open to other users (mode %o, left by an older version or a loose umask): "
                 "made it mode %o", what, path, mode, mode & private)
+
+
+def check_secret_file(path: Path, what: str, log: logging.Logger) -> None:
+    """A file of secrets (API keys) must be readable by no one but its owner and group, and
+    writable by its owner only. One of ours is fixed (logged); one of root's that is not is
+    refused, as is another user's: ConfigError naming the fix. A missing file is left to the
+    caller's read to report."""
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        return
+    if info.st_uid not in (os.geteuid(), 0):
+        raise ConfigError(f"{what}: {path} belongs to uid {info.st_uid}, not to this user ({os.geteuid()}) "
+                          "or root: another user could change the keys; chown it")
+    mode = stat.S_IMODE(info.st_mode)
+    loose = mode & (stat.S_IRWXO | stat.S_IWGRP)
+    if not loose:
+        return
+    if info.st_uid != os.geteuid():
+        raise ConfigError(f"{what}: {path} is open to other users (mode {mode:o}): `chmod o-rwx,g-w` it")
+    os.chmod(path, mode & ~(stat.S_IRWXO | stat.S_IWGRP))
+    log.warning("%s: %s was open to other users (mode %o, left by an older version or a loose umask): "
+                "made it mode %o; keys other users could read should be replaced", what, path, mode,
+                mode & ~(stat.S_IRWXO | stat.S_IWGRP))

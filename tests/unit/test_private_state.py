@@ -1,5 +1,5 @@
-"""State directories left open to other users by an older version or a loose umask are made
-owner-only at start-up, with a log line; another user's are refused (issue 41.7)."""
+"""State directories and key files left open to other users by an older version or a loose umask
+are made private at start-up, with a log line; another user's are refused (issue 41.7)."""
 from __future__ import annotations
 
 import logging
@@ -8,7 +8,9 @@ import stat
 
 import pytest
 
+from gateway.auth import load_tenants
 from gateway.coordinator.store import StrategyStore
+from shared.config import parse_config
 from shared.errors import ConfigError
 from shared.private_state import make_private
 from worker.sched.kernel_table_store import KernelTableStore
@@ -77,3 +79,30 @@ def test_another_users_state_is_refused(tmp_path):
         StrategyStore(state).load()
     with pytest.raises(ConfigError, match="belongs to uid 65534"):
         KernelTableStore(state, {}).load()
+
+
+def keys_file(tmp_path, mode: int):
+    path = tmp_path / "api-keys"
+    path.write_text("alice sk-alice-0123456789\n")
+    path.chmod(mode)
+    return parse_config(f"[gateway]\napi_keys_file = {path}\n"), path
+
+
+def test_an_api_keys_file_others_can_read_is_made_private_at_start_up(tmp_path, caplog):
+    config, path = keys_file(tmp_path, 0o664)
+    with caplog.at_level(logging.WARNING, "reame.gateway"):
+        assert [t.name for _, t in load_tenants(config)] == ["alice"]
+    assert mode(path) == 0o640  # the group may still read it (a service user's group), nobody else
+    assert f"[gateway] api_keys_file: {path} was open to other users (mode 664" in caplog.text
+    config, path = keys_file(tmp_path, 0o640)
+    caplog.clear()
+    load_tenants(config)
+    assert mode(path) == 0o640 and caplog.text == ""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making a file owned by another user needs root")
+def test_an_api_keys_file_of_another_user_is_refused(tmp_path):
+    config, path = keys_file(tmp_path, 0o600)
+    os.chown(path, 65534, 65534)
+    with pytest.raises(ConfigError, match="belongs to uid 65534"):
+        load_tenants(config)
