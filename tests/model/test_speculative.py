@@ -36,8 +36,8 @@ class OracleDrafts(Speculator):
         self.expected, self.vocab, self.rng, self.wrong = expected, vocab, random.Random(seed), wrong
         self.prompt_len: dict[str, int] = {}
 
-    def begin(self, seq_id, prompt_ids):
-        super().begin(seq_id, prompt_ids)
+    def begin(self, seq_id, prompt_ids, namespace=b""):
+        super().begin(seq_id, prompt_ids, namespace)
         self.prompt_len[seq_id] = len(prompt_ids)
 
     def propose(self, seq_id, tokens, limit):
@@ -321,3 +321,41 @@ def test_a_restarted_worker_drafts_from_its_first_request_as_it_did_before_the_r
     cold = Speculator(max_draft=8)  # no memory: what a restart was before
     tokens, (cold_steps, cold_drafted) = drafting_steps(cold, "r0")
     assert tokens == plain["r0"] and cold_drafted <= 0.6 * cold_steps, (cold_drafted, cold_steps)
+
+
+def test_drafts_and_what_they_learn_stay_in_the_requests_cache_namespace(tiny):
+    """Issue 41: one archive per host, keyed by the last tokens alone, learned from every finished
+    request ("speculative": false and constrained ones too), let another tenant recover a code from
+    someone's answer. Now a completion teaches its own namespace only, and an opted-out one nothing."""
+    from worker.spec.archive import NgramArchive
+
+    alice, mallory = b"a" * 32, b"m" * 32
+    archive = NgramArchive()
+    spec = Speculator(max_draft=4, adaptive=False, archive=archive)
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    prompt, quiet_prompt = [5, 9, 2, 7, 11, 3], [1, 14, 6, 10, 4, 12]
+    generator = _generator(tiny, spec)
+    generator.add("alice", prompt, params, cache_namespace=alice)
+    generator.add("quiet", quiet_prompt, params, cache_namespace=alice, speculative=False)
+    out: dict[str, list[int]] = {"alice": [], "quiet": []}
+    while generator.has_work:
+        for event in generator.step():
+            if isinstance(event, TokenEvent):
+                out[event.request_id].append(event.token)
+
+    def contexts(tokens):
+        return [tuple(tokens[i - 3:i]) for i in range(3, len(tokens))]
+    learned = contexts(prompt[-3:] + out["alice"])
+    assert learned and all(archive.counts(ctx, alice) for ctx in learned)
+    assert not any(archive.counts(ctx, mallory) or archive.counts(ctx, b"") for ctx in learned)
+    quiet = set(contexts(quiet_prompt[-3:] + out["quiet"])) - set(learned)
+    assert quiet and not any(archive.counts(ctx, alice) for ctx in quiet)  # opted out: taught nothing
+    # The same prompt again: alice's request drafts from what hers produced, mallory's cannot.
+    for tenant, namespace in (("mallory", mallory), ("alice", alice)):
+        before = spec.counters.spec_from_archive
+        tokens = run_requests(_generator(tiny, spec), {tenant: (prompt, params)}).tokens[tenant]
+        assert tokens == out["alice"]
+        if namespace == mallory:
+            assert spec.counters.spec_from_archive == before
+        else:
+            assert spec.counters.spec_from_archive > before

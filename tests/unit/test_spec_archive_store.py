@@ -105,3 +105,20 @@ def test_the_archive_writer_runs_at_the_lowest_cpu_priority(tmp_path):
     assert store.flush()  # the thread has written it, so it has lowered itself first
     assert os.getpriority(os.PRIO_PROCESS, store._thread.native_id) == 19
     store.close()
+
+
+def test_a_namespace_reads_only_its_own_counts_and_the_shared_keys_are_unchanged(tmp_path):
+    """Keys carry the cache namespace; the shared one's keys are as before namespaces (an archive
+    written then still drafts for it)."""
+    alice, mallory = b"a" * 32, b"m" * 32
+    store = _store(tmp_path)
+    NgramArchive(order=3, backing=store).learn([1, 2, 3, 4], alice)
+    NgramArchive(order=3, backing=store).learn([1, 2, 3, 5])
+    assert store.flush()
+    assert store.get((1, 2, 3), alice) == {4: 1} and store.get((1, 2, 3)) == {5: 1}
+    assert store.get((1, 2, 3), mallory) is None
+    assert store._key((1, 2, 3)) == MODEL[:8] + bytes([1, 0, 0, 0, 2, 0, 0, 0, 3, 0, 0, 0])
+    store.close()
+    fresh = NgramArchive(order=3, backing=_store(tmp_path))  # restarted: only the store knows
+    assert fresh.propose([1, 2, 3], 1, mallory) == [] and fresh.propose([1, 2, 3], 1, alice) == [4]
+    fresh.backing.close()

@@ -221,7 +221,7 @@ def test_draft_length_follows_the_acceptance_learned_for_the_source_agreement():
         spec._seqs["b"].off_until = -1
         assert spec.propose("b", short, 99)
         spec.observe("b", 2, 0)
-    a, r, _ = spec._agreement[agreement_bucket(40)]
+    a, r, _ = spec._agreement(b"")[agreement_bucket(40)]
     assert a / (a + r) > 0.9
     spec._seqs["b"].off_until = -1
     assert len(spec.propose("a", long_copy, 99)) == 8 and len(spec.propose("b", short, 99)) <= 1  # a probe at most
@@ -279,3 +279,51 @@ def test_a_gated_step_gets_no_draft_and_a_speculator_without_adaptation_has_no_g
     spec.before_step(8)
     assert spec.propose("a", tokens, 9) != []
     assert Speculator(adaptive=False).gate is None
+
+
+def test_a_tenant_drafts_and_learns_only_within_its_cache_namespace():
+    """Issue 41: one archive per host keyed by the last tokens alone let another tenant recover a
+    6-digit code from someone's answer, watching what its own drafts made of the code's start."""
+    alice, mallory = b"a" * 32, b"m" * 32
+    spec = Speculator(archive=NgramArchive(order=3))
+    secret = [40, 41, 42, 50, 51, 60, 61, 62, 63, 64, 65]  # "... the code is" 6 1 6 2 ...
+    spec.begin("alice", secret[:5], alice)
+    spec.end("alice", secret, num_prompt=5)
+    for name, namespace in (("mallory", mallory), ("shared", b"")):
+        spec.begin(name, [70, 60, 61, 62], namespace)
+        assert spec.propose(name, [70, 60, 61, 62], 2) == []
+    spec.begin("alice2", [70, 60, 61, 62], alice)
+    assert spec.propose("alice2", [70, 60, 61, 62], 2) == [63, 64]
+    assert spec.archive.counts((42, 50, 51), alice) == {60: 1} and spec.archive.counts((42, 50, 51)) == {}
+
+
+def test_a_request_that_opted_out_of_speculation_teaches_nothing():
+    """`"speculative": false` (and a constrained request, which is never begun either): neither
+    draft nor learn. Before, every finished sequence was counted into the archive."""
+    spec = Speculator(archive=NgramArchive(order=3))
+    spec.end("opted-out", [40, 41, 42, 50, 51, 60, 61, 62, 63], num_prompt=5)
+    assert len(spec.archive) == 0 and spec.archive.counts((50, 51, 60)) == {}
+
+
+def test_class_and_agreement_records_are_kept_per_namespace():
+    """How fast a request starts drafting must not tell whether another tenant sent its prompt."""
+    from worker.spec.speculator import CLASS_EVIDENCE, PRIOR, agreement_bucket, class_keys
+
+    prompt = list(range(500, 548))
+    assert class_keys(prompt, b"a" * 32) != class_keys(prompt, b"m" * 32) != class_keys(prompt)
+    spec = _measured(Speculator(max_draft=4))
+    spec.begin("a", prompt, b"a" * 32)
+    for _ in range(2 * CLASS_EVIDENCE):
+        spec.observe("a", 4, 0)  # alice's drafts on this prompt all fail
+    spec.end("a")
+    spec.begin("m", prompt, b"m" * 32)
+    spec.begin("a2", prompt, b"a" * 32)
+    assert spec._seqs["m"].p == PRIOR[0] / sum(PRIOR) and spec._seqs["a2"].p < 0.2
+    copying = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3, 4, 5]
+    spec.begin("copy", copying, b"a" * 32)
+    spec._seqs["copy"].off_until = -1
+    assert spec.propose("copy", copying, 4)
+    spec.observe("copy", 4, 0)
+    bucket = agreement_bucket(5)
+    assert spec._agreement(b"a" * 32)[bucket][2] == 1 and spec._agreement(b"m" * 32)[bucket][2] == 0
+    assert spec._agreement(b"")[bucket][2] == 0

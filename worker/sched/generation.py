@@ -154,10 +154,10 @@ class BatchGenerator:
             self._warm.add(request_id)
         if top_logits > 0:
             self._top_logits[request_id] = top_logits
-        # A constrained request does not draft: a draft would have to be checked against its
-        # grammar row by row; its tokens are rarely drafts of anything anyway.
+        # A constrained request does not draft (nor teach the archive: it is never begun): a draft would have
+        # to be checked against its grammar row by row; its tokens are rarely drafts of anything anyway.
         if self.speculator is not None and speculative and not warm and grammar is None:
-            self.speculator.begin(request_id, seq.token_ids)
+            self.speculator.begin(request_id, seq.token_ids, cache_namespace)
 
     def abort(self, request_id: str) -> FinishEvent | None:
         """Stop a request now and free its blocks; None when it is unknown or already finished."""

@@ -2,7 +2,7 @@
 kept across restarts, LRU-evicted within a byte budget.
 
 Sub-databases, changed only inside one write transaction:
-  ngrams  model(8) + context (order x int32 LE) -> entry
+  ngrams  model(8) + namespace (0 or 32) + context (order x int32 LE) -> entry
   lru     stamp (8-byte big-endian time_ns) + key -> b""   oldest first
   meta    b"bytes_used" -> u64 big-endian                  sum of len(entry) over ngrams
   state   model(8) -> the speculator's learned state (worker.spec.learned; small, outside the budget)
@@ -10,7 +10,9 @@ An entry is magic b"NG", version, count of pairs, CRC32 of the pairs, the stamp 
 row, then (token int32, count uint32) pairs, most frequent first, at most MAX_CONTINUATIONS.
 
 Keys carry the first 8 bytes of the model file's SHA-256: an archive directory may hold several
-models' n-grams, and one model never drafts from another's token ids.
+models' n-grams, and one model never drafts from another's token ids. They carry the request's
+cache namespace too (a digest; none for the shared one, so an archive written before namespaces
+serves the shared namespace as it was): one tenant's completions never draft for another.
 
 Reads (`get`) run on the request path and never write: an entry that fails its checks is a miss
 and is queued for deletion. Writes (`submit`: counts to add) run on one daemon thread, merged with
@@ -19,6 +21,7 @@ and reads go on.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import struct
 import threading
@@ -37,6 +40,7 @@ log = logging.getLogger("reame.spec")
 MAGIC = b"NG"
 VERSION = 1
 MAX_CONTINUATIONS = 8  # the counts beyond the best few never decide a draft
+NAMESPACE_BYTES = 32  # gateway.cache_namespace's digests
 MAX_PENDING = 4096  # completions' count sets waiting for the writer; more are dropped
 _HEADER = struct.Struct("<2sBBIQ")  # magic, version, pairs, crc32, stamp
 _PAIR = struct.Struct("<iI")
@@ -78,9 +82,9 @@ class ArchiveStore:
 
     # ---- the request path -------------------------------------------------------------------------
 
-    def get(self, context: tuple[int, ...]) -> Counts | None:
+    def get(self, context: tuple[int, ...], namespace: bytes = b"") -> Counts | None:
         """The stored continuations of a context, or None (absent, or corrupt: then queued for deletion)."""
-        key = self._key(context)
+        key = self._key(context, namespace)
         try:
             with self._env.begin(db=self._ngrams, buffers=True) as txn:
                 raw = txn.get(key)
@@ -97,9 +101,9 @@ class ArchiveStore:
             self._enqueue(("delete", key))
         return counts
 
-    def submit(self, counts: dict[tuple[int, ...], Counts]) -> None:
+    def submit(self, counts: dict[tuple[int, ...], Counts], namespace: bytes = b"") -> None:
         """Counts to add (one finished sequence's), written behind the request path."""
-        self._enqueue(("add", {self._key(ctx): row for ctx, row in counts.items()}))
+        self._enqueue(("add", {self._key(ctx, namespace): row for ctx, row in counts.items()}))
 
     def load_state(self) -> bytes | None:
         """The speculator's saved state for this model (worker.spec.learned decodes and checks it)."""
@@ -241,10 +245,12 @@ class ArchiveStore:
             self.writes_enabled = False
             log.warning("n-gram archive at %s: writes stopped (%s); it is still read", self.path, reason)
 
-    def _key(self, context: tuple[int, ...]) -> bytes:
+    def _key(self, context: tuple[int, ...], namespace: bytes = b"") -> bytes:
         if len(context) != self.order:
             raise ValueError(f"a context has {self.order} tokens, got {len(context)}")
-        return self.model + struct.pack(f"<{self.order}i", *context)
+        if len(namespace) not in (0, NAMESPACE_BYTES):  # not one of the gateway's: made one, never mixed up
+            namespace = hashlib.sha256(namespace).digest()
+        return self.model + namespace + struct.pack(f"<{self.order}i", *context)
 
 
 def _encode(row: Counts, stamp: int) -> bytes:

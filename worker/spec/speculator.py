@@ -23,6 +23,7 @@ import logging
 import math
 import struct
 import zlib
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
@@ -62,6 +63,8 @@ MAX_CLASSES = 20_000  # class records kept (the oldest go first)
 AGREEMENT_BUCKETS = (2, 3, 4, 6, 9, 16, 32)
 AGREEMENT_DECAY = 0.98  # every request's drafts feed these records: they forget more slowly
 AGREEMENT_EVIDENCE = 8
+MAX_NAMESPACES = 1024  # cache namespaces whose agreement records are kept (least recently used go)
+_PRIOR_AGREEMENT = ((*PRIOR, 0),) * len(AGREEMENT_BUCKETS)
 PROBE_TOKENS = 4  # one-token drafts a sequence may try while its own record is this short, paying or not
 SAVE_EVERY = 16  # finished sequences between saves of what was learned (learned.py; ~1 ms to snapshot)
 
@@ -74,10 +77,12 @@ class LearnedStore(Protocol):
     def save_state(self, encode: Callable[[], bytes]) -> None: ...
 
 
-def class_keys(prompt_ids: list[int]) -> list[int]:
+def class_keys(prompt_ids: list[int], namespace: bytes = b"") -> list[int]:
     """Keys of the prompt's prefixes of 16, 32, ... tokens (the whole prompt when shorter than 16):
-    CRC32 chained block by block, with the depth in the high bits; stable across processes."""
-    keys, crc = [], 0
+    CRC32 chained block by block from the cache namespace's, with the depth in the high bits;
+    stable across processes. Another namespace's record of the same prompt is another key: how
+    fast a request starts drafting must not tell whether someone else sent its prompt."""
+    keys, crc = [], zlib.crc32(namespace) if namespace else 0
     blocks = min(CLASS_DEPTHS, max(1, len(prompt_ids) // CLASS_BLOCK))
     for depth in range(1, blocks + 1):
         block = prompt_ids[(depth - 1) * CLASS_BLOCK:depth * CLASS_BLOCK]
@@ -155,6 +160,7 @@ class SequenceDrafts:
     """One sequence's drafting state."""
     lookup: PromptLookup
     klass: list[int]  # its class keys, shortest prefix first
+    namespace: bytes = b""  # its cache namespace: what it drafts from and learns into
     accepted_w: float = PRIOR[0]  # decayed accepted tokens ...
     rejected_w: float = PRIOR[1]  # ... and rejections: p = accepted_w / (accepted_w + rejected_w)
     off_until: int = -1  # step number before which it does not draft
@@ -198,7 +204,8 @@ class Speculator:
             raise ValueError(f"max_draft must be >= 1, got {self.max_draft}")
         self._seqs: dict[str, SequenceDrafts] = {}
         self._classes: dict[int, tuple[float, float, int]] = {}  # class key -> (accepted_w, rejected_w, drafts)
-        self._agreement = [(*PRIOR, 0)] * len(AGREEMENT_BUCKETS)  # per bucket: (accepted_w, rejected_w, drafts)
+        # Per cache namespace (b"": the shared one), per agreement bucket: (accepted_w, rejected_w, drafts).
+        self._agreements: OrderedDict[bytes, list[tuple[float, float, int]]] = OrderedDict()
         self._step = 0
         self._sequences_per_step = 1
         # Step-level check of the per-sequence rule (adaptive only): drafting must measure faster.
@@ -214,10 +221,12 @@ class Speculator:
 
     # ---- a sequence's life ------------------------------------------------------------------------
 
-    def begin(self, seq_id: str, prompt_ids: list[int]) -> None:
-        """A sequence that may draft (requests that opted out are never begun)."""
-        keys = class_keys(prompt_ids)
-        state = SequenceDrafts(PromptLookup(), keys)
+    def begin(self, seq_id: str, prompt_ids: list[int], namespace: bytes = b"") -> None:
+        """A sequence that may draft (requests that opted out, or constrained ones, are never
+        begun: they neither draft nor teach). namespace: its cache namespace; its drafts, class
+        records and agreement records are that namespace's alone."""
+        keys = class_keys(prompt_ids, namespace)
+        state = SequenceDrafts(PromptLookup(), keys, namespace)
         record = next((r for r in map(self._classes.get, reversed(keys)) if r is not None and r[2] >= CLASS_EVIDENCE),
                       None)
         if record is not None:  # its longest known class's record, as much weight as the prior
@@ -232,14 +241,15 @@ class Speculator:
 
     def end(self, seq_id: str, tokens: list[int] | None = None, num_prompt: int = 0) -> None:
         """The sequence finished (tokens: all of them, the first num_prompt its prompt) or was
-        aborted (None). The archive learns the completion with the context it started from:
-        a prompt is drafted from by its own request's prompt lookup, and counting every prompt
-        would cost a store lookup per prompt token on the step loop."""
+        aborted (None). The archive learns the completion with the context it started from, in
+        its namespace: a prompt is drafted from by its own request's prompt lookup, and counting
+        every prompt would cost a store lookup per prompt token on the step loop. A sequence
+        never begun (`"speculative": false`, constrained, warm) teaches nothing."""
         state = self._seqs.pop(seq_id, None)
         if state is not None and state.drafted:
             log.debug("request %s: %d of %d drafted tokens accepted", seq_id, state.accepted, state.drafted)
-        if tokens is not None and self.archive is not None:
-            self.archive.learn(tokens[max(0, num_prompt - self.archive.order):])
+        if state is not None and tokens is not None and self.archive is not None:
+            self.archive.learn(tokens[max(0, num_prompt - self.archive.order):], state.namespace)
         self._finished += 1
         if self._finished % SAVE_EVERY == 0:
             self.save()
@@ -258,7 +268,7 @@ class Speculator:
         if found is not None:
             at, agree = found
             bucket = agreement_bucket(agree)
-            a, r, n = self._agreement[bucket]
+            a, r, n = self._agreement(state.namespace)[bucket]
             if self.adaptive and n >= AGREEMENT_EVIDENCE:  # what such drafts earned decides; no probe
                 copy_k = min(limit, draft_length(a / (a + r), break_even, self.max_draft))
             else:
@@ -270,7 +280,7 @@ class Speculator:
         k = min(limit, self._probe(state, k))
         if k <= 0 or self.archive is None:
             return []
-        draft = self.archive.propose(tokens, k)
+        draft = self.archive.propose(tokens, k, state.namespace)
         if draft:
             self.counters.spec_from_archive += 1
         return draft
@@ -295,8 +305,8 @@ class Speculator:
         state.since_start += drafted
         rejected = 1.0 if accepted < drafted else 0.0
         if state.agreement >= 0:
-            self._agreement[state.agreement] = _decayed(self._agreement[state.agreement], accepted, rejected,
-                                                        AGREEMENT_DECAY)
+            records = self._agreement(state.namespace)
+            records[state.agreement] = _decayed(records[state.agreement], accepted, rejected, AGREEMENT_DECAY)
         state.accepted_w = DECAY * state.accepted_w + accepted
         state.rejected_w = DECAY * state.rejected_w + rejected
         for key in state.klass:  # popped and re-inserted: the dict's order is least recent first
@@ -330,6 +340,16 @@ class Speculator:
         if sequences > 0:
             self._sequences_per_step = sequences
 
+    def _agreement(self, namespace: bytes) -> list[tuple[float, float, int]]:
+        """A namespace's agreement records (made at the prior), most recently used kept."""
+        records = self._agreements.get(namespace)
+        if records is None:
+            records = self._agreements[namespace] = list(_PRIOR_AGREEMENT)
+            while len(self._agreements) > MAX_NAMESPACES:
+                self._agreements.popitem(last=False)
+        self._agreements.move_to_end(namespace)
+        return records
+
     def _break_even(self) -> float:
         """The acceptance a drafted token needs, with MARGIN (at most 1: only certain drafts)."""
         return min(1.0, MARGIN * self.cost.break_even(self._sequences_per_step))
@@ -339,8 +359,9 @@ class Speculator:
     def learned(self) -> LearnedState:
         """A copy of what should outlive this process."""
         classes = [(key, a, r, n) for key, (a, r, n) in self._classes.items()]
+        # The shared namespace's agreement records outlive the process; a tenant's start again from the prior.
         return LearnedState(classes, self.gate.export() if self.gate is not None else [], self.cost.export(),
-                            list(self._agreement))
+                            list(self._agreements.get(b"", _PRIOR_AGREEMENT)))
 
     def restore(self, state: LearnedState) -> None:
         """Start from what an earlier process learned (before any sequence begins)."""
@@ -350,7 +371,7 @@ class Speculator:
             self.gate.restore(state.gate)
         self.cost.restore(state.cost)
         if len(state.agreement) == len(AGREEMENT_BUCKETS):
-            self._agreement = list(state.agreement)
+            self._agreements[b""] = list(state.agreement)
 
     def save(self) -> None:
         """Hand a snapshot to the memory; it encodes and writes it behind the step loop."""
@@ -391,7 +412,9 @@ class Speculator:
             "step_per_row_s": fit[1] if fit else None,
             "sequences": len(self._seqs),
             "archive_contexts": len(self.archive) if self.archive is not None else 0,
-            "agreement_acceptance": {low: round(a / (a + r), 3) for low, (a, r, n) in zip(AGREEMENT_BUCKETS, self._agreement)
+            "agreement_acceptance": {low: round(a / (a + r), 3)
+                                     for low, (a, r, n) in zip(AGREEMENT_BUCKETS,
+                                                               self._agreements.get(b"", _PRIOR_AGREEMENT))
                                      if n >= AGREEMENT_EVIDENCE},
             **(self.gate.snapshot() if self.gate is not None else {}),
         }
