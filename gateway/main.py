@@ -20,8 +20,7 @@ from pathlib import Path
 from aiohttp import web
 
 from shared.config import Config, adaptive_flag, add_adaptive_flag, is_loopback, load_config, model_flag, override
-from shared.curve import check_coordinator_transport, check_transport, coordinator_client_keys, exposed_tcp, server_keys
-from shared.curve import enabled as curve_enabled
+from shared.curve import check_coordinator_transport, check_transport, coordinator_client_keys, insecure_endpoints, server_keys
 from shared.errors import ConfigError, ReameError
 from shared.logs import setup_logging
 
@@ -71,11 +70,7 @@ def check_exposure(config: Config) -> list[str]:
     server_keys(config)  # the key files are checked before the model loads
     check_coordinator_transport(config)
     coordinator_client_keys(config)
-    if exposed_tcp(config.endpoint) and not curve_enabled(config):
-        # Allowed by insecure_tcp: whoever reaches the port can register as a worker and see prompts.
-        warnings.append(f"workers connect over {config.endpoint} without CURVE (insecure_tcp = true): "
-                        "anyone who reaches it may join as a worker; keep it on a private network")
-    return warnings
+    return warnings + insecure_endpoints(config)  # what insecure_tcp allowed
 
 
 def model_path(config: Config) -> Path:

@@ -153,12 +153,12 @@ def coordinator_client_keys(config: Config) -> ClientKeys | None:
 
 def check_coordinator_transport(config: Config) -> None:
     """As check_transport, for [tuning] coordinator: strategies and the operator's calls (freeze,
-    import) would otherwise be open to whoever reaches the port."""
+    import) would otherwise be open to whoever reaches the port (on loopback: any local user)."""
     endpoint = config.tuning.coordinator
-    if exposed_tcp(endpoint) and not config.tuning.curve_coordinator_key and not config.server.insecure_tcp:
-        raise ConfigError(f"[tuning] coordinator = {endpoint} is reachable from other machines without "
-                          "authentication: set curve_coordinator_key and curve_authorized_gateways "
-                          "(`reame keys generate`), or [server] insecure_tcp = true on a network you trust")
+    if is_tcp(endpoint) and not config.tuning.curve_coordinator_key and not config.server.insecure_tcp:
+        raise ConfigError(f"[tuning] coordinator = {endpoint} {_reachable_by(endpoint)} without authentication: "
+                          "set curve_coordinator_key and curve_authorized_gateways (`reame keys generate`), "
+                          "use an ipc:// endpoint, or set [server] insecure_tcp = true to accept that")
 
 
 def secure_server(sock: zmq.Socket, keys: ServerKeys) -> None:
@@ -176,19 +176,44 @@ def secure_clients(context: zmq.Context, keys: ClientKeys) -> None:
     context.curve_secretkey = keys.secret
 
 
+def is_tcp(endpoint: str) -> bool:
+    return endpoint.startswith("tcp://")
+
+
 def exposed_tcp(endpoint: str) -> bool:
     """A tcp:// endpoint other machines can reach (anything but a loopback address)."""
-    if not endpoint.startswith("tcp://"):
+    if not is_tcp(endpoint):
         return False
     host = endpoint[len("tcp://"):].rsplit(":", 1)[0]
     return not is_loopback(host)
 
 
+def _reachable_by(endpoint: str) -> str:
+    # A loopback port is no boundary: every local user (and every container sharing the host's
+    # network) can connect to it, where an ipc:// socket is the owner's alone.
+    return "is reachable from other machines" if exposed_tcp(endpoint) else "is open to every local user"
+
+
 def check_transport(config: Config) -> None:
-    """Refuse a workers' endpoint that other machines can reach without CURVE, unless reame.conf
-    says `insecure_tcp = true`: prompts and answers would cross the network in the clear, and
-    anyone who reached the port could join as a worker."""
-    if exposed_tcp(config.endpoint) and not enabled(config) and not config.server.insecure_tcp:
-        raise ConfigError(f"[server] endpoint = {config.endpoint} is reachable from other machines without "
+    """Refuse a tcp:// workers' endpoint without CURVE, loopback included, unless reame.conf says
+    `insecure_tcp = true`: anyone who reached the port could join as a worker (or take over a
+    worker's id) and be sent prompts; beyond loopback, prompts and answers cross the network in
+    the clear. An ipc:// endpoint needs none of this: its socket is the owner's alone."""
+    if is_tcp(config.endpoint) and not enabled(config) and not config.server.insecure_tcp:
+        raise ConfigError(f"[server] endpoint = {config.endpoint} {_reachable_by(config.endpoint)} without "
                           "authentication: set curve_gateway_key, curve_worker_key and curve_authorized_keys "
-                          "(`reame keys generate`), or insecure_tcp = true on a network you trust")
+                          "(`reame keys generate`), use an ipc:// endpoint (the default), or set insecure_tcp = "
+                          "true to accept that")
+
+
+def insecure_endpoints(config: Config) -> list[str]:
+    """A warning for each tcp:// endpoint that insecure_tcp lets run without CURVE, for the log."""
+    warnings = []
+    if is_tcp(config.endpoint) and not enabled(config):
+        warnings.append(f"workers connect over {config.endpoint} without CURVE (insecure_tcp = true): whoever "
+                        "reaches it may join as a worker, or take over a worker's id, and see prompts; keep it "
+                        "on a network (and a host) you trust")
+    if is_tcp(config.tuning.coordinator) and not config.tuning.curve_coordinator_key:
+        warnings.append(f"the tuning coordinator at {config.tuning.coordinator} is reached without CURVE "
+                        "(insecure_tcp = true): whoever reaches it may change every worker's strategy")
+    return warnings

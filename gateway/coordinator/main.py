@@ -16,6 +16,7 @@ import signal
 import sys
 
 from shared.config import Config, adaptive_flag, add_adaptive_flag, load_config, override
+from shared.curve import is_tcp
 from shared.errors import ReameError
 from shared.logs import setup_logging
 
@@ -44,6 +45,9 @@ async def serve(config: Config) -> None:
     from gateway.coordinator.server import CoordinatorServer
 
     server = CoordinatorServer(config)
+    if is_tcp(config.tuning.coordinator) and not config.tuning.curve_coordinator_key:
+        log.warning("coordinator: %s without CURVE (insecure_tcp = true): whoever reaches it may change every "
+                    "worker's strategy", config.tuning.coordinator)
     await server.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

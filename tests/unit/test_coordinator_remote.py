@@ -65,7 +65,7 @@ def profile_of(worker_id: str):
 def cluster(tmp_path):
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     conf = tmp_path / "coordinator.conf"
-    conf.write_text(f"[server]\nheartbeat_interval = 0.1\nworker_timeout = 0.6\n"
+    conf.write_text(f"[server]\nheartbeat_interval = 0.1\nworker_timeout = 0.6\ninsecure_tcp = true\n"
                     f"[tuning]\ncoordinator = {endpoint}\nstate_path = {tmp_path / 'central'}\n"
                     f"profile_interval = 0.1\nreport_interval = 60\n")
     coordinator = CoordinatorProcess(conf, tmp_path / "coordinator.log")
@@ -190,7 +190,7 @@ def test_over_curve_only_authorized_gateways_get_in(tmp_path):
         coordinator.stop()
 
 
-def test_an_exposed_coordinator_needs_curve():
+def test_a_tcp_coordinator_needs_curve_even_on_loopback():
     config = parse_config("[tuning]\ncoordinator = tcp://10.1.2.3:5560\n")
     from shared.curve import check_coordinator_transport
 
@@ -198,7 +198,12 @@ def test_an_exposed_coordinator_needs_curve():
         check_coordinator_transport(config)
     check_coordinator_transport(dataclasses.replace(config, server=dataclasses.replace(config.server,
                                                                                        insecure_tcp=True)))
-    check_coordinator_transport(parse_config("[tuning]\ncoordinator = tcp://127.0.0.1:5560\n"))
+    loopback = parse_config("[tuning]\ncoordinator = tcp://127.0.0.1:5560\n")
+    with pytest.raises(ConfigError, match="open to every local user"):  # any local user could rewrite strategies
+        check_coordinator_transport(loopback)
+    check_coordinator_transport(dataclasses.replace(loopback, server=dataclasses.replace(loopback.server,
+                                                                                         insecure_tcp=True)))
+    check_coordinator_transport(parse_config("[tuning]\ncoordinator = ipc:///run/reame/coordinator.ipc\n"))
 
 
 def test_reame_coordinator_without_an_endpoint_says_so():

@@ -13,8 +13,8 @@ import zmq.asyncio
 
 from gateway.worker_auth import WorkerAuthenticator
 from shared.config import parse_config
-from shared.curve import (check_transport, client_keys, generate, load_key, secure_clients, secure_server,
-                          server_keys)
+from shared.curve import (check_transport, client_keys, generate, insecure_endpoints, load_key, secure_clients,
+                          secure_server, server_keys)
 from shared.errors import ConfigError
 
 
@@ -59,20 +59,32 @@ def test_config_checks_name_the_setting(keys):
 
 
 @pytest.mark.parametrize("server, refused", [
-    ("endpoint = tcp://0.0.0.0:5557", True),
-    ("endpoint = tcp://10.0.0.1:5557", True),
-    ("endpoint = tcp://127.0.0.1:5557", False),
-    ("endpoint = tcp://0.0.0.0:5557\ninsecure_tcp = true", False),
-    ("endpoint = tcp://0.0.0.0:5557\ncurve_gateway_key = k", False),
-    ("", False),  # ipc://
+    ("endpoint = tcp://0.0.0.0:5557", "reachable from other machines"),
+    ("endpoint = tcp://10.0.0.1:5557", "reachable from other machines"),
+    # Loopback is no boundary: any local user could register as a worker and be sent prompts.
+    ("endpoint = tcp://127.0.0.1:5557", "open to every local user"),
+    ("endpoint = tcp://[::1]:5557", "open to every local user"),
+    ("endpoint = tcp://127.0.0.1:5557\ninsecure_tcp = true", None),
+    ("endpoint = tcp://0.0.0.0:5557\ninsecure_tcp = true", None),
+    ("endpoint = tcp://0.0.0.0:5557\ncurve_gateway_key = k", None),
+    ("", None),  # ipc://, the default: the socket is the owner's alone
+    ("endpoint = ipc:///run/reame/workers.ipc", None),
 ])
-def test_an_exposed_tcp_endpoint_needs_curve_or_insecure_tcp(keys, server, refused):
+def test_a_tcp_endpoint_needs_curve_or_insecure_tcp(keys, server, refused):
     config = conf(keys, server)
     if refused:
-        with pytest.raises(ConfigError, match="insecure_tcp = true"):
+        with pytest.raises(ConfigError, match=f"{refused} without authentication.*insecure_tcp = true"):
             check_transport(config)
     else:
         check_transport(config)
+
+
+def test_insecure_tcp_is_logged_for_each_endpoint_it_opens(keys):
+    config = parse_config("[server]\nendpoint = tcp://127.0.0.1:5557\ninsecure_tcp = true\n"
+                          "[tuning]\ncoordinator = tcp://127.0.0.1:5560\n", str(keys / "reame.conf"))
+    warnings = insecure_endpoints(config)
+    assert len(warnings) == 2 and "tcp://127.0.0.1:5557" in warnings[0] and "tcp://127.0.0.1:5560" in warnings[1]
+    assert insecure_endpoints(conf(keys, "")) == []
 
 
 async def _exchange(keys, worker: str | None, authorized_later: bool = False) -> tuple[bool, WorkerAuthenticator]:

@@ -108,12 +108,13 @@ def test_other_addresses_need_allow_remote_and_warn_without_a_key():
     assert check_exposure(conf("host = 10.1.2.3\nallow_remote = true\napi_key = k")) == []
 
 
-def test_a_tcp_worker_endpoint_beyond_loopback_needs_curve_or_insecure_tcp():
-    assert check_exposure(conf(server="endpoint = tcp://127.0.0.1:5557")) == []
-    with pytest.raises(ConfigError, match="insecure_tcp"):
-        check_exposure(conf(server="endpoint = tcp://0.0.0.0:5557"))
-    warnings = check_exposure(conf(server="endpoint = tcp://0.0.0.0:5557\ninsecure_tcp = true"))
-    assert len(warnings) == 1 and "tcp://0.0.0.0:5557" in warnings[0]
+def test_a_tcp_worker_endpoint_needs_curve_or_insecure_tcp_even_on_loopback():
+    assert check_exposure(conf(server="endpoint = ipc:///run/reame/workers.ipc")) == []
+    for endpoint in ("tcp://127.0.0.1:5557", "tcp://0.0.0.0:5557"):
+        with pytest.raises(ConfigError, match="insecure_tcp"):
+            check_exposure(conf(server=f"endpoint = {endpoint}"))
+        warnings = check_exposure(conf(server=f"endpoint = {endpoint}\ninsecure_tcp = true"))
+        assert len(warnings) == 1 and endpoint in warnings[0] and "without CURVE" in warnings[0]
 
 
 @pytest.mark.parametrize("log_prompts", [False, True])
