@@ -66,7 +66,8 @@ class WorkerAuthenticator:
             await self._socket.send_multipart(reply)
 
     def answer(self, frames: list[bytes]) -> list[bytes]:
-        """The reply to one ZAP request: 200 with the key's file name as user id, or 400."""
+        """The reply to one ZAP request: 200 with the public key (Z85) as user id, or 400. The
+        user id comes with every message of that connection: the pool binds a worker id to it."""
         if len(frames) < 6:
             return [_VERSION, b"", b"500", b"malformed ZAP request", b"", b""]
         version, request_id, domain, address, _identity, mechanism = frames[:6]
@@ -85,7 +86,11 @@ class WorkerAuthenticator:
         name = self._keys.get(key)
         if name is None:
             return self._refuse(reply, peer, key, f"its key is not in {self.authorized_dir}")
-        return reply(b"200", "OK", name)
+        return reply(b"200", "OK", key.decode())
+
+    def name_of(self, key: bytes) -> str:
+        """The file name of an authorized public key (Z85), for the log."""
+        return self._keys.get(key, "no longer authorized")
 
     def _refuse(self, reply, peer: str, key: bytes, why: str) -> list[bytes]:
         self.refused += 1

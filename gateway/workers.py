@@ -4,8 +4,16 @@ and what happens when a worker goes away.
 Requests wait here (not in the workers) until a worker has a free slot, so a worker that dies
 takes only its running requests with it. Those are re-run elsewhere when no output has reached
 the client yet (`Job.delivered`); otherwise their consumer gets a WorkerLostError. A worker is
-dropped when it says it is leaving, goes silent for `worker_timeout`, or — when it runs on this
-host — its process no longer exists (noticed within a sweep, far sooner than a timeout).
+dropped when it says it is leaving, goes silent for `worker_timeout`, does not read what it is
+sent for `worker_timeout` (its heartbeats say which request its serve loop read last), or — when
+it runs on this host — its process no longer exists (noticed within a sweep, far sooner than a
+timeout).
+
+A worker id belongs to the connection that registered it, as far as the transport can tell who
+that is: over CURVE its public key, over ipc:// its process (uid and pid, from the kernel). Its
+Register, Heartbeat, Profile and answers from anyone else are ignored, and no connection takes
+over another's routing id (no ROUTER_HANDOVER): a second process cannot be sent the worker's
+prompts. Plain tcp:// (`insecure_tcp`) proves nothing, so nothing is bound there.
 
 Each Generate gets exactly one terminal answer from a live worker (Finished or Error), so a
 slot is freed only on that answer; an Abort merely asks for it sooner.
@@ -78,6 +86,9 @@ class WorkerHandle:
     draining: bool = False
     jobs: dict[str, Job] = field(default_factory=dict)
     tuned_capacity: int | None = None  # max_batch_size of a strategy the worker confirmed running
+    peer: str = ""  # who registered it (peer_of): its other messages must come from the same
+    unread: deque[tuple[str, float]] = field(default_factory=deque)  # (request id, sent at) not yet read
+    unread_since: float | None = None  # since when its heartbeats say that a request sent long ago is unread
 
     @property
     def worker_id(self) -> str:
@@ -103,6 +114,7 @@ class WorkerPool:
         a worker whose model differs is refused, as its token ids would mean other text. With
         `curve`, workers connect over CURVE and only those with an authorized key get in."""
         self.endpoint = endpoint
+        self._ipc = endpoint.startswith("ipc://")
         self.model_arch = model_arch
         self.vocab_size = vocab_size
         self.metrics = metrics
@@ -110,9 +122,12 @@ class WorkerPool:
         self.max_queue = max_queue
         self.queue_timeout = queue_timeout
         self.sweep_interval = min(0.25, heartbeat_interval / 2)
+        # A request counts as unread when the worker's serve loop finished a read this long after
+        # it was sent without having read it (transit, and a heartbeat that waited in our queue).
+        self.read_slack = max(1.0, 2 * heartbeat_interval)
         self.clock = clock
         self.router = Router(affinity=routing == "affinity")
-        self.workers: dict[str, WorkerHandle] = {}  # by worker id, which is also its socket's routing id
+        self.workers: dict[str, WorkerHandle] = {}  # by worker id (its routing id up to an "@")
         self.queue: deque[Job] = deque()
         self.n_ctx = 0  # of the registered model; kept when workers leave
         self.model_names: set[str] = set()
@@ -121,11 +136,13 @@ class WorkerPool:
         self._context = zmq.asyncio.Context()
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted worker may reuse its id
+        # No ROUTER_HANDOVER: a connection with a routing id already in use is not let in, so no
+        # one can take over a worker's id (and be sent its prompts) while it is connected.
         self.curve = curve
         self.authenticator = WorkerAuthenticator(self._context, curve.authorized_dir) if curve else None
         self._tasks: list[asyncio.Task] = []
         self._refused: set[tuple[str, str]] = set()  # (worker id, reason) already logged
+        self._impostors: set[tuple[str, bytes, str]] = set()  # (worker id, routing id, peer) already logged
         self._dispatched = 0  # jobs sent to workers so far
         self._served: dict[str, int] = {}  # tenant → the number of its latest dispatched job
         # The tuning coordinator's hooks (gateway.coordinator.service): profiles in, and what a
@@ -216,41 +233,44 @@ class WorkerPool:
         while True:
             # A worker's routing id, then one frame per message: a worker sends all the events
             # of one engine step (a token for each running request...) as one multipart message.
-            frames = await self._socket.recv_multipart()
+            frames = await self._socket.recv_multipart(copy=False)
             if len(frames) < 2:
                 log.warning("gateway: dropped a message of %d frames", len(frames))
                 continue
-            identity = frames[0]
+            identity = frames[0].bytes
+            peer = peer_of(frames[1], self._ipc)
             for frame in frames[1:]:
                 try:
-                    message = protocol.decode(frame)
+                    message = protocol.decode(frame.bytes)
                 except protocol.ProtocolError as exc:
                     log.warning("gateway: dropped a bad frame from %r: %s", identity, exc)
                     continue
                 try:
-                    self._on_message(identity, message)
+                    self._on_message(identity, message, peer)
                 except Exception:  # one bad message must not stop the loop that serves every request
                     log.exception("gateway: failed to handle %s", type(message).__name__)
 
-    def _on_message(self, identity: bytes, message: protocol.Message) -> None:
+    def _on_message(self, identity: bytes, message: protocol.Message, peer: str = "") -> None:
         if isinstance(message, Register):
-            self._register(identity, message)
+            self._register(identity, message, peer)
             return
         if isinstance(message, Heartbeat):
             # Heartbeats come from the worker's pulse thread on a socket of its own, so the
-            # worker is found by the id inside the message, not by the routing id.
-            worker = self.workers.get(message.worker_id)
-            if worker is None:  # we restarted, or dropped it: ask it to register again
+            # worker is named by the id inside the message, and that socket's routing id is it + "#pulse".
+            if message.worker_id not in self.workers:  # we restarted, or dropped it: ask it to register again
                 self._send(identity, Heartbeat(message.worker_id, registered=False))
-            else:
+                return
+            worker = self._sender(message.worker_id, identity, peer, pulse=True)
+            if worker is not None:
                 worker.last_seen = self.clock()
+                self._check_reads(worker, message)
                 self.metrics.observe_heartbeat(message)
             return
         if isinstance(message, Profile):
-            if message.worker_id in self.workers and self.on_profile is not None:
+            if self._sender(message.worker_id, identity, peer, pulse=True) is not None and self.on_profile is not None:
                 self.on_profile(message)
             return
-        worker = self.workers.get(identity.decode(errors="replace"))
+        worker = self._sender(_worker_id_of(identity), identity, peer, pulse=False)
         if worker is None:
             return
         worker.last_seen = self.clock()
@@ -279,21 +299,45 @@ class WorkerPool:
                 self._update_gauges()
                 self._dispatch()
 
-    def _register(self, identity: bytes, info: Register) -> None:
+    def _sender(self, worker_id: str, identity: bytes, peer: str, *, pulse: bool) -> WorkerHandle | None:
+        """The registered worker `worker_id` if this message comes from it (its routing id, or its
+        pulse's, and the peer that registered it); None, logged once per impostor, otherwise."""
+        worker = self.workers.get(worker_id)
+        if worker is None:
+            return None
+        expected = f"{worker_id}#pulse".encode() if pulse else worker.identity
+        if identity == expected and peer == worker.peer:
+            return worker
+        self._impostor(worker_id, identity, peer, worker.peer)
+        return None
+
+    def _impostor(self, worker_id: str, identity: bytes, peer: str, owner: str) -> None:
+        if (worker_id, identity, peer) not in self._impostors:
+            self._impostors.add((worker_id, identity, peer))
+            log.warning("worker %s: ignored a message from %s (routing id %r); the worker id belongs to %s",
+                        worker_id, peer or "an unauthenticated peer", identity, owner or "an unauthenticated peer")
+
+    def _register(self, identity: bytes, info: Register, peer: str = "") -> None:
         if info.version != protocol.PROTOCOL_VERSION:
             log.error("worker %s speaks protocol %d, this gateway %d: ignored",
                       info.worker_id, info.version, protocol.PROTOCOL_VERSION)
             return
-        if identity != info.worker_id.encode():
+        if _worker_id_of(identity) != info.worker_id:
             log.error("worker %s registered from routing id %r: ignored", info.worker_id, identity)
+            return
+        known = self.workers.get(info.worker_id)
+        if known is not None and known.peer != peer:
+            # Someone else claims a registered worker's id (a worker restarted under the same id
+            # is let in once the gateway has dropped its predecessor).
+            self._impostor(info.worker_id, identity, peer, known.peer)
             return
         mismatch = self._model_mismatch(info)
         if mismatch:
             self._refuse(identity, info, mismatch)
             return
-        known = self.workers.get(info.worker_id)
         if known is not None:
             known.info = info
+            known.identity = identity  # the same key, restarted under the same id: a new routing id
             known.last_seen = self.clock()
         else:
             local = info.host == self._host and _process_alive(info.pid)
@@ -302,9 +346,10 @@ class WorkerPool:
                 # namespaces) hide each other's processes: a pid check would drop a live worker.
                 log.info("worker %s: its process %d is not visible to the gateway; its heartbeats tell "
                          "whether it is alive", info.worker_id, info.pid)
-            self.workers[info.worker_id] = WorkerHandle(info, identity, self.clock(), local=local)
-            log.info("worker %s registered: node %d, cpus %s, model %s, context %d",
-                     info.worker_id, info.numa_node, _cpu_ranges(info.cpus), info.model_name, info.n_ctx)
+            self.workers[info.worker_id] = WorkerHandle(info, identity, self.clock(), local=local, peer=peer)
+            log.info("worker %s registered: node %d, cpus %s, model %s, context %d, from %s",
+                     info.worker_id, info.numa_node, _cpu_ranges(info.cpus), info.model_name, info.n_ctx,
+                     self._describe(peer))
         self.n_ctx = min(w.info.n_ctx for w in self.workers.values())
         self.model_names.add(info.model_name)
         if self.on_register is not None:
@@ -328,7 +373,27 @@ class WorkerPool:
             log.error("worker %s refused: %s", info.worker_id, reason)
         self._send(identity, Error("", "ConfigError", f"the gateway refused this worker: {reason}", fatal=True))
 
+    def _describe(self, peer: str) -> str:
+        if peer.startswith("key ") and self.authenticator is not None:
+            return f"{peer} ({self.authenticator.name_of(peer[4:].encode())})"
+        return peer or "an unauthenticated peer (insecure_tcp)"
+
     # ---- liveness ----------------------------------------------------------------------------
+
+    def _check_reads(self, worker: WorkerHandle, beat: Heartbeat) -> None:
+        """Liveness from the data path: a beat names the last request the worker's serve loop
+        read and when it last finished reading. Requests sent to it go down one ordered pipe, so
+        everything up to that one was read; one sent well before that read but not read means
+        our Generates do not reach that loop (its connection lost or replaced, the pipe full)."""
+        if beat.read_request and any(rid == beat.read_request for rid, _ in worker.unread):
+            while worker.unread and worker.unread.popleft()[0] != beat.read_request:
+                pass
+        read_at = self.clock() - beat.read_ms / 1000
+        if worker.unread and worker.unread[0][1] < read_at - self.read_slack:
+            if worker.unread_since is None:
+                worker.unread_since = self.clock()
+        else:
+            worker.unread_since = None
 
     async def _sweep_loop(self) -> None:
         while True:
@@ -343,6 +408,9 @@ class WorkerPool:
         for worker in list(self.workers.values()):
             if now - worker.last_seen > self.worker_timeout:
                 self._drop(worker, f"silent for {now - worker.last_seen:.1f}s")
+            elif worker.unread_since is not None and now - worker.unread_since > self.worker_timeout:
+                self._drop(worker, f"its serve loop has not read request {worker.unread[0][0]} sent "
+                                   f"{now - worker.unread[0][1]:.1f}s ago, though its heartbeats go on")
             elif worker.local and not _process_alive(worker.info.pid):
                 self._drop(worker, "its process exited")
         if not self.ready:  # nobody to wait for: requests give up after queue_timeout
@@ -387,6 +455,7 @@ class WorkerPool:
             candidates = [Candidate(w.worker_id, len(w.jobs), w.capacity, w.info.host) for w in free]
             worker = self.workers[self.router.choose(candidates, job.key)]
             worker.jobs[job.request_id] = job
+            worker.unread.append((job.request_id, self.clock()))
             job.worker_id = worker.worker_id
             job.attempts += 1
             self._send(worker.identity, Generate(job.request_id, job.prompt_ids, job.params, warm=job.warm,
@@ -434,6 +503,35 @@ class WorkerPool:
         # heartbeats and timeouts deal with such peers.
         future = self._socket.send_multipart([identity, protocol.encode(message)], flags=zmq.NOBLOCK)
         future.add_done_callback(_consume_result)
+
+
+def _worker_id_of(identity: bytes) -> str:
+    """A data socket's routing id is its worker id, then "@" and a random token (worker.main): when
+    the worker's connection goes, no one else can take up that routing id and be sent what the
+    gateway still sends the worker before it notices."""
+    return identity.decode(errors="replace").split("@", 1)[0]
+
+
+def peer_of(frame: zmq.Frame, ipc: bool) -> str:
+    """Who sent `frame`, as far as the transport proves it: "key Z85" (the CURVE public key the
+    ZAP handler let in); on ipc:// "uid U pid P" (the kernel's SO_PEERCRED, which libzmq appends
+    to Peer-Address as host:uid:gid:pid); "" over plain tcp://, where nothing is proven."""
+    try:
+        user = frame.get("User-Id")
+    except zmq.ZMQError:
+        user = None
+    if user:
+        return f"key {user}"
+    if not ipc:
+        return ""
+    try:
+        address = frame.get("Peer-Address") or ""
+    except zmq.ZMQError:
+        return ""
+    parts = address.rsplit(":", 3)
+    if len(parts) == 4 and all(p.isdigit() for p in parts[1:]):
+        return f"uid {parts[1]} pid {parts[3]}"
+    return ""
 
 
 def bind_private(sock: zmq.Socket, path: Path) -> None:

@@ -47,8 +47,8 @@ from shared.sampling import SamplingParams
 COORDINATOR_PROTOCOL_VERSION = 1  # gateway ↔ standalone coordinator (Attach, Attached, Advice, AdminCall, AdminReply)
 # 2: Generate.warm, Finished.prefix_tokens, Heartbeat counters; 3: params.grammar; 4: Profile, Strategy;
 # 5: Generate.speculative, spec_* counters; 6: CPU placement (Strategy.cpus, bind_memory; Profile.cpus_in_use,
-# cpu_others_each, numa_nodes, memory_bound)
-PROTOCOL_VERSION = 6
+# cpu_others_each, numa_nodes, memory_bound); 7: Heartbeat.read_request, read_ms (liveness from the data path)
+PROTOCOL_VERSION = 7
 
 
 class Range(NamedTuple):
@@ -109,6 +109,11 @@ class Heartbeat:
     active: Count = 0
     queued: Count = 0
     registered: bool = True
+    # The data path, as the serve loop last saw it: the id of the last Generate it read, and how
+    # long ago (ms) it last finished reading its socket. The gateway checks that what it sent was
+    # read, so a worker whose jobs go elsewhere (or nowhere) is dropped although its pulse beats.
+    read_request: str = ""
+    read_ms: Count = 0
     prefix_query_tokens: Count = 0  # prompt tokens looked up in the prefix cache
     prefix_hit_tokens_ram: Count = 0  # of those, found in this worker's RAM cache
     prefix_hit_tokens_store: Count = 0  # of those, found in the host store

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import secrets
 import signal
 import socket
 import sys
@@ -154,7 +155,9 @@ def serve(config: Config, node: int, cpus: list[int], engine, path: Path) -> Non
         curve.secure_clients(context, keys)  # the pulse's socket too
         log.info("worker %s: CURVE key %s", worker_id, keys.public.decode())
     sock = context.socket(zmq.DEALER)
-    sock.setsockopt(zmq.IDENTITY, worker_id.encode())
+    # A token no one else knows in the routing id (gateway.workers): were this connection lost, no
+    # other could take up its routing id and be sent this worker's requests meanwhile.
+    sock.setsockopt(zmq.IDENTITY, f"{worker_id}@{secrets.token_hex(16)}".encode())
     sock.setsockopt(zmq.LINGER, 2000)  # long enough for the goodbye to reach the gateway
     # A refused key is otherwise silent here: the worker would just never be registered.
     watch = RefusalWatch(sock, config.endpoint, keys.public) if keys is not None else None
@@ -208,6 +211,9 @@ def serve(config: Config, node: int, cpus: list[int], engine, path: Path) -> Non
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    if curve.is_tcp(config.endpoint) and keys is None:
+        log.warning("worker %s: connecting over %s without CURVE (insecure_tcp = true): whoever reaches it "
+                    "could pose as the gateway and send this worker its requests", worker_id, config.endpoint)
     log.info("worker %s: registering with %s", worker_id, config.endpoint)
     pulse.start()
     try:

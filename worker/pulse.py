@@ -6,9 +6,11 @@ drop a healthy worker. This thread keeps beating as long as the process is alive
 native calls release the GIL often enough for it to run. (ZeroMQ sockets must not be shared
 between threads, hence the second socket, whose routing id is the worker id + "#pulse".)
 
-Each beat also carries the worker's prefix-cache counters, read from this thread: `counters`
-must be safe to call while the engine steps (reading ints is). Every `profile_interval` the same
-socket carries the worker's Profile (worker.profiler) for the tuning coordinator.
+Each beat says what the serve loop last read (Heartbeat.read_request, read_ms): the gateway
+judges the data path by that, not by the beats alone. Each also carries the worker's prefix-cache
+counters, read from this thread: `counters` must be safe to call while the engine steps (reading
+ints is). Every `profile_interval` the same socket carries the worker's Profile
+(worker.profiler) for the tuning coordinator.
 """
 from __future__ import annotations
 
@@ -55,7 +57,9 @@ class Pulse(threading.Thread):
         try:
             while not self._stopping.is_set():
                 active, queued = self.service.load()
-                beat = Heartbeat(worker_id, active=active, queued=queued, **self._read_counters())
+                read_ms = self.service.read_ms()  # before the id: a read in between only makes it conservative
+                beat = Heartbeat(worker_id, active=active, queued=queued, read_request=self.service.read_request,
+                                 read_ms=read_ms, **self._read_counters())
                 sock.send(protocol.encode(beat))
                 if self.profile is not None and time.monotonic() >= next_profile:
                     next_profile = time.monotonic() + self.profile_interval

@@ -77,6 +77,10 @@ class WorkerService:
         self.stop_requested = False
         self.register_requested = False
         self._drain_deadline: float | None = None
+        # What the pulse reports of the data path (Heartbeat.read_request, read_ms): the last
+        # Generate read, and when the loop last finished reading its socket.
+        self.read_request = ""
+        self._read_at = clock()
 
     # ---- control (safe from a signal handler or the pulse thread: they only set flags) -------
 
@@ -103,6 +107,11 @@ class WorkerService:
     def load(self) -> tuple[int, int]:
         """(running, queued), for heartbeats."""
         return self.generator.load()
+
+    def read_ms(self) -> int:
+        """Milliseconds since the loop last finished reading its socket (long during a long step):
+        whatever the gateway sent before then has been read."""
+        return max(0, int((self.clock() - self._read_at) * 1000))
 
     # ---- the loop ----------------------------------------------------------------------------
 
@@ -155,6 +164,12 @@ class WorkerService:
         self._send(Drain(self.info.worker_id))
 
     def _read_messages(self, timeout_ms: int) -> None:
+        try:
+            self._drain_socket(timeout_ms)
+        finally:
+            self._read_at = self.clock()
+
+    def _drain_socket(self, timeout_ms: int) -> None:
         if not self.socket.poll(timeout_ms):
             return
         while True:
@@ -171,6 +186,7 @@ class WorkerService:
 
     def _handle(self, message: protocol.Message) -> None:
         if isinstance(message, Generate):
+            self.read_request = message.request_id
             self._accept(message)
         elif isinstance(message, Abort):
             finished = self.generator.abort(message.request_id)

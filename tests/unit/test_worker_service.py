@@ -196,9 +196,13 @@ def test_a_worker_the_gateway_refuses_leaves(caplog):
 
 class _Loaded:
     info = INFO
+    read_request = "r7"  # the last Generate its loop read
 
     def load(self):
         return 1, 2
+
+    def read_ms(self):
+        return 40
 
     def request_register(self):
         pass
@@ -226,7 +230,8 @@ def beats(counters, n=2):
 def test_heartbeats_carry_the_counters_that_are_heartbeat_fields():
     counters = {"prefix_query_tokens": 64, "store_bytes": 4096, "not_a_field": 1}
     beat = beats(lambda: counters)[0]
-    assert beat == Heartbeat("w", active=1, queued=2, prefix_query_tokens=64, store_bytes=4096)
+    assert beat == Heartbeat("w", active=1, queued=2, read_request="r7", read_ms=40, prefix_query_tokens=64,
+                             store_bytes=4096)
 
 
 def test_failing_counters_cost_the_counters_not_the_heartbeats(caplog):
@@ -234,5 +239,19 @@ def test_failing_counters_cost_the_counters_not_the_heartbeats(caplog):
         raise RuntimeError("store closed")
 
     with caplog.at_level(logging.ERROR, logger="reame.worker"):
-        assert beats(broken, n=3) == [Heartbeat("w", active=1, queued=2)] * 3
+        assert beats(broken, n=3) == [Heartbeat("w", active=1, queued=2, read_request="r7", read_ms=40)] * 3
     assert len([r for r in caplog.records if "counters failed" in r.message]) == 1
+
+
+def test_the_loop_says_which_generate_it_read_last_and_when():
+    """What the pulse reports of the data path: requests read, not merely a process alive."""
+    now = [100.0]
+    sock = ScriptedSocket()
+    service = WorkerService(FakeGenerator(), sock, INFO, clock=lambda: now[0])
+    assert service.read_request == ""
+    sock.push(Generate("a", [1, 2], greedy(3)))
+    sock.push(Generate("b", [1, 2], greedy(3)))
+    service._read_messages(0)
+    assert service.read_request == "b" and service.read_ms() == 0
+    now[0] += 2.5  # a long engine step: what the gateway sent since is not read yet
+    assert service.read_ms() == 2500
