@@ -1,0 +1,158 @@
+"""Resumed conversations: TTFT of turn 10 of a conversation continued with `previous_response_id`
+(POST /v1/responses), against the same turn sent whole to a server without a prefix cache.
+
+    python bench/resume.py [--model smollm2-135m] [--threads 2] [--rounds 3] [--turn-sentences 9]
+
+Two Reame stacks (a gateway and one worker each): A with the prefix cache (RAM and its own LMDB
+store), B with `[prefix_cache] enabled = false`. Each round is one conversation of its own (seeded
+text, ~150 tokens per user turn, 16 greedy output tokens per reply, so ~1,500 tokens of history by
+turn 10), built on A by turns 1-9, each continuing the last with previous_response_id. Then,
+streamed, TTFT = request sent -> first output_text delta:
+
+  resumed (RAM)      A, turn 10 with previous_response_id: the history's K/V are in A's block pool
+  whole, no cache    B, turn 10 with the whole conversation (A's replies included) as input items
+  resumed (restart)  A stopped after the rounds (gateway and worker) and started again; another
+                     turn 10 of the same length with previous_response_id: the conversation comes
+                     from the gateway's response store, its K/V from the host's LMDB store
+
+The table gives median TTFT per case, its share of `whole, no cache`, and the prompt and cached
+token counts the server reported.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import orjson
+
+from benchlib import say  # bench/, the script's directory, is on sys.path
+from prefix import SENTENCES, wait_for_store_writes
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from tests.harness import Server, free_port, gateway_and_worker, write_config  # noqa: E402
+
+MODELS_DIR = Path(os.environ.get("REAME_TEST_MODELS", "~/.cache/reame/models")).expanduser()
+MAX_TOKENS = 16
+TURNS = 10
+CASES = ("resumed (RAM)", "whole, no cache", "resumed (restart)")
+
+
+@dataclass
+class Turn:
+    ttft: float
+    response_id: str
+    text: str
+    input_tokens: int
+    cached_tokens: int
+
+
+def user_turn(rng: random.Random, turn: int, sentences: int) -> str:
+    return f"Turn {turn}. " + " ".join(rng.choice(SENTENCES) for _ in range(sentences)) + " Summarize briefly."
+
+
+def ask(url: str, turn_input: str | list, previous: str | None = None, store: bool = True) -> Turn:
+    body = {"model": "reame", "input": turn_input, "temperature": 0, "max_output_tokens": MAX_TOKENS,
+            "stream": True, "store": store, **({"previous_response_id": previous} if previous else {})}
+    request = urllib.request.Request(url + "/v1/responses", data=orjson.dumps(body),
+                                     headers={"Content-Type": "application/json"})
+    started = time.perf_counter()
+    ttft, final = None, {}
+    with urllib.request.urlopen(request, timeout=600) as response:
+        for line in response:
+            if not line.startswith(b"data: "):
+                continue
+            event = orjson.loads(line[6:])
+            if event["type"] == "response.output_text.delta" and ttft is None:
+                ttft = time.perf_counter() - started
+            elif event["type"] in ("response.completed", "response.incomplete"):
+                final = event["response"]
+    text = "".join(part["text"] for item in final["output"] if item["type"] == "message" for part in item["content"])
+    usage = final["usage"]
+    return Turn(ttft if ttft is not None else float("nan"), final["id"], text, usage["input_tokens"],
+                usage["input_tokens_details"]["cached_tokens"])
+
+
+def start(name: str, directory: Path, model: Path, threads: int, cache: bool) -> Server:
+    port = free_port()
+    prefix = {"store_path": directory / "prefix-store"} if cache else {"enabled": "false", "store_path": ""}
+    config = write_config(directory, model, port, {"engine": {"threads": threads}, "prefix_cache": prefix,
+                                                   "logging": {"level": "info"}})
+    return gateway_and_worker(name, directory, config, port, progress=say)
+
+
+def run(model: Path, threads: int, rounds: int, sentences: int, directory: Path) -> dict[str, list[Turn]]:
+    results: dict[str, list[Turn]] = {case: [] for case in CASES}
+    last_ids, tenth_b = [], []
+    a = start("A (cache)", directory / "a", model, threads, cache=True)
+    b = start("B (no cache)", directory / "b", model, threads, cache=False)
+    try:
+        ask(a.url, "Hi")  # first-request costs (connections, lazy imports) out of the way
+        ask(b.url, "Hi", store=False)
+        for r in range(rounds):
+            rng = random.Random(2000 + r)
+            say(f"round {r + 1}/{rounds}: turns 1-{TURNS - 1} on A, then turn {TURNS} on A and on B")
+            items: list[dict] = []
+            previous = None
+            for turn in range(1, TURNS):
+                text = user_turn(rng, turn, sentences)
+                answer = ask(a.url, text, previous)
+                items += [{"role": "user", "content": text}, {"role": "assistant", "content": answer.text}]
+                previous = answer.response_id
+            tenth = user_turn(rng, TURNS, sentences)
+            tenth_b.append(user_turn(rng, TURNS, sentences))  # the same length, for after the restart
+            results["resumed (RAM)"].append(ask(a.url, tenth, previous))
+            results["whole, no cache"].append(ask(b.url, items + [{"role": "user", "content": tenth}], store=False))
+            last_ids.append(previous)
+        wait_for_store_writes(a.url)
+        say("restart: A's gateway and worker stop and start again")
+        a.stop()
+        a = start("A (cache)", directory / "a", model, threads, cache=True)
+        ask(a.url, "Hi")
+        for previous, tenth in zip(last_ids, tenth_b):
+            results["resumed (restart)"].append(ask(a.url, tenth, previous))
+    finally:
+        a.stop()
+        b.stop()
+    return results
+
+
+def print_table(title: str, results: dict[str, list[Turn]]) -> None:
+    base = statistics.median(t.ttft for t in results["whole, no cache"])
+    print(f"\n{title}\n")
+    print("| turn 10 | TTFT median (ms) | share of whole | input tokens | cached tokens |")
+    print("|---|---|---|---|---|")
+    for case in CASES:
+        turns = results[case]
+        ttft = statistics.median(t.ttft for t in turns)
+        print(f"| {case} | {ttft * 1000:.0f} | {ttft / base:.0%} | {statistics.median(t.input_tokens for t in turns):.0f}"
+              f" | {statistics.median(t.cached_tokens for t in turns):.0f} |")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="smollm2-135m", help="a known model name or a GGUF path")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--rounds", type=int, default=3, help="conversations (each its own text)")
+    parser.add_argument("--turn-sentences", type=int, default=9, help="sentences per user turn (~17 tokens each)")
+    args = parser.parse_args()
+    from shared.model_store import ensure_model
+
+    model = Path(args.model) if args.model.endswith(".gguf") else ensure_model(args.model, MODELS_DIR)
+    with tempfile.TemporaryDirectory(prefix="reame-bench-resume-") as tmp:
+        results = run(model, args.threads, args.rounds, args.turn_sentences, Path(tmp))
+    print_table(f"Reame ({model.name}, {args.threads} threads; median of {args.rounds} conversations, "
+                f"{TURNS} turns, {MAX_TOKENS} output tokens per reply)", results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
