@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from shared.config import parse_config
+from shared.curve import check_coordinator_transport
 
 K8S = Path(__file__).resolve().parents[2] / "deploy/kubernetes"
 KUBERNETES_VERSION = "1.31.0"  # the oldest release still supported upstream when this was written
@@ -89,6 +90,31 @@ def test_config_parses_and_its_paths_are_mounted(workload, conf):
         assert server.curve_gateway_key.endswith(".key_secret")
     else:
         assert server.curve_gateway_key.endswith(".key")  # workers never see the gateway's secret
+
+
+def test_the_coordinator_runs_alone_over_curve_with_its_keys_mounted_and_its_strategy_kept():
+    deployment = find("Deployment", "reame-coordinator")
+    assert deployment["spec"]["replicas"] == 1 and deployment["spec"]["strategy"]["type"] == "Recreate"
+    main = deployment["spec"]["template"]["spec"]["containers"][0]
+    assert main["command"][0] == "reame-coordinator"
+    assert any(m.get("subPath") == "coordinator.conf" and m["mountPath"] == "/etc/reame/reame.conf"
+               for m in main["volumeMounts"])
+    config = parse_config(find("ConfigMap", "reame-coordinator-config")["data"]["coordinator.conf"],
+                          "/etc/reame/reame.conf")  # unknown keys fail here
+    tuning = config.tuning
+    check_coordinator_transport(config)  # a tcp:// endpoint: CURVE, not insecure_tcp
+    assert not config.server.insecure_tcp and tuning.curve_coordinator_key.endswith(".key_secret")
+    for path in (tuning.curve_coordinator_key, tuning.curve_authorized_gateways, tuning.state_path):
+        assert _mounted(deployment, main, path), f"coordinator.conf: {path} is not mounted"
+    volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
+    state = next(m for m in main["volumeMounts"] if tuning.state_path.startswith(m["mountPath"]))
+    claim = volumes[state["name"]]["persistentVolumeClaim"]["claimName"]
+    assert find("PersistentVolumeClaim", claim)  # the strategy outlives the pod
+    port = int(tuning.coordinator.rsplit(":", 1)[1])
+    assert main["ports"][0]["containerPort"] == port
+    service = find("Service", "reame-coordinator")
+    assert service["spec"]["selector"] == deployment["spec"]["selector"]["matchLabels"]
+    assert service["spec"]["ports"][0]["port"] == port
 
 
 def test_worker_pods_get_exclusive_cores_and_a_numa_node():
