@@ -16,17 +16,21 @@ from __future__ import annotations
 import json
 import secrets
 import time
+from typing import TYPE_CHECKING
 
 import orjson
 from aiohttp import web
 
 from gateway.anthropic_requests import parse_messages
-from gateway.completion import _Run, complete
+from gateway.completion import complete
 from gateway.reply import Ending, NamedEventStream, Part, parts, stream_events
 from gateway.routes import _check_model, _read_json, chat_prompt
 from gateway.state import STATE
 from gateway.tools import ToolCall
 from shared.errors import ReameError
+
+if TYPE_CHECKING:
+    from gateway.completion import _Run
 
 PATH = "/v1/messages"
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}

@@ -20,13 +20,13 @@ import asyncio
 import threading
 import time
 from dataclasses import replace
-from typing import Awaitable, Callable
+from typing import TYPE_CHECKING, Awaitable, Callable
 
 import orjson
 from aiohttp import web
 
 from gateway.auth import TENANT
-from gateway.completion import _Run, complete
+from gateway.completion import complete
 from gateway.errors import NotFoundError
 from gateway.reply import Ending, NamedEventStream, Part, parts, stream_events
 from gateway.response_store import ResponseStore, StoredResponse
@@ -35,6 +35,9 @@ from gateway.routes import _check_model, _read_json, chat_prompt
 from gateway.state import STATE
 from gateway.tools import ToolCall
 from shared.errors import InvalidRequestError, ReameError
+
+if TYPE_CHECKING:
+    from gateway.completion import _Run
 
 class _LazyStore:
     """The store, opened on first use (a server nobody asks to store for creates no file)."""
@@ -174,17 +177,17 @@ class _Reply:
         async for part in parts(run, ending, streamed=True):
             if not started:
                 started = True
-                await self._start(emit, run)
+                await self._start(emit)
             await self.add(part)
         if not started:
-            await self._start(emit, run)
+            await self._start(emit)
         await self._close_message()
         body = self.finish(ending)
         await save(body)
         await emit("response.completed" if body["status"] == "completed" else "response.incomplete",
                    {"response": body})
 
-    async def _start(self, emit: Emit, run: _Run) -> None:
+    async def _start(self, emit: Emit) -> None:
         self._emit = emit
         shell = self._body("in_progress", None, None)
         await emit("response.created", {"response": shell})
