@@ -180,15 +180,23 @@ class Coordinator:
                 "history": [d.as_dict() for d in self.history]}
 
     def restore(self, doc: dict[str, Any]) -> None:
-        """Resume a persisted strategy (export()'s output); ConfigError when it is malformed."""
+        """Resume a persisted strategy (export()'s output); ConfigError when it is malformed. A
+        slot whose knobs are out of bounds (saved by a version that let any key import knobs of
+        1) is dropped with a warning: its worker starts from reame.conf's knobs."""
         version = doc.get("version", 0)
         if not isinstance(version, int) or version < 0:
             raise ConfigError(f"strategy: bad version {version!r}")
         self.version = max(self.version, version)
         self.frozen = bool(doc.get("frozen", False))
         for name, entry in _workers(doc).items():
+            knobs = Knobs.from_dict(entry.get("knobs"), f"strategy workers[{name!r}]")
+            try:
+                knobs.check_within(self.defaults, f"strategy workers[{name!r}]", min_batch=1)
+            except ConfigError as exc:
+                log.warning("coordinator: the saved strategy's slot %r is dropped: %s", name[:80], exc.message)
+                continue
             slot = self.slots.setdefault(name, _Slot(self.defaults))
-            slot.knobs = Knobs.from_dict(entry.get("knobs"), f"strategy workers[{name!r}]")
+            slot.knobs = knobs
             slot.version = int(entry.get("version", 0)) if isinstance(entry.get("version"), int) else 0
         history = doc.get("history", [])
         if isinstance(history, list):

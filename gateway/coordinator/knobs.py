@@ -69,12 +69,13 @@ class Knobs:
         return cls(**{**data, "batching_window_ms": float(window), "threads": threads, "cpus": tuple(sorted(cpus)),
                       "bind_memory": bind_memory})
 
-    def check_within(self, started: "Knobs", where: str = "knobs") -> None:
+    def check_within(self, started: "Knobs", where: str = "knobs", min_batch: int = MIN_BATCH) -> None:
         """ConfigError unless a worker started with `started` can take these (its engine sized the
         window-KV pool for prefill_chunk and twice max_batch_size at start-up) and they stay
         within what the policies would choose: no floor below reame.conf's own values, where
-        those are lower."""
-        floors = {"max_batch_size": min(MIN_BATCH, started.max_batch_size),
+        those are lower. min_batch: 1 for a saved strategy (the memory policy may go that low when
+        the KV pool holds one sequence)."""
+        floors = {"max_batch_size": min(min_batch, started.max_batch_size),
                   "prefill_chunk": min(MIN_PREFILL_CHUNK, started.prefill_chunk),
                   "token_budget": max(self.max_batch_size, min(MIN_PREFILL_CHUNK, started.token_budget)),
                   "attention_chunk": min(MIN_ATTENTION_CHUNK, started.attention_chunk)}

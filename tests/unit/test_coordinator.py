@@ -296,3 +296,17 @@ def test_an_import_names_known_slots_only_within_the_policies_bounds():
     edge = DEFAULTS.with_(max_batch_size=2, token_budget=66, prefill_chunk=64, batching_window_ms=8.0)
     [out] = coordinator.import_strategy({"workers": {known: {"knobs": edge.as_dict()}}})
     assert out.strategy.token_budget == 66 and coordinator.frozen
+
+
+def test_a_saved_strategy_with_knobs_out_of_bounds_resumes_without_them(tmp_path, caplog):
+    """One saved while any key could import knobs of 1 and a 1 s window: that slot starts from
+    reame.conf's knobs; a slot the memory policy took to one sequence is kept."""
+    saved = {"version": 7, "frozen": True, "workers": {
+        "h/node0/cpus0": {"version": 6, "knobs": DEFAULTS.with_(max_batch_size=1, token_budget=1, prefill_chunk=1,
+                                                                batching_window_ms=1000.0).as_dict()},
+        "h/node1/cpus0": {"version": 7, "knobs": DEFAULTS.with_(max_batch_size=1).as_dict()}}}
+    coordinator = Coordinator(DEFAULTS)
+    coordinator.restore(saved)
+    assert set(coordinator.slots) == {"h/node1/cpus0"} and coordinator.slots["h/node1/cpus0"].knobs.max_batch_size == 1
+    assert coordinator.strategy_for("h/node0/9", [0]) is None  # reame.conf's knobs
+    assert "h/node0/cpus0" in caplog.text and "dropped" in caplog.text
