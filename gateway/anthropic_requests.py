@@ -11,6 +11,7 @@ models served are text-only), as are server tools and extended thinking.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from gateway.requests import CompletionRequest, parse_chat
@@ -46,7 +47,16 @@ def parse_messages(body: Any, *, max_n: int, count_only: bool = False) -> Comple
         chat["tool_choice"], chat["parallel_tool_calls"] = _tool_choice(body["tool_choice"])
     if not count_only:
         chat["response_format"] = _output_format(body.get("output_config"))
-    return parse_chat({k: v for k, v in chat.items() if v is not None}, max_n=max_n)
+    try:
+        return parse_chat({k: v for k, v in chat.items() if v is not None}, max_n=max_n)
+    except InvalidRequestError as exc:  # name this API's fields, not the chat fields they became
+        param, message = exc.param or "", exc.message
+        for chat_name, name in (("stop", "stop_sequences"), ("response_format.json_schema.schema",
+                                                             "output_config.format.schema")):
+            if param == chat_name or param.startswith(chat_name + "."):
+                param = name + param[len(chat_name):]
+                message = re.sub(f"'{re.escape(chat_name)}(?=['.])", f"'{name}", message)
+        raise InvalidRequestError(message, param=param or None, code=exc.code) from None
 
 
 def _stop_sequences(value: Any) -> list[str] | None:

@@ -93,6 +93,8 @@ def test_bearer_key_works_too(server):
     ({"max_tokens": 8, "messages": HI, "thinking": {"type": "enabled", "budget_tokens": 1024}}, {}, 400,
      "invalid_request_error", "thinking"),
     ({"max_tokens": 8, "messages": HI, "temperature": 9}, {}, 400, "invalid_request_error", "temperature"),
+    ({"max_tokens": 8, "messages": HI, "stop_sequences": ["s"] * 17}, {}, 400, "invalid_request_error",
+     "'stop_sequences' has 17 entries"),
     ({"max_tokens": 8, "messages": HI, "model": "claude-opus"}, {}, 404, "not_found_error", "claude-opus"),
     ({"max_tokens": 8, "messages": HI}, {"x-api-key": "wrong"}, 401, "authentication_error", "Incorrect API key"),
 ])
