@@ -40,10 +40,11 @@ log = logging.getLogger("reame.gateway")
 
 async def complete(state: GatewayState, request: web.Request, req: CompletionRequest, prompts: list[list[int]],
                    arrived: float, extra_stops: tuple[str, ...] = (),
-                   answer: Callable[[_Run, web.Request], Awaitable[web.StreamResponse]] | None = None
-                   ) -> web.StreamResponse:
+                   answer: Callable[[_Run, web.Request], Awaitable[web.StreamResponse]] | None = None,
+                   extra_stop_ids: tuple[int, ...] = ()) -> web.StreamResponse:
     """`answer`: how an API other than OpenAI's completions shapes the reply (gateway.reply); it
-    reads the run's choices as they arrive, and the jobs are released here whatever it does."""
+    reads the run's choices as they arrive, and the jobs are released here whatever it does.
+    `extra_stop_ids`: tokens that end this request's choices besides the model's end of turn."""
     await state.pool.wait_ready(state.config.gateway.queue_timeout)  # n_ctx is known from here on
     param = "messages" if req.chat else "prompt"
     _check_vocab(state, req, prompts)
@@ -60,7 +61,8 @@ async def complete(state: GatewayState, request: web.Request, req: CompletionReq
     for p, ids in enumerate(prompts):
         max_tokens = _max_tokens(state, req, ids, param)
         for j in range(req.n):
-            jobs.append(Job(uuid.uuid4().hex, p * req.n + j, ids, req.params(max_tokens, state.stop_token_ids, j),
+            params = req.params(max_tokens, state.stop_token_ids + extra_stop_ids, j)
+            jobs.append(Job(uuid.uuid4().hex, p * req.n + j, ids, params,
                             sink, prefix_key(ids, namespace), cache_namespace=namespace, tenant=tenant,
                             speculative=req.speculative))
     if len(jobs) > state.config.gateway.max_queue:  # could never be queued: retrying would not help

@@ -44,11 +44,12 @@ def openapi_document(config: Config, vocab_size: int | None = None) -> Schema:
                 "Chat completion", "ChatCompletionRequest", "ChatCompletion", secured)},
             "/v1/completions": {"post": _completion_operation(
                 "Text completion", "CompletionRequest", "Completion", secured)},
+            "/infill": {"post": _infill_operation(secured)},
             "/v1/warm": {"post": _warm_operation(secured)},
             "/v1/models": {"get": _operation("The model this server serves", _json_response("ModelList"), secured)},
-            "/metrics": {"get": _operation("Prometheus metrics", {
+            "/metrics": {"get": _operator(_operation("Prometheus metrics (host-wide: the operator's)", {
                 "description": "Prometheus text exposition format",
-                "content": {"text/plain": {"schema": {"type": "string"}}}}, secured)},
+                "content": {"text/plain": {"schema": {"type": "string"}}}}, secured), secured)},
             "/health": {"get": _open_operation("Whether a worker is ready (open to load balancers)", {
                 "200": _json_response("Health", "a worker is ready"),
                 "503": _json_response("Health", "no worker is ready")})},
@@ -76,6 +77,21 @@ def _completion_operation(summary: str, request: str, response: str, secured: bo
                       "text/event-stream": {"schema": {"type": "string"}}}}
     return _worker_operation(summary, request, ok, secured, "invalid request: a bad field (named in `param`), "
                              "prompt + max_tokens over the context, or more choices (prompts × n) than max_queue")
+
+
+def _infill_operation(secured: bool) -> Schema:
+    ok = {"description": "A text completion of the middle; not streamed, it also carries `content` (llama.cpp's "
+                         "field: the first choice's text)",
+          "content": {"application/json": {"schema": {"allOf": [_ref("Completion"), {
+              "type": "object", "properties": {"content": {"type": "string"}}}]}},
+              "text/event-stream": {"schema": {"type": "string"}}}}
+    operation = _worker_operation("Fill in the middle (llama.cpp's /infill)", "InfillRequest", ok, secured,
+                                  "invalid request: a bad field (named in `param`), a model without "
+                                  "fill-in-the-middle tokens, or a prompt over the context")
+    operation["description"] = ("Builds the model's fill-in-the-middle prompt (Qwen2.5-Coder: "
+                                "`<|fim_prefix|>…<|fim_suffix|>…<|fim_middle|>`, other files after "
+                                "`<|repo_name|>` and `<|file_sep|>`) and completes the text between prefix and suffix.")
+    return operation
 
 
 def _warm_operation(secured: bool) -> Schema:
@@ -123,6 +139,8 @@ def _admin_paths(secured: bool) -> Schema:
     def control(summary: str, body: bool = False) -> Schema:
         operation = _operation(summary, ok, secured)
         operation["responses"]["409"] = off
+        if not secured:  # a bodyless POST too: an empty form from another site's page (gateway.browsers)
+            operation["responses"]["415"] = _error("Content-Type is not application/json")
         if body:
             operation["requestBody"] = {"required": True, "content": {"application/json": {
                 "schema": {"type": "object", "description": "a strategy as GET /admin/strategy returns it: "
@@ -149,12 +167,21 @@ def _admin_paths(secured: bool) -> Schema:
     for operations in paths.values():
         for operation in operations.values():
             operation["responses"]["503"] = gone
+            _operator(operation, secured)
     return {
         **paths,
         "/dashboard": {"get": _open_operation("Live charts of throughput, latency, prefix hits and strategy changes",
                                               {"200": {"description": "a self-contained HTML page", "content": {
                                                   "text/html": {"schema": {"type": "string"}}}}})},
     }
+
+
+def _operator(operation: Schema, secured: bool) -> Schema:
+    """An operator's route (gateway.auth.OPERATOR_PATHS): a tenant's key gets 403."""
+    if secured:
+        operation["responses"]["403"] = _error("a tenant's API key: this route needs an operator's ([gateway] api_key, "
+                                               "or a key marked admin in api_keys_file)")
+    return operation
 
 
 def _open_operation(summary: str, responses: Schema) -> Schema:
@@ -216,8 +243,8 @@ def _sampling(max_n: int) -> Schema:
         "stream_options": _opt("object", properties={"include_usage": _opt("boolean")}),
         "user": _opt("string"),
         "cache_salt": CACHE_SALT,
-        "speculative": _opt("boolean", description="false: no speculative decoding for this request "
-                                                   "(the output is the same either way; this only opts out of drafting)"),
+        "speculative": _opt("boolean", description="false: no speculative decoding for this request, and its "
+                                                   "completion teaches no drafts (the output is the same either way)"),
         "max_tokens": _limited("integer", "max_tokens",
                                description="prompt + max_tokens must fit the context (else 400)"),
         "response_format": {"anyOf": [
@@ -301,6 +328,19 @@ def _schemas(max_n: int, vocab_size: int | None) -> Schema:
             ], "description": "text, texts, token ids, or lists of token ids (one choice set per prompt)"},
             **_sampling(max_n),
             "logprobs": _opt("integer", minimum=0, maximum=MAX_LOGPROBS_COMPLETION),
+            "suffix": _opt("string", description="fill in the middle: text after the completion (one text prompt "
+                                                 "only; a model without FIM tokens answers 400)"),
+        }},
+        "InfillRequest": {"type": "object", "properties": {
+            "input_prefix": _opt("string", description="code before the cursor"),
+            "input_suffix": _opt("string", description="code after the cursor"),
+            "prompt": _opt("string", description="text appended to input_prefix (llama.cpp's meaning)"),
+            "input_extra": {"type": ["array", "null"], "maxItems": 64, "items": {
+                "type": "object", "required": ["text"], "properties": {
+                    "filename": {"type": "string"}, "text": {"type": "string"}}},
+                "description": "other files of the project, as repository context"},
+            "n_predict": _limited("integer", "max_tokens", description="llama.cpp's name for max_tokens"),
+            **_sampling(max_n),
         }},
         # Exactly one of `messages` and `prompt`; a null one counts as not given.
         "WarmRequest": {"type": "object", "properties": {"model": _opt("string"), "cache_salt": CACHE_SALT},

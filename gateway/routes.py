@@ -18,6 +18,7 @@ from aiohttp import web
 from gateway.auth import tenant_name
 from gateway.cache_namespace import request_namespace
 from gateway.completion import complete
+from gateway.infill import check_size, completion_infill, fim_tokens, infill_ids, parse_infill
 from gateway.errors import ModelNotFoundError, PayloadTooLargeError, RequestTimeoutError
 from gateway.metrics import CONTENT_TYPE
 from gateway.openapi import openapi_document
@@ -58,10 +59,34 @@ async def chat_prompt(state: GatewayState, req: CompletionRequest) -> tuple[Comp
 async def completions(request: web.Request) -> web.StreamResponse:
     arrived = time.perf_counter()
     state = request.app[STATE]
-    req = parse_completion(await _read_json(request, state), max_n=state.config.gateway.max_n)
+    body = await _read_json(request, state)
+    req = parse_completion(body, max_n=state.config.gateway.max_n)
     _check_model(state, req.model)
+    fill = completion_infill(body, req)
+    if fill is not None:  # `suffix`: fill in the middle
+        tokens = fim_tokens(state.tokenizer, "suffix")
+        check_size(state.tokenizer, fill, state.pool.n_ctx, "prompt")
+        ids = await asyncio.get_running_loop().run_in_executor(None, infill_ids, state.tokenizer, tokens, fill)
+        return await complete(state, request, req, [ids], arrived, extra_stop_ids=tokens.stop_ids)
     prompts = [await state.prompts.prompt_ids(p, state.pool.n_ctx) for p in req.prompts]
     return await complete(state, request, req, prompts, arrived)
+
+
+async def infill(request: web.Request) -> web.StreamResponse:
+    """llama.cpp's /infill (gateway.infill), answered as a text completion; not streamed, the
+    answer also carries llama.cpp's `content` (the first choice's text), which editors read."""
+    arrived = time.perf_counter()
+    state = request.app[STATE]
+    req, fill = parse_infill(await _read_json(request, state), max_n=state.config.gateway.max_n)
+    _check_model(state, req.model)
+    tokens = fim_tokens(state.tokenizer, "input_prefix")
+    check_size(state.tokenizer, fill, state.pool.n_ctx, "input_prefix")
+    ids = await asyncio.get_running_loop().run_in_executor(None, infill_ids, state.tokenizer, tokens, fill)
+    response = await complete(state, request, req, [ids], arrived, extra_stop_ids=tokens.stop_ids)
+    if isinstance(response, web.Response) and response.status == 200 and not req.stream:
+        answer = orjson.loads(response.body)
+        return _json({**answer, "content": answer["choices"][0]["text"]})
+    return response
 
 
 async def warm(request: web.Request) -> web.Response:
@@ -104,6 +129,7 @@ async def openapi(request: web.Request) -> web.Response:
 def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/infill", infill)
     app.router.add_post("/v1/warm", warm)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)

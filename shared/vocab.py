@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -53,6 +53,7 @@ class Vocab:
     chat_template: str | None
     arch: str                   # general.architecture
     source: str                 # file name, for error messages
+    fim_ids: dict[str, int] = field(default_factory=dict)  # tokenizer.ggml.fim_<part>_token_id present: part → id
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -141,6 +142,8 @@ def read_vocab(path: str | Path) -> Vocab:
         ignore_merges=model == "gpt2" and pre in _LLAMA3_PRE,
         chat_template=scalar("tokenizer.chat_template"),
         arch=str(scalar("general.architecture", "")), source=name,
+        fim_ids={part: i for part in ("pre", "suf", "mid", "pad", "rep", "sep")
+                 if (i := token_id(f"tokenizer.ggml.fim_{part}_token_id", None)) is not None},
     )
 
 

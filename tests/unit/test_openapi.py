@@ -42,7 +42,7 @@ def test_every_route_is_documented_and_nothing_else(tmp_path, extra):
 def test_document_loads_as_openapi_3_1(tmp_path):
     schema = schemathesis.openapi.from_dict(openapi_document(fake_config(tmp_path, "api_key = k")))
     loaded = {(op.ok().method.upper(), op.ok().path) for op in schema.get_all_operations()}
-    assert ("POST", "/v1/chat/completions") in loaded and ("POST", "/v1/warm") in loaded and len(loaded) == 20
+    assert ("POST", "/v1/chat/completions") in loaded and ("POST", "/v1/warm") in loaded and len(loaded) == 21
 
 
 def test_security_follows_the_config(tmp_path):
