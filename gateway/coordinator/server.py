@@ -85,7 +85,8 @@ class CoordinatorServer:
         self._context = zmq.asyncio.Context()
         sock = self._context.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted gateway's link takes over its old id
+        # No ROUTER_HANDOVER: no connection takes up a gateway's routing id while it is connected (a
+        # restarted gateway comes back under a new one: gateway.coordinator.remote's gateway_id).
         if self.keys is not None:
             self._authenticator = WorkerAuthenticator(self._context, self.keys.authorized_dir, peer="gateway")
             self._authenticator.start()  # before the bind: libzmq lets everyone in while no handler answers
