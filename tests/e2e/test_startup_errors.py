@@ -43,3 +43,19 @@ def test_a_public_address_needs_allow_remote(tmp_path, smollm2_gguf):
     r = serve(tmp_path, smollm2_gguf, "--host", "0.0.0.0")
     assert r.returncode == 1 and "allow_remote" in r.stderr, r.stderr
     assert "started" not in r.stderr  # refused before any child was started
+
+
+def test_a_loopback_tcp_endpoint_needs_curve_or_insecure_tcp(tmp_path, smollm2_gguf):
+    """Any local user could connect to 127.0.0.1: register as a worker, or rewrite the strategy."""
+    config = write_config(tmp_path, smollm2_gguf, free_port())
+    config.write_text(config.read_text().replace("[server]\n", "[server]\nendpoint = tcp://127.0.0.1:5557\n", 1))
+    r = subprocess.run([sys.executable, "-m", "reame.cli", "serve", "--config", str(config), "--workers", "1"],
+                       cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1, r.stderr
+    assert "endpoint = tcp://127.0.0.1:5557 is open to every local user without authentication" in r.stderr
+    assert "insecure_tcp = true" in r.stderr and "Traceback" not in r.stderr and "started" not in r.stderr
+    coordinator = tmp_path / "coordinator.conf"
+    coordinator.write_text(f"[tuning]\ncoordinator = tcp://127.0.0.1:{free_port()}\nstate_path = {tmp_path / 't'}\n")
+    r = subprocess.run([sys.executable, "-m", "gateway.coordinator.main", "--config", str(coordinator)],
+                       cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "open to every local user" in r.stderr and "Traceback" not in r.stderr, r.stderr
