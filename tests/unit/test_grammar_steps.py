@@ -18,6 +18,7 @@ from shared.sampling import SamplingParams
 from shared.vocab import BYTE, CONTROL, Vocab
 from worker.sched.constraint import Constraints
 from worker.sched.generation import BatchGenerator, ErrorEvent, FinishEvent, TokenEvent
+from worker.sched.tuning_state import SchedulerKnobs, TuningState
 
 EOS = 256
 VOCAB = 257
@@ -68,7 +69,8 @@ def setup():
     clock = Clock()
     constraints = Constraints(lambda: token_table(vocab(), [EOS]), VOCAB, capacity=4, budget=5.0, clock=clock)
     engine = FakeEngine()
-    generator = BatchGenerator(engine, constraints=constraints)
+    # No batching window: every step() runs a step (a window would make the first ones empty).
+    generator = BatchGenerator(engine, TuningState(SchedulerKnobs(batching_window_ms=0.0)), constraints=constraints)
     yield generator, constraints, clock
     constraints.close()
 
@@ -151,6 +153,11 @@ def test_a_mask_still_computing_past_the_budget_stops_its_request(setup):
     generator.add("stuck", [1, 2, 3], params(regex_grammar("[0-9]+")))
     gate = gate_masks(generator, "stuck")
     assert tokens_of(step(generator), "stuck") == []
+    row = generator._grammars["stuck"]
+    for _ in range(1000):  # until the helper thread has begun the mask (it waits at the gate)
+        if row.computing_since is not None:
+            break
+        threading.Event().wait(0.01)
     clock.now += 6.0  # the helper has been on this mask for 6 s
     events = step(generator)
     assert [e.request_id for e in events if isinstance(e, ErrorEvent)] == ["stuck"]
@@ -160,3 +167,39 @@ def test_a_mask_still_computing_past_the_budget_stops_its_request(setup):
     while generator.has_work:
         events += step(generator)
     assert [e.reason for e in events if isinstance(e, FinishEvent)] == ["length"]
+
+
+def test_a_grammar_is_built_off_the_step_loop(setup):
+    """A 10,000-property schema's matcher takes ~1.6 s to build; add() and the steps must not wait
+    for it (the first mask builds it, on the mask thread)."""
+    generator, constraints, _ = setup
+    built = threading.Event()
+    real = constraints._vocab_source
+
+    def slow_table():  # the token table (and so the first matcher) is not ready until the gate opens
+        built.wait()
+        return real()
+    constraints._vocab_source = slow_table
+    generator.add("free", [1, 2, 3], params())
+    generator.add("json", [1, 2, 3], params(regex_grammar("[0-9]+")))  # returns at once
+    for _ in range(2):
+        events = step(generator)
+        assert tokens_of(events, "free") == [ord("a")] and tokens_of(events, "json") == []
+    built.set()
+    constraints.wait([generator._grammars["json"]])
+    assert tokens_of(step(generator), "json") == [ord("7")]
+
+
+def test_a_grammar_the_worker_cannot_build_ends_its_request_with_an_error(setup):
+    generator, constraints, _ = setup
+    generator.add("free", [1, 2, 3], params())
+    generator.add("bad", [1, 2, 3], params("not a grammar"))
+    events = []
+    for _ in range(3):
+        events += step(generator)
+        if any(isinstance(e, ErrorEvent) for e in events):
+            break
+        constraints.wait([generator._grammars["bad"]])
+    errors = [e for e in events if isinstance(e, ErrorEvent)]
+    assert [e.request_id for e in errors] == ["bad"] and errors[0].error.status == 400
+    assert tokens_of(events, "free")

@@ -48,13 +48,27 @@ class GrammarConstraint:
     """One request's grammar state: what it may generate next, advanced token by token, and its
     next mask (computed on the helper thread: `pending` until it is done)."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, end_ids: tuple[int, ...], words: int):
-        self.matcher = matcher
+    def __init__(self, build: Callable[[], llguidance.LLMatcher], end_ids: tuple[int, ...], words: int):
+        self._build: Callable[[], llguidance.LLMatcher] | None = build
+        self._matcher: llguidance.LLMatcher | None = None
         self.end_ids = np.asarray(end_ids, np.int64)  # the request's stop tokens, allowed once complete
         self.mask = np.full(words, -1, np.int32)  # the next token's mask, once `pending` is done
         self.pending: Future | None = None  # the computation of `mask` for the current state
         self.mask_seconds = 0.0  # spent on this request's masks so far (finished ones)
         self.computing_since: float | None = None  # when the helper began the mask it computes now
+
+    @property
+    def matcher(self) -> llguidance.LLMatcher:
+        """Built on first use: on the helper thread, with the first mask (a 10,000-property schema
+        takes ~1.6 s, which llguidance spends without the GIL, and the step loop must not wait for
+        it). InvalidRequestError if llguidance refuses the grammar."""
+        if self._matcher is None:
+            matcher = self._build()
+            if matcher.is_error():
+                raise InvalidRequestError(f"the grammar cannot be enforced: {matcher.get_error()}",
+                                          param="response_format")
+            self._matcher = matcher
+        return self._matcher
 
     def allow_end(self, mask: np.ndarray) -> None:
         """After the mask is computed: a grammar that may stop here lets the request's own
@@ -98,6 +112,7 @@ class Constraints:
                  budget: float = MASK_BUDGET_S, clock: Callable[[], float] = time.perf_counter):
         self._vocab_source = vocab_source
         self._table: llguidance.LLTokenizer | None = None
+        self._table_lock = threading.Lock()
         self.vocab_size = vocab_size
         self._words = (vocab_size + 31) // 32
         self._masks = np.full((max(capacity, 1), self._words), -1, np.int32)
@@ -123,13 +138,14 @@ class Constraints:
         return cls(load, vocab_size, capacity)
 
     def compile(self, grammar: str, end_ids: tuple[int, ...]) -> GrammarConstraint:
-        """A fresh matcher for one request; InvalidRequestError if llguidance refuses the grammar."""
-        if self._table is None:
-            self._table = self._vocab_source()
-        matcher = llguidance.LLMatcher(self._table, grammar, log_level=0, limits=parser_limits())
-        if matcher.is_error():
-            raise InvalidRequestError(f"the grammar cannot be enforced: {matcher.get_error()}", param="response_format")
-        return GrammarConstraint(matcher, end_ids, self._words)
+        """One request's grammar; its matcher (and, the first time, the token table) is built with
+        its first mask, on the helper thread (GrammarConstraint.matcher)."""
+        def build() -> llguidance.LLMatcher:
+            with self._table_lock:
+                if self._table is None:
+                    self._table = self._vocab_source()
+            return llguidance.LLMatcher(self._table, grammar, log_level=0, limits=parser_limits())
+        return GrammarConstraint(build, end_ids, self._words)
 
     # ---- masks ---------------------------------------------------------------------------------
 

@@ -263,10 +263,9 @@ class BatchGenerator:
     def _compile(self, params: SamplingParams) -> GrammarConstraint:
         if self.constraints is None:
             raise InvalidRequestError("this worker cannot enforce grammars", param="response_format")
-        started = time.perf_counter()
-        grammar = self.constraints.compile(params.grammar, params.stop_token_ids)
-        log.debug("grammar of %d bytes compiled in %.1f ms", len(params.grammar), (time.perf_counter() - started) * 1e3)
-        return grammar
+        # Its matcher is built on the mask thread with its first mask: a refused grammar ends the
+        # request at its first step (ErrorEvent), as the gateway has checked it already.
+        return self.constraints.compile(params.grammar, params.stop_token_ids)
 
     def _step_chunks(self, batch: ScheduledBatch) -> tuple[list[StepChunk], list[tuple[int, int]]]:
         """The engine's chunks for a batch, and each scheduled chunk's span of them: a drafted
