@@ -92,21 +92,25 @@ class CompilePool:
     # ---- one compile ---------------------------------------------------------------------------
 
     async def _run(self, process: _Process, what: Any, param: str) -> str:
-        loop = asyncio.get_running_loop()
-        answered = loop.create_future()
-        fd = process.conn.fileno()
-        loop.add_reader(fd, lambda: answered.done() or answered.set_result(None))
+        # On a thread: a 400 KB schema does not fit the pipe's buffer, and a process at nice 19 on
+        # a busy host reads and writes it slowly; the event loop must not wait for that.
+        kind, *rest = await asyncio.to_thread(self._exchange, process, what, param)
+        if kind == "ok":
+            return rest[0]
+        if kind == "refused":
+            message, refused_param, code = rest
+            raise InvalidRequestError(message, param=refused_param, code=code)
+        log.error("a %s compile failed: %s", param, rest[0])
+        raise InvalidRequestError(f"'{param}' could not be compiled", param=param)
+
+    def _exchange(self, process: _Process, what: Any, param: str) -> tuple:
+        """Blocking: send `what`, watch the compile's CPU and wall time, and read the answer."""
+        lost = ServiceUnavailableError(f"the process compiling '{param}' stopped unexpectedly; the request "
+                                       "may be retried")
         try:
-            try:
-                process.conn.send(what)
-            except OSError:
-                raise ServiceUnavailableError(f"the process compiling '{param}' stopped unexpectedly; the request "
-                                              "may be retried") from None
+            process.conn.send(what)
             started, cpu_started = time.monotonic(), process.cpu_seconds()
-            while not answered.done():
-                await asyncio.wait({answered}, timeout=_CHECK_S)
-                if answered.done():
-                    break
+            while not process.conn.poll(_CHECK_S):
                 cpu = process.cpu_seconds() - cpu_started
                 if cpu > self.cpu_limit:
                     self.killed += 1
@@ -118,20 +122,9 @@ class CompilePool:
                     log.warning("a %s compile ran %.0f s (%.1f s of CPU): stopped", param, self.wall_limit, cpu)
                     raise ServiceUnavailableError(f"'{param}' could not be compiled within {self.wall_limit:g} s: "
                                                   "the server is busy; the request may be retried")
-        finally:
-            loop.remove_reader(fd)
-        try:
-            kind, *rest = process.conn.recv()
+            return process.conn.recv()
         except (EOFError, OSError):
-            raise ServiceUnavailableError(f"the process compiling '{param}' stopped unexpectedly; the request "
-                                          "may be retried") from None
-        if kind == "ok":
-            return rest[0]
-        if kind == "refused":
-            message, refused_param, code = rest
-            raise InvalidRequestError(message, param=refused_param, code=code)
-        log.error("a %s compile failed: %s", param, rest[0])
-        raise InvalidRequestError(f"'{param}' could not be compiled", param=param)
+            raise lost from None
 
     # ---- the share of each tenant --------------------------------------------------------------
 
