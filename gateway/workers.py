@@ -48,6 +48,7 @@ from shared.sampling import SamplingParams
 log = logging.getLogger("reame.gateway")
 
 MAX_ATTEMPTS = 3  # runs of one request across workers before it fails
+MAX_LOGGED_IMPOSTORS = 1000  # (worker id, routing id, peer) remembered so each is logged once
 _SERVER, _GATEWAY = ServerSection(), GatewaySection()  # reame.conf's defaults, the one source
 
 
@@ -313,6 +314,8 @@ class WorkerPool:
 
     def _impostor(self, worker_id: str, identity: bytes, peer: str, owner: str) -> None:
         if (worker_id, identity, peer) not in self._impostors:
+            if len(self._impostors) >= MAX_LOGGED_IMPOSTORS:  # routing ids are the sender's to vary
+                self._impostors.clear()
             self._impostors.add((worker_id, identity, peer))
             log.warning("worker %s: ignored a message from %s (routing id %r); the worker id belongs to %s",
                         worker_id, peer or "an unauthenticated peer", identity, owner or "an unauthenticated peer")
@@ -337,7 +340,10 @@ class WorkerPool:
             return
         if known is not None:
             known.info = info
-            known.identity = identity  # the same key, restarted under the same id: a new routing id
+            if known.identity != identity:  # the same key, restarted under the same id: a new routing id
+                known.identity = identity
+                known.unread.clear()  # sent to its predecessor
+                known.unread_since = None
             known.last_seen = self.clock()
         else:
             local = info.host == self._host and _process_alive(info.pid)
