@@ -296,14 +296,25 @@ def parse_config(text: str, source: str = "") -> Config:
     return Config(**values, source=source)
 
 
+# How this process's last load_config found its file: shared.logs.setup_logging, which every
+# process calls right after loading its config, logs it (a ./reame.conf in the working directory
+# was read silently).
+loaded_from = ""
+
+
 def load_config(path: str | os.PathLike | None = None) -> Config:
     """Read reame.conf: the given path, else $REAME_CONFIG, else ./reame.conf, else defaults."""
+    global loaded_from
     explicit = path is not None or "REAME_CONFIG" in os.environ
     candidate = Path(path if path is not None else os.environ.get("REAME_CONFIG", DEFAULT_CONFIG_NAME))
     if not candidate.exists():
         if explicit:
             raise ConfigError(f"config file not found: {candidate}")
+        loaded_from = f"config: no {DEFAULT_CONFIG_NAME} in the working directory {Path.cwd()}: built-in defaults"
         return Config()
+    how = ("named by --config" if path is not None else "named by $REAME_CONFIG" if explicit
+           else f"found in the working directory {Path.cwd()}")
+    loaded_from = f"config: {candidate.resolve()} ({how})"
     try:
         text = candidate.read_text(encoding="utf-8")
     except OSError as exc:

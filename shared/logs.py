@@ -11,6 +11,8 @@ import logging
 import re
 import sys
 
+from shared import config
+
 # Libraries whose debug output is about their own internals: at `level = debug` numba alone logs
 # megabytes of compiler IR per kernel and compiles several times slower (seen: a cold worker start
 # past three minutes). Reame's debug level is for Reame's messages.
@@ -39,3 +41,5 @@ def setup_logging(level: str, role: str) -> None:
     root.setLevel(level.upper())
     for name in _QUIET_LIBRARIES:
         logging.getLogger(name).setLevel(max(logging.INFO, root.level))
+    if config.loaded_from:  # which file this process's settings came from, at its start-up
+        logging.getLogger("reame").info("%s", config.loaded_from)
