@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -34,17 +33,21 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.system_tools import require_tool
+
 REPO = Path(__file__).resolve().parents[2]
 API_KEY = "boot-test-key"
 DEBIAN_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
 def _unavailable() -> str | None:
+    """Why the host cannot be booted here (None: it can). A missing tool skips, or fails where CI
+    requires the tools (tests/system_tools.py)."""
     if os.geteuid() != 0:
         return "booting a container needs root"
-    for tool in ("systemd-nspawn", "unshare", "nsenter"):
-        if shutil.which(tool) is None:
-            return f"`{tool}` is not installed (Debian's systemd-container; see .ci/debian-packages)"
+    require_tool("systemd-nspawn", package="systemd-container")
+    require_tool("unshare", package="util-linux")
+    require_tool("nsenter", package="util-linux")
     if not Path("/usr/bin/python3").is_file():
         return "no /usr/bin/python3 for the README's `make install`"
     return None
