@@ -83,11 +83,14 @@ async def anthropic_middleware(request: web.Request, handler) -> web.StreamRespo
     if response.status < 400 or not isinstance(response, web.Response) or response.body is None:
         return response
     try:
-        message = orjson.loads(response.body)["error"]["message"]
-    except (orjson.JSONDecodeError, KeyError, TypeError):
+        error = orjson.loads(response.body)["error"]
+        message, code = error["message"], error.get("code")
+    except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError):
         return response
     kept = {k: v for k, v in response.headers.items() if k.lower() in ("retry-after", "allow", "x-request-id")}
     body = {"type": "error", "error": {"type": ERROR_TYPES.get(response.status, "api_error"), "message": message}}
+    if code is not None:  # Reame's finer kind (e.g. invalid_api_key, context_length_exceeded), kept
+        body["error"]["code"] = code
     answer = web.Response(status=response.status, body=orjson.dumps(body), content_type="application/json",
                           headers=kept)
     if not response.keep_alive:

@@ -103,6 +103,8 @@ def test_bad_requests_in_anthropic_envelope(server, body, headers, status, kind,
     assert r.status_code == status
     error = r.json()
     assert error["type"] == "error" and error["error"]["type"] == kind and words in error["error"]["message"]
+    if status == 401:
+        assert error["error"]["code"] == "invalid_api_key"
 
 
 def test_unknown_route_under_messages_is_anthropic_shaped(server):
