@@ -13,6 +13,7 @@ key, NAME.key_secret both. reame.conf's [server] names them:
 """
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,9 @@ import zmq.auth
 
 from shared.config import Config, is_loopback
 from shared.errors import ConfigError
+from shared.private_state import check_secret_file
+
+log = logging.getLogger("reame.curve")
 
 ZAP_DOMAIN = "reame"  # the ZAP domain of the workers' socket
 
@@ -71,6 +75,8 @@ def load_key(path: Path, *, need_secret: bool, what: str) -> tuple[bytes, bytes 
         raise ConfigError(f"{what} = {path}: cannot read a ZeroMQ key from it ({exc})") from None
     if need_secret and not secret:
         raise ConfigError(f"{what} = {path} holds no secret key: name the .key_secret file here")
+    if need_secret:  # one an older version (or a loose umask) left readable by others
+        check_secret_file(path, what, log)
     return public, secret
 
 

@@ -106,3 +106,17 @@ def test_an_api_keys_file_of_another_user_is_refused(tmp_path):
     os.chown(path, 65534, 65534)
     with pytest.raises(ConfigError, match="belongs to uid 65534"):
         load_tenants(config)
+
+
+def test_a_curve_secret_key_others_can_read_is_made_private_when_loaded(tmp_path, caplog):
+    from shared.curve import generate, load_key
+
+    public, secret = generate(tmp_path, "gateway")
+    secret.chmod(0o644)  # as an older version, or a copy under umask 022, left it
+    with caplog.at_level(logging.WARNING, "reame.curve"):
+        load_key(secret, need_secret=True, what="[server] curve_gateway_key")
+    assert mode(secret) == 0o640
+    assert f"[server] curve_gateway_key: {secret} was open to other users (mode 644" in caplog.text
+    public.chmod(0o644)
+    load_key(public, need_secret=False, what="[server] curve_gateway_key")
+    assert mode(public) == 0o644  # a public key is meant to be read
