@@ -120,3 +120,15 @@ def test_a_curve_secret_key_others_can_read_is_made_private_when_loaded(tmp_path
     public.chmod(0o644)
     load_key(public, need_secret=False, what="[server] curve_gateway_key")
     assert mode(public) == 0o644  # a public key is meant to be read
+
+
+def test_the_speculation_archive_left_open_is_made_private(tmp_path, caplog):
+    from worker.spec.archive_store import ArchiveStore
+
+    where = tmp_path / "spec-archive"
+    where.mkdir()
+    where.chmod(0o755)  # it holds completions: anyone could read them
+    with caplog.at_level(logging.WARNING, "reame.spec"):
+        ArchiveStore(where, model=b"m" * 8, order=4, budget_bytes=1 << 20).close()
+    assert mode(where) == 0o700
+    assert f"n-gram archive at {where}: {where} was open to other users (mode 755" in caplog.text

@@ -33,6 +33,8 @@ from pathlib import Path
 
 import lmdb
 
+from shared.errors import ConfigError
+from shared.private_state import make_private
 from shared.thread_priority import lower_this_thread
 
 log = logging.getLogger("reame.spec")
@@ -65,7 +67,7 @@ class ArchiveStore:
         self.corrupt = self.writes = self.evictions = self.dropped = 0
         self.writes_enabled = True
         try:
-            self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
+            make_private(self.path, f"n-gram archive at {self.path}", log)  # it holds completions
             self._env = lmdb.open(str(self.path), map_size=2 * budget_bytes + (16 << 20), max_dbs=len(_DB_NAMES),
                                   subdir=True, mode=0o600, readahead=False, metasync=False)
             self._env.reader_check()
@@ -73,6 +75,8 @@ class ArchiveStore:
                 self._ngrams, self._lru, self._meta, self._state = (self._env.open_db(n, txn=txn) for n in _DB_NAMES)
         except (lmdb.Error, OSError) as exc:
             raise ArchiveUnavailable(f"n-gram archive at {self.path} cannot be opened: {exc}") from exc
+        except ConfigError as exc:  # another user's directory: not used
+            raise ArchiveUnavailable(exc.message) from exc
         self._ops: deque[tuple] = deque()  # ("add", {context: counts}) | ("delete", key) | ("state", encode)
         self._cond = threading.Condition()
         self._pending = 0  # ops queued or being applied
