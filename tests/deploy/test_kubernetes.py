@@ -117,6 +117,22 @@ def test_the_coordinator_runs_alone_over_curve_with_its_keys_mounted_and_its_str
     assert service["spec"]["ports"][0]["port"] == port
 
 
+def test_the_gateways_are_advised_by_the_coordinator_over_curve():
+    gateway = find("Deployment", "reame-gateway")
+    main = gateway["spec"]["template"]["spec"]["containers"][0]
+    config = parse_config(find("ConfigMap", "reame-config")["data"]["gateway.conf"], "/etc/reame/reame.conf")
+    service, coordinator = find("Service", "reame-coordinator"), find("Deployment", "reame-coordinator")
+    assert config.tuning.coordinator == (f"tcp://{service['metadata']['name']}.{service['metadata']['namespace']}"
+                                         f".svc.cluster.local:{service['spec']['ports'][0]['port']}")
+    check_coordinator_transport(config)
+    assert config.tuning.curve_coordinator_key.endswith(".key")  # gateways never see the coordinator's secret
+    assert _mounted(gateway, main, config.tuning.curve_coordinator_key)
+    # The coordinator lets in the key whose secret the gateways hold.
+    authorized = next(v for v in coordinator["spec"]["template"]["spec"]["volumes"] if v["name"] == "curve-gateways")
+    assert [item["key"] for item in authorized["secret"]["items"]] == [
+        PurePosixPath(config.server.curve_gateway_key).name.removesuffix("_secret")]
+
+
 def test_worker_pods_get_exclusive_cores_and_a_numa_node():
     worker = find("DaemonSet", "reame-worker")["spec"]["template"]["spec"]["containers"][0]
     resources = worker["resources"]
