@@ -23,7 +23,7 @@ from aiohttp import web
 
 from gateway.anthropic_requests import parse_messages
 from gateway.completion import complete
-from gateway.reply import Ending, NamedEventStream, Part, parts, stream_events
+from gateway.reply import Ending, NamedEventStream, Part, parts, stream_events, whole
 from gateway.routes import _check_model, _read_json, chat_prompt
 from gateway.state import STATE
 from gateway.tools import ToolCall
@@ -102,10 +102,8 @@ async def anthropic_middleware(request: web.Request, handler) -> web.StreamRespo
 
 async def _whole(run: _Run, model: str) -> web.Response:
     ending = Ending()
-    text, calls = "", []
-    async for part in parts(run, ending, streamed=False):
-        text += part.text
-        calls += part.calls
+    reply = await whole(run, ending)
+    text, calls = reply.text, reply.calls
     content = ([{"type": "text", "text": text}] if text or not calls else []) + [_tool_use(c) for c in calls]
     return _json({"id": _message_id(), "type": "message", "role": "assistant", "model": model, "content": content,
                   **_stop(ending), "usage": _usage(ending)})
@@ -137,7 +135,7 @@ async def _stream(run: _Run, out: NamedEventStream, model: str) -> None:
         await out.emit("content_block_stop", {"type": "content_block_stop", "index": index})
 
     part: Part
-    async for part in parts(run, ending, streamed=True):
+    async for part in parts(run, ending):
         await start()
         if part.text:
             if not text_open:

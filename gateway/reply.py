@@ -16,7 +16,7 @@ import orjson
 from aiohttp import web
 
 from gateway.sse import ClientStoppedReading, EventStream
-from gateway.tools import ToolCall
+from gateway.tools import ToolCall, ToolCallParser
 from shared.errors import ReameError
 
 if TYPE_CHECKING:
@@ -43,17 +43,16 @@ class Ending:
     cached_tokens: int = 0
 
 
-async def parts(run: _Run, ending: Ending, streamed: bool) -> AsyncIterator[Part]:
-    """The run's one choice as it arrives. Calls are taken out of the content by the run's
-    tool-call parser (when the request has tools); a reply that made calls ends "tool_calls"."""
+async def parts(run: _Run, ending: Ending) -> AsyncIterator[Part]:
+    """A streamed run's one choice as it arrives. Calls are taken out of the content by the
+    run's tool-call parser (when the request has tools); a reply that made calls ends "tool_calls"."""
     (job,) = run.choices
     parser = run.parsers.get(job)
     made_calls = False
     while run.pending:
         batch = await run.next_deltas()
-        if streamed:
-            for done, _ in batch:  # before any await: from here on the job may not move workers
-                done.delivered = True
+        for done, _ in batch:  # before any await: from here on the job may not move workers
+            done.delivered = True
         for _, delta in batch:
             part = Part(delta.text)
             if parser is not None:
@@ -66,7 +65,29 @@ async def parts(run: _Run, ending: Ending, streamed: bool) -> AsyncIterator[Part
                 part.finish_reason = "tool_calls" if made_calls and delta.finish_reason == "stop" else delta.finish_reason
             if part.text or part.calls or part.finish_reason:
                 yield part
-    choice = run.choices[job]
+    _end(run, made_calls, ending)
+
+
+async def whole(run: _Run, ending: Ending) -> Part:
+    """A run's one choice once it has ended, read as `_Run.collect` reads it: from the final text
+    (a job moved to another worker after its first tokens starts its choice again)."""
+    while run.pending:
+        await run.next_deltas()
+    (job,) = run.choices
+    part = Part(run.choices[job].text)
+    parser = run.parsers.get(job)
+    if parser is not None:
+        fresh = ToolCallParser(parser.family, parser.names)
+        part.text, part.calls = fresh.feed(part.text)
+        rest, more = fresh.finish()
+        part.text, part.calls = part.text + rest, part.calls + more
+    _end(run, bool(part.calls), ending)
+    part.finish_reason = ending.finish_reason
+    return part
+
+
+def _end(run: _Run, made_calls: bool, ending: Ending) -> None:
+    (choice,) = run.choices.values()
     matched = choice.matcher.matched
     ending.finish_reason = "tool_calls" if made_calls and choice.finish_reason == "stop" else choice.finish_reason
     ending.stop_string = matched if matched in run.req.stop else None

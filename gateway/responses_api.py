@@ -28,7 +28,7 @@ from aiohttp import web
 from gateway.auth import TENANT
 from gateway.completion import complete
 from gateway.errors import NotFoundError
-from gateway.reply import Ending, NamedEventStream, Part, parts, stream_events
+from gateway.reply import Ending, NamedEventStream, Part, parts, stream_events, whole
 from gateway.response_store import ResponseStore, StoredResponse
 from gateway.responses_requests import MAX_ID, MAX_LIST, ResponsesRequest, new_id, parse_responses
 from gateway.routes import _check_model, _read_json, chat_prompt
@@ -101,8 +101,7 @@ async def create(request: web.Request) -> web.StreamResponse:
         if req.stream:
             return await stream_events(run, http, lambda out: reply.stream(run, out, save), reply.error_event)
         ending = Ending()
-        async for part in parts(run, ending, streamed=False):
-            await reply.add(part)
+        await reply.add(await whole(run, ending))
         body = reply.finish(ending)
         await save(body)
         return _json(body)
@@ -174,7 +173,7 @@ class _Reply:
 
         ending = Ending()
         started = False
-        async for part in parts(run, ending, streamed=True):
+        async for part in parts(run, ending):
             if not started:
                 started = True
                 await self._start(emit)

@@ -162,3 +162,23 @@ def test_count_tokens_needs_no_max_tokens():
     with pytest.raises(InvalidRequestError, match="tool_result"):
         parse_messages({"max_tokens": 5, "messages": [{"role": "assistant", "content": [
             {"type": "tool_result", "tool_use_id": "x", "content": "y"}]}]}, max_n=1)
+
+
+def test_a_reply_moved_to_another_worker_is_whole_once(tmp_path):
+    """A worker lost after a non-streamed reply's first tokens: the job runs again on the other
+    worker, and the answer is that run's text, not the lost tokens followed by it."""
+    import concurrent.futures as cf
+
+    srv = FakeServer(tmp_path, workers=2, step_s=0.03)
+    try:
+        claude = anthropic.Anthropic(base_url=srv.url, api_key="x", max_retries=0, timeout=20)
+        with cf.ThreadPoolExecutor(1) as pool:
+            reply = pool.submit(claude.messages.create, model="reame", max_tokens=64, messages=HI, extra_body=GREEDY)
+            srv.wait_until(lambda: any(len(out) >= 3 for w in srv.workers
+                                       for _, _, out in w.generator._requests.values()))
+            victim = next(w for w in srv.workers if w.generator.request_ids)
+            victim.crash()
+            r = reply.result(20)
+        assert r.content[0].text == REPLY and r.stop_reason == "end_turn"
+    finally:
+        srv.close()
