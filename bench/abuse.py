@@ -25,6 +25,13 @@ attacker; flooder, whose queue must not starve the others), `[prefix_cache] isol
             slow_reader    a raw socket that posts a long stream and never reads: the server must
                            drop it about write_timeout seconds after its buffers fill
             queue_flood    flooder keeps n=16 requests queued; alice must still be served
+            tenant_admin   mallory's tenant key on /admin/* (freeze, report, series, a strategy of
+                           knobs of 1 and a 1 s window), /dashboard and /metrics (403); the
+                           operator's key importing 2000 invented slots or knobs of 1 (400) and
+                           reading the series at 1-second buckets (200); bodyless cross-site POSTs
+                           to freeze (401/415); the strategy stays unfrozen (issue 41)
+            spec_counters  mallory reads the reame_spec_* counters another tenant's answer was
+                           recovered from (403; the operator's key: 200) (issue 41)
 
 Prints per attack the requests sent, the statuses seen and anything unexpected, and the normal
 client's TTFT and inter-token gap (median, p99) in both phases with the ratio (goal: p99 gap
@@ -110,6 +117,7 @@ class Attack:
     session: aiohttp.ClientSession
     defences: dict[str, bool]  # config key -> present in shared/config.py
     max_body: int
+    operator: str = ""  # an operator's key ("NAME KEY admin" in the keys file)
     tallies: dict[str, Tally] = field(default_factory=dict)
 
     def tally(self, name: str) -> Tally:
@@ -396,8 +404,75 @@ async def queue_flood(a: Attack) -> None:
     await asyncio.gather(*(one_flooder() for _ in range(2)))  # 32 jobs queued: 4 x max_batch_size
 
 
+OPERATOR_ROUTES = [("GET", "/admin/strategy"), ("POST", "/admin/strategy/freeze"),
+                   ("POST", "/admin/strategy/unfreeze"), ("GET", "/admin/report"), ("GET", "/admin/series?bucket=1"),
+                   ("GET", "/dashboard"), ("GET", "/metrics")]
+SLOW_KNOBS = {"max_batch_size": 1, "token_budget": 1, "prefill_chunk": 1, "attention_chunk": 1,
+              "batching_window_ms": 1000}
+
+
+async def tenant_admin(a: Attack) -> None:
+    """A tenant's key on the operator's routes, and imports even the operator may not make."""
+    t = a.tally("tenant_admin")
+    if not a.operator or a.operator == a.mallory:
+        t.note("no separate operator key: a tenant cannot be told from the operator")
+        return
+    operator = {"Authorization": f"Bearer {a.operator}"}
+    status, strategy, _, _ = await a.request(t, "GET", "/admin/strategy", None, operator)
+    t.record("operator reads the strategy", status, {200})
+    defaults = strategy.get("defaults") or {}
+    slowed = json.dumps({"workers": {"*": {"knobs": {**defaults, **SLOW_KNOBS}}}}).encode()
+    invented = json.dumps({"workers": {f"h/node0/cpus{i}": {"knobs": defaults} for i in range(1000, 3000)}}).encode()
+    for round_ in range(3):
+        if not a.more():
+            return
+        for method, path in OPERATOR_ROUTES:
+            headers = {"Authorization": f"Bearer {a.mallory}", "Content-Type": "application/json"}
+            status, answer, _, seconds = await a.request(t, method, path, None, headers)
+            t.record(f"tenant {method} {path}", status, {403}, seconds)
+            if status == 403 and (answer.get("error") or {}).get("code") != "permission_denied":
+                t.note(f"tenant {method} {path}: 403 without its OpenAI error body")
+        status, _, _, seconds = await a.post(t, "/admin/strategy", slowed, a.mallory)
+        t.record("tenant imports knobs of 1 and a 1 s window", status, {403}, seconds)
+        status, _, _, seconds = await a.post(t, "/admin/strategy", slowed, a.operator)
+        t.record("operator imports knobs of 1 and a 1 s window", status, {400}, seconds)
+        status, _, _, seconds = await a.post(t, "/admin/strategy", invented, a.operator)
+        t.record("operator imports 2000 invented slots", status, {400}, seconds)
+        status, _, _, seconds = await a.request(t, "GET", "/admin/series?bucket=1", None, operator)
+        t.record("operator reads the series at 1-second buckets", status, {200}, seconds)
+        for kind in ("application/x-www-form-urlencoded", None):  # an empty form, a bodyless fetch()
+            headers = {"Origin": "https://evil.example", **({"Content-Type": kind} if kind else {})}
+            status, _, _, seconds = await a.request(t, "POST", "/admin/strategy/freeze", None, headers)
+            t.record(f"bodyless cross-site freeze ({kind or 'no Content-Type'})", status, {401, 415}, seconds)
+        status, strategy, _, _ = await a.request(t, "GET", "/admin/strategy", None, operator)
+        if strategy.get("frozen"):
+            t.note("the strategy is frozen: an attack got through")
+        await asyncio.sleep(1.0 + round_)
+
+
+async def spec_counters(a: Attack) -> None:
+    """The counters mallory watched to recover another tenant's code, one draft at a time."""
+    t = a.tally("spec_counters")
+    while a.more(1.0):
+        status, _, _, seconds = await a.request(t, "GET", "/metrics", None, {"Authorization": f"Bearer {a.mallory}"})
+        t.record("tenant reads /metrics", status, {403}, seconds)
+        if a.operator and a.operator != a.mallory:
+            t.sent += 1
+            try:
+                async with a.session.get(a.url + "/metrics", headers={"Authorization": f"Bearer {a.operator}"},
+                                         timeout=aiohttp.ClientTimeout(total=30)) as response:
+                    status, text = response.status, await response.text()
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+                status, text = 0, ""
+            t.record("operator reads /metrics", status, {200})
+            if status == 200 and "reame_spec_drafted_tokens" not in text:
+                t.note("the operator's /metrics has no reame_spec_* series")
+        await asyncio.sleep(2.0)
+
+
 ATTACKS = {"max_body": max_body, "injection": injection, "cross_tenant": cross_tenant, "browser": browser,
-           "malformed": malformed, "slow_reader": slow_reader, "queue_flood": queue_flood}
+           "malformed": malformed, "slow_reader": slow_reader, "queue_flood": queue_flood,
+           "tenant_admin": tenant_admin, "spec_counters": spec_counters}
 
 
 async def run_attacks(a: Attack, names: list[str], grace: float) -> None:
@@ -565,6 +640,7 @@ def main() -> int:
     present = defences()
     findings = [f"config key {key} does not exist yet: not configured" for key, ok in present.items() if not ok]
     alice, mallory, flooder = secrets.token_hex(16), secrets.token_hex(16), secrets.token_hex(16)
+    operator = secrets.token_hex(16)
     gateway: dict = {"max_body_bytes": GatewaySection.max_body_bytes}
     if present["write_timeout"]:
         gateway["write_timeout"] = WRITE_TIMEOUT
@@ -573,10 +649,11 @@ def main() -> int:
         directory = Path(tmp)
         if keys_alone:  # one key for both: tenants cannot be told apart
             gateway["api_key"] = alice
-            mallory = flooder = alice
+            mallory = flooder = operator = alice
             findings.append("without api_keys_file both tenants share one key")
         else:
-            (directory / "keys").write_text(f"alice {alice}\nmallory {mallory}\nflooder {flooder}\n")
+            (directory / "keys").write_text(f"alice {alice}\nmallory {mallory}\nflooder {flooder}\n"
+                                            f"operator {operator} admin\n")
             gateway["api_keys_file"] = directory / "keys"
         sections = {"gateway": gateway, "serve": {"workers": 1}}
         if present["isolation"] and not keys_alone:
@@ -597,7 +674,7 @@ def main() -> int:
                 nonlocal attack
                 async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
                     attack = Attack(url, alice, mallory, flooder, time.monotonic() + args.duration, session,
-                                    present, gateway["max_body_bytes"])
+                                    present, gateway["max_body_bytes"], operator)
                     await run_attacks(attack, names, grace=15.0)
             under_attack = client_phase("attack", url, alice, args.duration, attacked)
             status, body = health(url)
@@ -643,7 +720,7 @@ def report(model: Path, duration: float, tallies: list[Tally], before: ClientSta
     print(f"{'attack':<13} {'sent':>5} {'slowest':>8}  {'statuses':<28} unexpected")
     for t in tallies:
         statuses = " ".join(f"{k}x{v}" for k, v in sorted(t.statuses.items(), key=lambda kv: str(kv[0])))
-        print(f"{t.name:<13} {t.sent:>5} {t.slowest:>7.1f}s  {statuses:<28} {t.unexpected[0] if t.unexpected else '-'}")
+        print(f"{t.name:<13} {t.sent:>5} {t.slowest:>7.1f}s  {statuses:<28} {t.unexpected[0] if t.unexpected else 'held'}")
         for extra in t.unexpected[1:]:
             print(f"{'':<58} {extra}")
     print(f"\n{'normal client':<13} {'requests':>8} {'errors':>6} {'TTFT p50':>9} {'TTFT p99':>9} "
