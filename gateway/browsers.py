@@ -12,7 +12,11 @@ the class of Ollama's CVE-2024-28224, and what closes each:
 - Cross-site "simple" requests: a form or fetch() may POST text/plain or form bodies without a
   CORS preflight, and a completion would run even though the page cannot read it. A POST body
   that is not JSON is refused (415); a JSON body from another origin needs a preflight, which
-  only `[gateway] cors_origins` answers.
+  only `[gateway] cors_origins` answers. So is a POST without a body and without a JSON
+  Content-Type, unless it carries an Authorization header (or the server has keys, and so
+  refuses it without one): an empty form or a bodyless fetch() froze the strategy of a server
+  without keys (/admin/strategy/freeze takes no body), and no page can add that header to
+  another site's request without a preflight.
 """
 from __future__ import annotations
 
@@ -36,6 +40,7 @@ def names(setting: str) -> frozenset[str]:
 
 def browser_middleware(config: GatewaySection):
     check_host = not config.authenticated and "*" not in names(config.allowed_hosts)
+    keys = config.authenticated  # then a request without Authorization is refused anyway (401)
     hosts = LOOPBACK_NAMES | {config.host.lower()} | names(config.allowed_hosts)
     any_address = config.host in WILDCARD_HOSTS
     origins = frozenset(part.strip() for part in config.cors_origins.split(",") if part.strip())
@@ -49,7 +54,8 @@ def browser_middleware(config: GatewaySection):
         if (request.method == "OPTIONS" and origin in origins
                 and "Access-Control-Request-Method" in request.headers):
             return web.Response(status=204, headers=_preflight_headers(origin, request))
-        if request.method == "POST" and request.body_exists and not _is_json(request.content_type):
+        if (request.method == "POST" and not _is_json(request.content_type)
+                and (request.body_exists or not (keys or "Authorization" in request.headers))):
             raise UnsupportedMediaTypeError(f"the request body must be JSON (Content-Type: application/json), "
                                             f"not {request.content_type[:100]}")
         return await handler(request)

@@ -73,3 +73,23 @@ def test_cors_is_off_by_default_and_a_key_replaces_the_host_check(tmp_path):
                             headers={"Host": "evil.example", "Authorization": "Bearer k"}).status_code == 200
     finally:
         srv.close()
+
+
+@pytest.mark.parametrize("content_type", ["application/x-www-form-urlencoded", "text/plain", None])
+def test_a_bodyless_cross_site_post_cannot_freeze_the_strategy(tmp_path, content_type):
+    """An empty form (or a bodyless fetch) from another site's page: no body to judge, so the
+    Content-Type alone decides; before, it froze a server without keys."""
+    server = FakeServer(tmp_path, extra=f"[tuning]\nstate_path = {tmp_path / 'tuning'}")
+    try:
+        headers = {"Origin": "https://evil.example"}
+        if content_type is not None:
+            headers["Content-Type"] = content_type
+        for action in ("freeze", "unfreeze"):
+            r = requests.post(server.url + f"/admin/strategy/{action}", headers=headers, timeout=10)
+            assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type"
+        assert server.state.tuning.coordinator.frozen is False
+        own = requests.post(server.url + "/admin/strategy/freeze", headers={"Content-Type": "application/json"},
+                            timeout=10)
+        assert own.status_code == 200 and own.json()["frozen"] is True
+    finally:
+        server.close()
