@@ -182,3 +182,19 @@ def test_a_reply_moved_to_another_worker_is_whole_once(tmp_path):
         assert r.content[0].text == REPLY and r.stop_reason == "end_turn"
     finally:
         srv.close()
+
+
+def test_a_stream_whose_worker_is_lost_ends_with_an_error_event(tmp_path):
+    srv = FakeServer(tmp_path, workers=1, step_s=0.05)  # the reply's 20 tokens take a second
+    try:
+        claude = anthropic.Anthropic(base_url=srv.url, api_key="x", max_retries=0, timeout=20)
+        with claude.messages.stream(model="reame", max_tokens=200, messages=HI, extra_body=GREEDY) as stream:
+            events = iter(stream)
+            assert next(events).type == "message_start"
+            srv.workers[0].crash()
+            with pytest.raises(anthropic.APIStatusError) as caught:
+                for _ in events:
+                    pass
+        assert caught.value.body["type"] == "error" and caught.value.body["error"]["type"] == "overloaded_error"
+    finally:
+        srv.close()

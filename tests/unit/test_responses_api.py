@@ -189,3 +189,19 @@ def test_store_retention(tmp_path):
     reopened = ResponseStore(tmp_path / "r.sqlite", max_age_hours=1, max_per_owner=2)
     assert reopened.get("b", "x", now=5000) is not None and not reopened.delete("a", "x")
     reopened.close()
+
+
+def test_a_stream_whose_worker_is_lost_ends_with_an_error_event(tmp_path):
+    # The reply's 20 tokens take a second.
+    srv = FakeServer(tmp_path, workers=1, step_s=0.05, server={"state_dir": str(tmp_path / "state")})
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=20)
+        events = iter(client.responses.create(model="reame", input="hi", temperature=0, max_output_tokens=200,
+                                              stream=True))
+        assert next(events).type == "response.created"
+        srv.workers[0].crash()
+        rest = list(events)
+        assert rest[-1].type == "error" and rest[-1].code == "worker_lost"
+        assert "response.completed" not in [e.type for e in rest]
+    finally:
+        srv.close()
