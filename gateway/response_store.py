@@ -1,6 +1,6 @@
 """Stored responses of the OpenAI Responses API (`store: true`), per API key, kept across restarts.
 
-One SQLite file, `<[server] state_dir>/responses.sqlite`. SQLite rather than LMDB (which holds
+One SQLite file, `[gateway] stored_responses_path` (by default `<[server] state_dir>/responses.sqlite`). SQLite rather than LMDB (which holds
 the prefix store): the records are small JSON documents looked up by (owner, id), listed by
 age for retention, and deleted one by one or in ranges; SQLite does that with an index and a
 transaction per write, needs no map size chosen up front, and gateways on one host can share

@@ -49,7 +49,8 @@ class _LazyStore:
     def get(self, config) -> ResponseStore:
         with self._lock:
             if self._store is None:
-                path = config.resolve_path(config.server.state_dir) / "responses.sqlite"
+                path = (config.resolve_path(config.gateway.stored_responses_path) if config.gateway.stored_responses_path
+                        else config.resolve_path(config.server.state_dir) / "responses.sqlite")
                 self._store = ResponseStore(path, config.gateway.stored_response_hours,
                                             config.gateway.stored_responses_per_key)
             return self._store

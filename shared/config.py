@@ -103,6 +103,7 @@ class GatewaySection:
     routing: str = "affinity"  # affinity (prefix, then host, then load) | least_loaded
     stored_response_hours: float = 720.0  # /v1/responses with store: kept this long (per key, in state_dir)
     stored_responses_per_key: int = 10000  # and at most this many per API key, the oldest deleted first
+    stored_responses_path: str = ""  # the SQLite file of stored responses; "" = <[server] state_dir>/responses.sqlite
 
 
     @property

@@ -205,3 +205,15 @@ def test_a_stream_whose_worker_is_lost_ends_with_an_error_event(tmp_path):
         assert "response.completed" not in [e.type for e in rest]
     finally:
         srv.close()
+
+
+def test_stored_responses_path_is_where_the_store_lives(tmp_path):
+    path = tmp_path / "kept" / "responses.sqlite"
+    srv = FakeServer(tmp_path, extra=f"stored_responses_path = {path}", server={"state_dir": str(tmp_path / "run")})
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=10)
+        r = client.responses.create(model="reame", input="hi", temperature=0)
+        assert path.exists() and not (tmp_path / "run" / "responses.sqlite").exists()
+        assert ResponseStore(path, 1, 10).get("", r.id) is not None
+    finally:
+        srv.close()
