@@ -67,7 +67,8 @@ class Clock:
 @pytest.fixture
 def setup():
     clock = Clock()
-    constraints = Constraints(lambda: token_table(vocab(), [EOS]), VOCAB, capacity=4, budget=5.0, clock=clock)
+    constraints = Constraints(lambda: token_table(vocab(), [EOS]), VOCAB, capacity=4, budget=5.0, clock=clock,
+                              limit=3.0)
     engine = FakeEngine()
     # No batching window: every step() runs a step (a window would make the first ones empty).
     generator = BatchGenerator(engine, TuningState(SchedulerKnobs(batching_window_ms=0.0)), constraints=constraints)
@@ -203,3 +204,22 @@ def test_a_grammar_the_worker_cannot_build_ends_its_request_with_an_error(setup)
     errors = [e for e in events if isinstance(e, ErrorEvent)]
     assert [e.request_id for e in errors] == ["bad"] and errors[0].error.status == 400
     assert tokens_of(events, "free")
+
+
+def test_one_mask_over_the_limit_stops_its_request(setup):
+    generator, constraints, clock = setup
+    generator.add("slow", [1, 2, 3], params(regex_grammar("[0-9]+")))
+    row = generator._grammars["slow"]
+    fill = row.fill
+
+    def slow_fill():  # 4 s of the fake clock: over the 3 s limit for one mask, under the 5 s budget
+        clock.now += 4.0
+        fill()
+    row.fill = slow_fill
+    events: list = []
+    for _ in range(5):
+        events += step(generator)
+        if events:
+            break
+        constraints.wait([row])
+    assert [type(e) for e in events] == [ErrorEvent] and "3000 ms" in events[0].error.message

@@ -1,5 +1,6 @@
 """Grammar-constrained rows of a step: one llguidance matcher per constrained request, its masks
-computed off the GIL on a helper thread while the engine runs, and a mask-time budget per request.
+computed off the GIL on a helper thread (at the lowest CPU priority) while the engine runs, and a
+mask-time budget per request (in CPU time).
 
 A mask is llguidance's bitmask (one bit per token, int32 words, bit i of word i // 32 = token i
 allowed); the sampler turns the zero bits into -inf logits (Sampler.sample(mask=...)). Free rows
@@ -14,8 +15,8 @@ and its fuel limits do not stop it (issue 41, item 3: 8 such rows took another t
 from 12 to 351 ms, the step waiting for their masks). So a step never waits for a late mask while
 it holds any other row (worker.sched.generation defers that row instead); the helper thread takes
 the request with the least mask time so far first, so a cheap grammar is not queued behind a
-costly one; and a request whose masks have taken more than MASK_BUDGET_S in all is stopped with
-an error (code grammar_too_complex).
+costly one; and a request whose masks have taken more than MASK_BUDGET_S in all, or MASK_LIMIT_S
+for one of them, is stopped with an error (code grammar_too_complex).
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ import numpy as np
 
 from shared.errors import InvalidRequestError
 from shared.grammar import parser_limits, token_table
+from shared.thread_priority import lower_this_thread
 from shared.vocab import end_of_generation_ids, read_vocab
 
 log = logging.getLogger("reame.constraint")
@@ -42,6 +44,10 @@ log = logging.getLogger("reame.constraint")
 # ambiguous Lark grammar `s: s s | "a" | "b" | "ab"` (bench/abuse.py's grammar_stall), fed "a":
 # 4 ms a mask at 100 tokens, 32 ms at 200, 81 ms at 300; 5 s in all after about 260 tokens.
 MASK_BUDGET_S = 5.0
+# One mask (or one token taken) may take this long: 500x a JSON schema's. Taking a token costs
+# about a fifth of a mask with the ambiguous grammar (15 ms beside 65 ms at 200 tokens), and that
+# runs on the step loop, so it counts too.
+MASK_LIMIT_S = 0.1
 
 
 class GrammarConstraint:
@@ -54,7 +60,8 @@ class GrammarConstraint:
         self.end_ids = np.asarray(end_ids, np.int64)  # the request's stop tokens, allowed once complete
         self.mask = np.full(words, -1, np.int32)  # the next token's mask, once `pending` is done
         self.pending: Future | None = None  # the computation of `mask` for the current state
-        self.mask_seconds = 0.0  # spent on this request's masks so far (finished ones)
+        self.mask_seconds = 0.0  # spent on this request's masks and taken tokens so far (finished ones)
+        self.longest = 0.0  # the longest of them
         self.computing_since: float | None = None  # when the helper began the mask it computes now
 
     @property
@@ -82,11 +89,14 @@ class GrammarConstraint:
         self.matcher.unsafe_compute_mask_ptr(self.mask.ctypes.data, self.mask.nbytes)
         self.allow_end(self.mask)
 
-    def advance(self, token: int) -> bool:
+    def advance(self, token: int, clock: Callable[[], float] = time.thread_time) -> bool:
         """Take the sampled token; True when the grammar is now complete and admits nothing more.
         Raises InvalidRequestError if the grammar broke (a budget ran out mid-generation)."""
         self.pending = None  # the mask was for the state before this token
-        if not self.matcher.consume_token(token):
+        started = clock()
+        taken = self.matcher.consume_token(token)
+        self.count(clock() - started)
+        if not taken:
             raise InvalidRequestError(f"the grammar could not follow token {token}: "
                                       f"{self.matcher.get_error() or 'rejected'}", param="response_format",
                                       code="grammar_too_complex")
@@ -94,6 +104,13 @@ class GrammarConstraint:
 
     def error(self) -> str:
         return self.matcher.get_error()
+
+    def count_build(self, seconds: float) -> None:
+        self.mask_seconds += seconds
+
+    def count(self, seconds: float) -> None:
+        self.mask_seconds += seconds
+        self.longest = max(self.longest, seconds)
 
     def drop(self) -> None:
         """The request ended: a mask still queued for it is not computed."""
@@ -109,7 +126,8 @@ class Constraints:
     `masks` returns. clock: for the mask-time budget (tests pass their own)."""
 
     def __init__(self, vocab_source: Callable[[], llguidance.LLTokenizer], vocab_size: int, capacity: int,
-                 budget: float = MASK_BUDGET_S, clock: Callable[[], float] = time.perf_counter):
+                 budget: float = MASK_BUDGET_S, clock: Callable[[], float] | None = None,
+                 limit: float = MASK_LIMIT_S):
         self._vocab_source = vocab_source
         self._table: llguidance.LLTokenizer | None = None
         self._table_lock = threading.Lock()
@@ -117,7 +135,8 @@ class Constraints:
         self._words = (vocab_size + 31) // 32
         self._masks = np.full((max(capacity, 1), self._words), -1, np.int32)
         self.budget = budget
-        self.clock = clock
+        self.limit = limit
+        self.clock = clock or self._helper_cpu_seconds
         self._queue: list[tuple[float, int, GrammarConstraint, Future]] = []  # least mask time first
         self._order = itertools.count()
         self._wake = threading.Condition()
@@ -135,17 +154,24 @@ class Constraints:
             log.info("grammar token table for %s built in %.2fs (%d tokens)", vocab.source,
                      time.perf_counter() - started, table.vocab_size)
             return table
-        return cls(load, vocab_size, capacity)
+        constraints = cls(load, vocab_size, capacity)
+        # Built now, beside the worker's warm-up: it is Python (it holds the GIL ~1 s on a busy host),
+        # and built at the first constrained request it stalled every stream of the worker.
+        threading.Thread(target=constraints.table, name="grammar-table", daemon=True).start()
+        return constraints
 
     def compile(self, grammar: str, end_ids: tuple[int, ...]) -> GrammarConstraint:
         """One request's grammar; its matcher (and, the first time, the token table) is built with
         its first mask, on the helper thread (GrammarConstraint.matcher)."""
         def build() -> llguidance.LLMatcher:
-            with self._table_lock:
-                if self._table is None:
-                    self._table = self._vocab_source()
-            return llguidance.LLMatcher(self._table, grammar, log_level=0, limits=parser_limits())
+            return llguidance.LLMatcher(self.table(), grammar, log_level=0, limits=parser_limits())
         return GrammarConstraint(build, end_ids, self._words)
+
+    def table(self) -> llguidance.LLTokenizer:
+        with self._table_lock:
+            if self._table is None:
+                self._table = self._vocab_source()
+            return self._table
 
     # ---- masks ---------------------------------------------------------------------------------
 
@@ -182,11 +208,16 @@ class Constraints:
     def over_budget(self, row: GrammarConstraint) -> InvalidRequestError | None:
         """The error that stops the request when its masks took more than the budget (the mask
         being computed counts from when the helper began it, not its wait in the queue), else None."""
-        if self.spent(row) <= self.budget:
+        since = row.computing_since
+        longest = max(row.longest, self.clock() - since if since is not None else 0.0)
+        if longest > self.limit:
+            what = f"one of its masks took more than {self.limit * 1e3:g} ms"
+        elif self.spent(row) > self.budget:
+            what = f"its masks took more than {self.budget:g} s in all"
+        else:
             return None
-        return InvalidRequestError(f"the grammar is too complex to enforce: its masks took more than {self.budget:g} s "
-                                   "of computation for this request", param="response_format",
-                                   code="grammar_too_complex")
+        return InvalidRequestError(f"the grammar is too complex to enforce: {what} of computation for this request",
+                                   param="response_format", code="grammar_too_complex")
 
     def start(self, rows: list[GrammarConstraint]) -> list[GrammarConstraint]:
         """`request` the rows' masks; collect them with `masks(rows)` (row i is mask i)."""
@@ -203,7 +234,21 @@ class Constraints:
             self._masks[i] = row.mask
         return self._masks
 
+    def _helper_cpu_seconds(self) -> float:
+        """CPU time of the mask thread, read from either thread: the thread runs at the lowest
+        priority, so the wall time of a mask on a busy host is mostly time waiting for a core."""
+        thread = self._thread
+        if thread is None or thread.ident is None:
+            return 0.0
+        try:
+            return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+        except (AttributeError, OSError):  # not Linux: wall time
+            return time.perf_counter()
+
     def _serve(self) -> None:
+        # Lowest priority: a mask thread busy on a core made the engine's parallel kernels wait for
+        # their thread there at every barrier (one-row steps of 0.7-1.3 s beside 7 ambiguous rows).
+        lower_this_thread()
         while True:
             with self._wake:
                 while not self._queue and not self._closed:
@@ -213,19 +258,27 @@ class Constraints:
                 _, _, row, done = heapq.heappop(self._queue)
             if not done.set_running_or_notify_cancel():
                 continue  # its request ended before its turn
-            started = row.computing_since = self.clock()
+            error: BaseException | None = None
+            started = None
             try:
+                self.table()  # ready long before, except right after start-up: not the request's time
+                built = self.clock()
+                _ = row.matcher  # built with the first mask: counts in the request's budget, not as a mask
+                row.count_build(self.clock() - built)
+                started = row.computing_since = self.clock()
                 row.fill()
             except BaseException as exc:  # a matcher error ends that request, never the thread
-                done.set_exception(exc)
-                continue
-            finally:
+                error = exc
+            if started is not None:
                 seconds = self.clock() - started
-                row.mask_seconds += seconds
+                row.count(seconds)
                 row.computing_since = None
                 self.mask_seconds += seconds
                 self.masks_computed += 1
-            done.set_result(None)
+            if error is not None:
+                done.set_exception(error)
+            else:
+                done.set_result(None)
 
     def close(self) -> None:
         with self._wake:
