@@ -25,6 +25,10 @@ attacker; flooder, whose queue must not starve the others), `[prefix_cache] isol
             slow_reader    a raw socket that posts a long stream and never reads: the server must
                            drop it about write_timeout seconds after its buffers fill
             queue_flood    flooder keeps n=16 requests queued; alice must still be served
+            grammar_stall  flooder's n=8 ambiguous grammar, whose masks grow with the output: the
+                           step must not wait for them; each row ends at its mask budget (400)
+            grammar_compile seven slow schemas from mallory, a small one from alice meanwhile (200),
+                           then flooder sends one of mallory's: no refusal from the cache
             tenant_admin   mallory's tenant key on /admin/* (freeze, report, series, a strategy of
                            knobs of 1 and a 1 s window), /dashboard and /metrics (403); the
                            operator's key importing 2000 invented slots or knobs of 1 (400) and
@@ -404,6 +408,69 @@ async def queue_flood(a: Attack) -> None:
     await asyncio.gather(*(one_flooder() for _ in range(2)))  # 32 jobs queued: 4 x max_batch_size
 
 
+# An ambiguous grammar: llguidance's work per mask grows with the output (81 ms a mask at 300 tokens
+# on SmolLM2's table) and its fuel limits do not stop it (issue 41, item 3).
+AMBIGUOUS = 's: s s | "a" | "b" | "ab"\nstart: s'
+
+
+def slow_schema(tag: str) -> dict:
+    """~0.7 s to compile on an idle host (10,000 required properties; issue 41, item 4)."""
+    names = [f"{tag}{i}" for i in range(10_000)]
+    return {"type": "object", "properties": {n: {"type": "string"} for n in names}, "required": names}
+
+
+def schema_chat(schema: dict, name: str = "s") -> dict:
+    return chat("Answer as JSON.", max_tokens=8, response_format={
+        "type": "json_schema", "json_schema": {"name": name, "schema": schema}})
+
+
+async def grammar_stall(a: Attack) -> None:
+    """n=8 rows of the ambiguous grammar: the others' token gap must not follow its mask time; each
+    row is stopped at its mask-time budget (400 grammar_too_complex) or ends (200)."""
+    t = a.tally("grammar_stall")
+    for _ in range(3):
+        if not a.more():
+            return
+        status, answer, _, seconds = await a.post(t, CHAT, chat("Write a and b.", n=8, max_tokens=250,
+                                                                temperature=1.0, grammar=AMBIGUOUS), a.flooder)
+        t.record("n=8 ambiguous grammar", status, {200, 400}, seconds)
+        code = (answer.get("error") or {}).get("code")
+        if status == 400 and code != "grammar_too_complex":
+            t.note(f"400 with code {code!r}, not grammar_too_complex")
+
+
+async def grammar_compile(a: Attack) -> None:
+    """Seven slow schemas at once from mallory, then a small one from alice: alice's must compile
+    (her wait for a process is not timed); then flooder sends one of mallory's: a timeout of
+    mallory's must not come back to him from the cache."""
+    t = a.tally("grammar_compile")
+    small = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    for round_ in range(2):
+        if not a.more():
+            return
+        tags = [secrets.token_hex(4) for _ in range(7)]
+
+        async def mallory(tag: str) -> None:
+            # Mallory's own compiles queue behind each other (one process is his share): no answer
+            # within 25 s is his wait, not a failure.
+            status, _, _, seconds = await a.post(t, CHAT, schema_chat(slow_schema(tag)), a.mallory, timeout=25)
+            t.record("slow schema", status, {0, 200, 400, 429}, seconds)
+
+        async def alice() -> None:
+            await asyncio.sleep(0.5)  # while mallory's compile
+            status, answer, _, seconds = await a.post(t, CHAT, schema_chat({**small, "title": secrets.token_hex(4)}),
+                                                      a.alice, timeout=20)
+            t.record("alice's small schema behind seven slow ones", status, {200}, seconds)
+            if status != 200:
+                t.note(f"alice's small schema: {(answer.get('error') or {}).get('message', '')[:80]}")
+        await asyncio.gather(*(mallory(tag) for tag in tags), alice())
+        status, answer, _, seconds = await a.post(t, CHAT, schema_chat(slow_schema(tags[0])), a.flooder)
+        t.record("flooder sends mallory's slow schema", status, {200, 400}, seconds)
+        if status == 400 and seconds < 0.3:
+            t.note(f"flooder got mallory's refusal from the cache: {(answer.get('error') or {}).get('message', '')[:80]}")
+        await asyncio.sleep(1.0 + round_)
+
+
 OPERATOR_ROUTES = [("GET", "/admin/strategy"), ("POST", "/admin/strategy/freeze"),
                    ("POST", "/admin/strategy/unfreeze"), ("GET", "/admin/report"), ("GET", "/admin/series?bucket=1"),
                    ("GET", "/dashboard"), ("GET", "/metrics")]
@@ -472,6 +539,7 @@ async def spec_counters(a: Attack) -> None:
 
 ATTACKS = {"max_body": max_body, "injection": injection, "cross_tenant": cross_tenant, "browser": browser,
            "malformed": malformed, "slow_reader": slow_reader, "queue_flood": queue_flood,
+           "grammar_stall": grammar_stall, "grammar_compile": grammar_compile,
            "tenant_admin": tenant_admin, "spec_counters": spec_counters}
 
 
