@@ -21,7 +21,7 @@ DEFAULT_CONFIG_NAME = "reame.conf"
 
 @dataclass(frozen=True)
 class ModelSection:
-    model_path: str = "./models/SmolLM2-135M-Instruct.Q4_1.gguf"  # file path or a known name
+    model_path: str = "./models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"  # file path or a known name
     models_dir: str = "./models"
     model_id: str = "reame"
     chat_template: str = ""  # optional Jinja file overriding the GGUF's template

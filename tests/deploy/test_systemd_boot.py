@@ -190,6 +190,8 @@ systemd-sysusers
 install -d -m 755 /etc/reame
 install -m 640 -g reame /opt/reame/deploy/reame.conf /etc/reame/reame.conf
 printf '\n[gateway]\nport = {host.port}\n' >> /etc/reame/reame.conf   # the host's network is shared
+# The shipped default is Qwen2.5-Coder-0.5B; this test boots the 135M model, which starts faster.
+sed -i 's#^model_path = .*#model_path = /var/lib/reame/models/SmolLM2-135M-Instruct.Q4_1.gguf#' /etc/reame/reame.conf
 install -m 600 /dev/null /etc/reame/env
 echo "REAME_API_KEY={API_KEY}" > /etc/reame/env
 # 3. The model (copied, not pulled) and the compiled kernels of this checkout.
