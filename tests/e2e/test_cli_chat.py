@@ -46,5 +46,5 @@ def test_chat_with_a_broken_template_is_one_clear_line(smollm2_gguf, tmp_path):
 def test_chat_with_a_missing_model_is_one_clear_line():
     result = reame("chat", "--model", "/nowhere/model.gguf", stdin="hi\n")
     assert result.returncode == 1
-    assert result.stderr.strip() == "reame: error: model not found: /nowhere/model.gguf (known names: smollm2-135m, gemma3-270m, "
-                                    "qwen2.5-coder-0.5b, qwen2.5-coder-1.5b)"
+    assert result.stderr.strip() == ("reame: error: model not found: /nowhere/model.gguf (known names: smollm2-135m, "
+                                     "gemma3-270m, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b)")
