@@ -189,7 +189,9 @@ install -D -m 644 /opt/reame/deploy/systemd/reame.sysusers /etc/sysusers.d/reame
 systemd-sysusers
 install -d -m 755 /etc/reame
 install -m 640 -g reame /opt/reame/deploy/reame.conf /etc/reame/reame.conf
-printf '\n[gateway]\nport = {host.port}\n' >> /etc/reame/reame.conf   # the host's network is shared
+# The host's network is shared: the gateway's port goes into the file's own [gateway] section.
+sed -i '/^\\[gateway\\]$/a port = {host.port}' /etc/reame/reame.conf
+grep -q '^port = {host.port}$' /etc/reame/reame.conf
 # The shipped default is Qwen2.5-Coder-0.5B; this test boots the 135M model, which starts faster.
 sed -i 's#^model_path = .*#model_path = /var/lib/reame/models/SmolLM2-135M-Instruct.Q4_1.gguf#' /etc/reame/reame.conf
 install -m 600 /dev/null /etc/reame/env
@@ -217,6 +219,12 @@ systemctl enable --now reame.target reame-gateway.service reame-worker@0.service
             return
         failed = host.run("systemctl --failed --no-legend", check=False).stdout.strip()
         assert not failed, f"{failed}\n{_journal(host)}"
+        # Restart= keeps a unit that exits at once out of --failed: a few restarts already say
+        # it will never come up (a bad reame.conf restarted 260 times in the 600 s below).
+        restarts = host.run("systemctl show -p NRestarts --value reame-gateway.service "
+                            "reame-worker@0.service reame-worker@1.service", check=False).stdout.split()
+        assert max((int(n) for n in restarts if n.isdigit()), default=0) < 5, \
+            f"a unit keeps restarting: NRestarts {restarts}\n{_journal(host)}"
         time.sleep(2)
     raise AssertionError(f"two workers never registered: /health {health}\n{_journal(host)}")
 

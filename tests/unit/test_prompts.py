@@ -48,9 +48,18 @@ def test_injection_was_special_before(tok):
         [t for t in encoder(tok).encode_chat(tuple(messages)) if t in special_ids(tok)])
 
 
-@pytest.mark.parametrize("name", sorted(p.name for p in REFERENCE_DIR.glob("*.json") if p.name != "cases.json"))
-def test_ordinary_chats_keep_llama_cpps_ids(name, smollm, gemma):
-    tok = smollm if name.startswith("smollm2") else gemma
+# The goldens of each model file (cases*.json are the requests, not the answers), each checked
+# with its own file's tokenizer and template (the two Qwen files' templates differ).
+GOLDENS = sorted(p.name for p in REFERENCE_DIR.glob("*.json") if not p.name.startswith("cases"))
+
+
+@pytest.mark.parametrize("name", GOLDENS)
+def test_ordinary_chats_keep_llama_cpps_ids(name, request):
+    tok = request.getfixturevalue(next(fixture for prefix, fixture in
+                                       (("smollm2", "smollm"), ("gemma", "gemma"),
+                                                                  ("qwen2.5-coder-0.5b", "qwen05"),
+                                                                  ("qwen2.5-coder-1.5b", "qwen15"))
+                                       if name.startswith(prefix)))
     for case in load_reference(name)["greedy"]:
         if case["kind"] == "chat":
             messages = parse_chat({"messages": case["messages"]}, max_n=1).messages
