@@ -15,6 +15,16 @@ A worker's life under the coordinator:
    again on that worker for TABU_S: no oscillation between two values.
 No decision while a change is being measured, while frozen, or with adaptivity off.
 
+No decision outlives its cause. A placement chosen because other processes loaded the worker's
+CPUs (CONDITIONAL: fewer CPUs, fewer threads) records that cause; once the cause has been gone for
+CONFIRM profiles the placement is released, frozen or not (a freeze pins what was learned about
+the traffic, not a neighbour that has left: one 45 s hog, then a freeze, kept every later server
+on one of two CPUs for hours). A restored strategy never resumes such a placement: its worker
+starts on all its CPUs and the policies re-test the cause on live profiles. The rest of a resumed
+(unfrozen) strategy is checked against the shipped defaults on the first profiles with traffic
+("resume check": the same trial as any change, from the resumed knobs to the defaults) and
+dropped unless it was clearly faster.
+
 Workers are keyed by slot (host, NUMA node and CPUs, not the process id), so a worker that
 restarts gets its slot's strategy back.
 """
@@ -27,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from gateway.coordinator.knobs import Knobs
-from gateway.coordinator.policy import METRICS, THROUGHPUT, Proposal, propose
+from gateway.coordinator.policy import METRICS, QUIET_NEIGHBOURS, THROUGHPUT, Proposal, others_by_cpu, propose
 from shared.errors import ConfigError
 from shared.protocol import Profile, Strategy
 
@@ -39,6 +49,8 @@ TOLERANCE = 0.05
 THROUGHPUT_GUARD = 0.10
 TABU_S = 600.0
 HISTORY = 500  # decisions kept (and persisted)
+CONDITIONAL = ("busy CPUs", "neighbours")  # policies whose choice holds only while other processes load the CPUs
+RESUME_CHECK = "resume check"
 
 
 @dataclass
@@ -47,7 +59,7 @@ class Decision:
     version: int
     slot: str
     at: float  # wall-clock seconds
-    kind: str  # change | revert | import | freeze | unfreeze
+    kind: str  # change | revert | import | freeze | unfreeze | release (a conditional choice's cause is gone)
     policy: str
     reason: str
     before: dict[str, float]
@@ -73,6 +85,7 @@ class _Trial:
     before: list[Profile]
     after: list[Profile] = field(default_factory=list)
     skipped_first: bool = False
+    cause: dict | None = None  # the slot's cause before the change (a revert restores it)
 
 
 @dataclass
@@ -85,6 +98,11 @@ class _Slot:
     recent: deque = field(default_factory=lambda: deque(maxlen=MEASURE))  # profiles with traffic
     trial: _Trial | None = None
     blocked: dict[str, float] = field(default_factory=dict)  # policy → monotonic time it may fire again
+    # Why the placement (cpus, threads) is narrowed: {"policy", "reason", "cpus": the loaded CPUs,
+    # "at": wall seconds}; None: it is not narrowed, or an operator pinned it.
+    cause: dict | None = None
+    calm: int = 0  # consecutive profiles in which the cause was gone
+    resume_check: bool = False  # resumed knobs not yet compared with the defaults
 
 
 def slot_of(worker_id: str, cpus: list[int]) -> str:
@@ -104,6 +122,7 @@ class Coordinator:
         self.slots: dict[str, _Slot] = {}
         self.history: list[Decision] = []
         self.wall = wall
+        self.frozen_at: float | None = None  # wall seconds of the freeze in force
 
     # ---- workers -------------------------------------------------------------------------------
 
@@ -124,6 +143,10 @@ class Coordinator:
         if profile.knobs_version < slot.version:
             # The worker restarted, or a Strategy was lost: send what it should run.
             return [Outgoing(slot.worker_id, slot.knobs.strategy(slot.version, "resent", self.frozen))]
+        if slot.trial is None and slot.cause is not None and profile.knobs_version == slot.version:
+            released = self._release_if_gone(slot, profile)
+            if released is not None:
+                return [released]
         if self.frozen:
             return []
         busy = profile.steps > 0
@@ -131,8 +154,10 @@ class Coordinator:
             if busy and profile.knobs_version == slot.version:
                 return self._measure(slot, profile, now)
             return []
-        if busy:
+        if busy and (not slot.resume_check or profile.knobs_version == slot.version):
             slot.recent.append(profile)
+        if slot.resume_check:
+            return self._check_resumed(slot)
         proposals = [p for p in propose(profile, slot.knobs, self.defaults)
                      if slot.blocked.get(p.policy, 0.0) <= now]
         if not proposals:
@@ -145,7 +170,7 @@ class Coordinator:
         if slot.streak_count < CONFIRM or len(slot.recent) < 1:
             return []
         slot.streak, slot.streak_count = None, 0
-        return [self._change(slot, first)]
+        return [self._change(slot, first, profile)]
 
     # ---- operator controls ---------------------------------------------------------------------
 
@@ -155,6 +180,7 @@ class Coordinator:
         if frozen == self.frozen:
             return []
         self.frozen = frozen
+        self.frozen_at = self.wall() if frozen else None
         kind = "freeze" if frozen else "unfreeze"
         out = []
         for name, slot in self.slots.items():
@@ -165,6 +191,7 @@ class Coordinator:
                 continue
             self.version += 1
             slot.version = self.version
+            slot.resume_check = False  # the operator has looked at these knobs
             self._record(Decision(self.version, name, self.wall(), kind, "operator", f"strategy {kind}",
                                   slot.knobs.as_dict(), slot.knobs.as_dict()))
             out.append(Outgoing(slot.worker_id, slot.knobs.strategy(slot.version, kind, frozen)))
@@ -173,9 +200,10 @@ class Coordinator:
 
     def export(self) -> dict[str, Any]:
         """The strategy as JSON: knobs per slot, the version counter, freeze, and the history."""
-        return {"version": self.version, "frozen": self.frozen, "adaptive": self.adaptive,
-                "defaults": self.defaults.as_dict(),
-                "workers": {name: {"version": slot.version, "knobs": slot.knobs.as_dict()}
+        return {"version": self.version, "frozen": self.frozen, "frozen_at": self.frozen_at,
+                "saved_at": self.wall(), "adaptive": self.adaptive, "defaults": self.defaults.as_dict(),
+                "workers": {name: {"version": slot.version, "knobs": slot.knobs.as_dict(),
+                                   **({"cause": slot.cause} if slot.cause else {})}
                             for name, slot in self.slots.items() if slot.version},
                 "history": [d.as_dict() for d in self.history]}
 
@@ -188,6 +216,11 @@ class Coordinator:
             raise ConfigError(f"strategy: bad version {version!r}")
         self.version = max(self.version, version)
         self.frozen = bool(doc.get("frozen", False))
+        frozen_at = doc.get("frozen_at")
+        self.frozen_at = float(frozen_at) if self.frozen and isinstance(frozen_at, (int, float)) else None
+        history = doc.get("history", [])
+        if isinstance(history, list):
+            self.history = [Decision(**d) for d in history[-HISTORY:] if isinstance(d, dict) and _is_decision(d)]
         for name, entry in _workers(doc).items():
             knobs = Knobs.from_dict(entry.get("knobs"), f"strategy workers[{name!r}]")
             try:
@@ -196,11 +229,9 @@ class Coordinator:
                 log.warning("coordinator: the saved strategy's slot %r is dropped: %s", name[:80], exc.message)
                 continue
             slot = self.slots.setdefault(name, _Slot(self.defaults))
-            slot.knobs = knobs
             slot.version = int(entry.get("version", 0)) if isinstance(entry.get("version"), int) else 0
-        history = doc.get("history", [])
-        if isinstance(history, list):
-            self.history = [Decision(**d) for d in history[-HISTORY:] if isinstance(d, dict) and _is_decision(d)]
+            slot.knobs = self._without_stale_placement(name, knobs, entry.get("cause"))
+            slot.resume_check = not self.frozen and slot.knobs != self._defaults_at(slot.knobs)
 
     def import_strategy(self, doc: dict[str, Any]) -> list[Outgoing]:
         """Pin an exported strategy: each slot it names (or every slot, for "*") takes its knobs
@@ -247,20 +278,24 @@ class Coordinator:
             decision = Decision(self.version, name, self.wall(), "import", "operator", "imported strategy",
                                 slot.knobs.as_dict(), knobs.as_dict())
             slot.knobs, slot.version = knobs, self.version
+            slot.cause, slot.resume_check = None, False  # an operator's placement has no cause to outlive
             self._record(decision)
             if slot.worker_id:
                 out.append(Outgoing(slot.worker_id, knobs.strategy(slot.version, "imported", frozen)))
+        if not self.frozen:
+            self.frozen_at = self.wall()
         self.frozen = frozen
         return out
 
     # ---- changes and their measurement ---------------------------------------------------------
 
-    def _change(self, slot: _Slot, proposal: Proposal) -> Outgoing:
+    def _change(self, slot: _Slot, proposal: Proposal, profile: Profile | None = None) -> Outgoing:
         self.version += 1
         name = self._name_of(slot)
         decision = Decision(self.version, name, self.wall(), "change", proposal.policy, proposal.reason,
                             slot.knobs.as_dict(), proposal.knobs.as_dict(), goal=proposal.goal, outcome="measuring")
-        slot.trial = _Trial(decision, slot.knobs, list(slot.recent))
+        slot.trial = _Trial(decision, slot.knobs, list(slot.recent), cause=slot.cause)
+        slot.cause = self._cause_after(slot, proposal, profile)
         log.info("coordinator: %s v%d: %s (%s), because %s; measuring %s", name, self.version,
                  proposal.knobs.describe(slot.knobs), proposal.policy, proposal.reason, proposal.goal)
         slot.knobs, slot.version = proposal.knobs, self.version
@@ -289,6 +324,9 @@ class Coordinator:
                            "throughput_change": round(tput_change, 4)}
         negative = better < -TOLERANCE or tput_change < -THROUGHPUT_GUARD
         name = self._name_of(slot)
+        if decision.policy == RESUME_CHECK:
+            log.info("coordinator: %s: the resumed strategy %s: the shipped defaults made %s %.3g → %.3g (%+.0f%%)",
+                     name, "is kept" if negative else "is dropped", goal.name, before, after, 100 * change)
         if not negative:
             decision.outcome = "kept"
             log.info("coordinator: %s v%d kept: %s %.3g → %.3g (%+.0f%%)%s", name, decision.version, goal.name,
@@ -304,9 +342,92 @@ class Coordinator:
                           goal=decision.goal, effect=dict(decision.effect))
         log.info("coordinator: %s v%d reverted by v%d: %s; %r not tried again for %.0f s", name,
                  decision.version, self.version, revert.reason, decision.policy, TABU_S)
-        slot.knobs, slot.version = trial.previous, self.version
+        slot.knobs, slot.version, slot.cause = trial.previous, self.version, trial.cause
         self._record(revert)
         return [Outgoing(slot.worker_id, slot.knobs.strategy(slot.version, f"revert: {revert.reason}"))]
+
+    # ---- conditional choices and resumed strategies --------------------------------------------
+
+    def _cause_after(self, slot: _Slot, proposal: Proposal, profile: Profile | None) -> dict | None:
+        """The slot's cause once `proposal` is applied: recorded when a CONDITIONAL policy narrows
+        the placement, dropped once the placement is the defaults' again."""
+        new, old = proposal.knobs, slot.knobs
+        if new.cpus == () and new.threads == self.defaults.threads:
+            return None
+        if profile is None or proposal.policy not in CONDITIONAL:
+            return slot.cause
+        cause = dict(slot.cause or {"cpus": [], "aggregate": False})
+        if proposal.policy == "busy CPUs":
+            removed = set(old.cpus or profile.cpus) - set(new.cpus or profile.cpus)
+            cause["cpus"] = sorted(set(cause["cpus"]) | removed)
+        elif new.threads and (not old.threads or new.threads < old.threads):
+            cause["aggregate"] = True
+        else:
+            return slot.cause
+        cause.update(policy=proposal.policy, reason=proposal.reason, at=self.wall())
+        return cause
+
+    def _release_if_gone(self, slot: _Slot, profile: Profile) -> Outgoing | None:
+        """Undo a conditional placement once its cause has been gone for CONFIRM profiles (~10 s at
+        the default profile_interval); not measured (the measurement was made under the cause)."""
+        cause = slot.cause
+        others = others_by_cpu(profile)
+        loaded = cause["cpus"] if others and not cause.get("aggregate") else []
+        now_load = max(others.get(c, 1.0) for c in loaded) if loaded else profile.cpu_others
+        slot.calm = slot.calm + 1 if now_load <= QUIET_NEIGHBOURS else 0
+        if slot.calm < CONFIRM:
+            return None
+        slot.calm, slot.cause = 0, None
+        knobs = slot.knobs.with_(cpus=(), threads=self.defaults.threads)
+        where = f"CPU {','.join(map(str, loaded))}" if loaded else "this worker's CPUs"
+        self.version += 1
+        name = self._name_of(slot)
+        reason = (f"its cause is gone: other processes use {100 * now_load:.0f}% of {where} now "
+                  f"({cause.get('policy')}, {_age(self.wall() - cause.get('at', self.wall()))} ago: "
+                  f"{cause.get('reason', '')})")
+        decision = Decision(self.version, name, self.wall(), "release", cause.get("policy", ""), reason,
+                            slot.knobs.as_dict(), knobs.as_dict())
+        log.info("coordinator: %s v%d: %s, %s%s", name, self.version, knobs.describe(slot.knobs), reason,
+                 " (the strategy stays frozen otherwise)" if self.frozen else "")
+        slot.knobs, slot.version = knobs, self.version
+        self._record(decision)
+        return Outgoing(slot.worker_id, knobs.strategy(slot.version, f"release: {reason}", self.frozen))
+
+    def _defaults_at(self, knobs: Knobs) -> Knobs:
+        """The shipped scheduler knobs at `knobs`' placement (placement has its own rules)."""
+        return self.defaults.with_(threads=knobs.threads, cpus=knobs.cpus, bind_memory=knobs.bind_memory)
+
+    def _check_resumed(self, slot: _Slot) -> list[Outgoing]:
+        """Once MEASURE profiles with traffic ran the resumed knobs: try the defaults against them."""
+        if len(slot.recent) < MEASURE:
+            return []
+        slot.resume_check = False
+        target = self._defaults_at(slot.knobs)
+        if target == slot.knobs:
+            return []
+        return [self._change(slot, Proposal(RESUME_CHECK, target, THROUGHPUT,
+                                            "a resumed strategy is trusted only if it beats the shipped defaults"))]
+
+    def _without_stale_placement(self, name: str, knobs: Knobs, cause: Any) -> Knobs:
+        """A restored slot's knobs, less a placement that was chosen because of other processes'
+        load: that load is not trusted across a restart, the policies re-test it live. A placement
+        an operator imported stays. Strategies saved before causes were recorded: the slot's
+        history says which policy chose it."""
+        if not knobs.cpus and knobs.threads == self.defaults.threads:
+            return knobs
+        if not isinstance(cause, dict):
+            chosen_by = next((d for d in reversed(self.history) if d.slot == name
+                              and (d.policy in CONDITIONAL or d.kind == "import")), None)
+            if chosen_by is None or chosen_by.kind == "import":
+                return knobs
+            cause = {"policy": chosen_by.policy, "reason": chosen_by.reason, "at": chosen_by.at}
+        at = cause.get("at")
+        age = _age(self.wall() - at) if isinstance(at, (int, float)) else "some time"
+        log.warning("coordinator: %s: the saved placement (cpus %s, threads %s) is not resumed: %s chose it %s ago "
+                    "because %s; the worker starts on all its CPUs and the policies re-test that live",
+                    name[:80], ",".join(map(str, knobs.cpus)) or "all", knobs.threads or "all",
+                    cause.get("policy"), age, cause.get("reason"))
+        return knobs.with_(cpus=(), threads=self.defaults.threads)
 
     # ---- bookkeeping ---------------------------------------------------------------------------
 
@@ -324,6 +445,18 @@ class Coordinator:
     def _record(self, decision: Decision) -> None:
         self.history.append(decision)
         del self.history[:-HISTORY]
+
+
+def _age(seconds: float) -> str:
+    """"45 s", "12 min", "6.0 h", "3.2 days"."""
+    seconds = max(0.0, seconds)
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    if seconds < 172800:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.1f} days"
 
 
 def _mean(read: Callable[[Profile], float], profiles: list[Profile]) -> float:

@@ -104,14 +104,14 @@ def _memory(profile: Profile, knobs: Knobs, defaults: Knobs) -> Proposal | None:
                     f"sequences of {profile.prompt_tokens_p95:.0f}+{profile.output_tokens_p95:.0f} tokens")
 
 
-def _others_by_cpu(profile: Profile) -> dict[int, float]:
+def others_by_cpu(profile: Profile) -> dict[int, float]:
     return dict(zip(profile.cpus, profile.cpu_others_each)) if len(profile.cpu_others_each) == len(profile.cpus) \
         else {}
 
 
 def _busy_cpus(profile: Profile, knobs: Knobs, defaults: Knobs) -> Proposal | None:
     in_use = knobs.cpus or tuple(profile.cpus)
-    others = _others_by_cpu(profile)
+    others = others_by_cpu(profile)
     if len(in_use) < 2 or not others or profile.steps == 0:
         return None
     worst = max(in_use, key=lambda c: others.get(c, 0.0))
@@ -125,7 +125,7 @@ def _busy_cpus(profile: Profile, knobs: Knobs, defaults: Knobs) -> Proposal | No
 
 
 def _quiet_cpus(profile: Profile, knobs: Knobs, defaults: Knobs) -> Proposal | None:
-    others = _others_by_cpu(profile)
+    others = others_by_cpu(profile)
     if not knobs.cpus or not others:
         return None
     quiet = [c for c in profile.cpus if c not in knobs.cpus and others.get(c, 1.0) <= QUIET_NEIGHBOURS]

@@ -1,0 +1,183 @@
+"""No decision outlives its cause (issue 37, item 1), on profile sequences shaped like the incident:
+a CPU hog on CPU 1 for 45 s moved the worker to CPU 0, an operator froze that, and hours later a
+restart without the hog still ran on one CPU. Pure: the coordinator, its export and restore, and
+time passed in."""
+from __future__ import annotations
+
+import logging
+
+from gateway.coordinator.coordinator import CONFIRM, MEASURE, RESUME_CHECK, Coordinator, slot_of
+from gateway.coordinator.knobs import Knobs
+from shared.config import Config
+from shared.protocol import Profile
+
+DEFAULTS = Knobs.from_config(Config())
+WORKER = "host/node0/123"
+SLOT = slot_of(WORKER, [0, 1])
+HOG = dict(cpu_others=0.4, cpu_others_each=[0.02, 0.8])  # "other processes used 80% of CPU 1"
+GONE = dict(cpu_others=0.01, cpu_others_each=[0.02, 0.03])
+
+
+class Clock:
+    def __init__(self, t: float = 1_000_000.0):
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def profile(worker: str = WORKER, **fields) -> Profile:
+    base = dict(worker_id=worker, seconds=5.0, knobs_version=0, arrivals=10, finished=10,
+                prompt_tokens_p50=100, prompt_tokens_p95=200, output_tokens_p50=150, output_tokens_p95=200,
+                burstiness=1.0, queue_wait_ms_p50=5, queue_wait_ms_p95=20, steps=500, busy_seconds=4.0,
+                batch_size_mean=3.0, prefill_tokens=1000, output_tokens=1500, step_ms_prefill=20,
+                step_ms_decode=8, decoders_waiting_on_prefill=0.0, waiting_mean=0.0, kv_blocks=4096,
+                kv_block_tokens=16, cpus=[0, 1], threads=2)
+    base.update(fields)
+    return Profile(**base)
+
+
+def feed(coordinator: Coordinator, clock: Clock, n: int, worker: str = WORKER, **fields) -> list:
+    """n profiles 5 s apart from a worker that applies each strategy at once."""
+    out = []
+    for _ in range(n):
+        clock.t += 5.0
+        slot = coordinator.slots.get(SLOT)
+        out += coordinator.observe(profile(worker, knobs_version=slot.version if slot else 0, **fields), clock.t)
+    return out
+
+
+def knobs(coordinator: Coordinator) -> Knobs:
+    return coordinator.slots[SLOT].knobs
+
+
+def hogged(clock: Clock) -> Coordinator:
+    """A coordinator that moved the worker off CPU 1 for a hog there, and kept the move (it helped)."""
+    coordinator = Coordinator(DEFAULTS, wall=clock)
+    [move] = feed(coordinator, clock, CONFIRM, **HOG)
+    assert move.strategy.cpus == [0]
+    assert feed(coordinator, clock, MEASURE + 1, **HOG, output_tokens=2500) == []
+    assert coordinator.history[-1].outcome == "kept" and knobs(coordinator).cpus == (0,)
+    assert coordinator.slots[SLOT].cause["cpus"] == [1]
+    return coordinator
+
+
+def test_a_hog_that_comes_and_goes_gives_the_cpu_back_within_a_minute():
+    clock = Clock()
+    coordinator = hogged(clock)
+    assert feed(coordinator, clock, 6, **HOG) == []  # still there: stay off it
+    sent = feed(coordinator, clock, 12, **GONE)  # one minute of profiles without it
+    assert [o.strategy.cpus for o in sent] == [[]]
+    release = coordinator.history[-1]
+    assert release.kind == "release" and release.policy == "busy CPUs" and "cause is gone" in release.reason
+    assert knobs(coordinator).cpus == () and coordinator.slots[SLOT].cause is None
+    assert sent[0].strategy.threads == DEFAULTS.threads  # every thread back, the kernel tuner re-times them
+
+
+def test_a_frozen_strategy_still_releases_a_placement_whose_cause_is_gone():
+    clock = Clock()
+    coordinator = hogged(clock)
+    coordinator.set_frozen(True)  # the operator freezes while the hog runs
+    assert feed(coordinator, clock, 4, **HOG) == []
+    [released] = feed(coordinator, clock, CONFIRM, **GONE)
+    assert released.strategy.cpus == [] and released.strategy.frozen  # released, and the rest stays frozen
+    assert coordinator.frozen
+    # Frozen: nothing else is learned from the traffic.
+    assert feed(coordinator, clock, 20, arrivals=40, output_tokens_p50=32, batch_size_mean=7.5) == []
+
+
+def test_a_restart_without_the_hog_ends_on_both_cpus(caplog):
+    """The incident: hog, freeze, save; hours later a restart. The saved CPU set is not resumed (its
+    cause is re-tested live), the freeze is kept, and without the hog the worker stays on both CPUs."""
+    clock = Clock()
+    first = hogged(clock)
+    first.set_frozen(True)
+    saved = first.export()
+    assert saved["workers"][SLOT]["cause"]["cpus"] == [1] and saved["frozen_at"] == clock.t
+
+    clock.t += 6 * 3600
+    second = Coordinator(DEFAULTS, wall=clock)
+    with caplog.at_level(logging.WARNING, "reame.coordinator"):
+        second.restore(saved)
+    assert "saved placement (cpus 0, threads all) is not resumed: busy CPUs chose it 6.0 h ago" in caplog.text
+    resumed = second.strategy_for("host/node0/999", [0, 1])  # the worker restarted too: a new pid
+    assert resumed.cpus == [] and resumed.frozen
+    assert feed(second, clock, 30, worker="host/node0/999", **GONE) == []
+    assert knobs(second).cpus == ()
+    # And if the hog is back after the restart, the policies find it again (frozen: no new move).
+    thawed = Coordinator(DEFAULTS, wall=clock)
+    thawed.restore({**saved, "frozen": False})
+    assert thawed.strategy_for(WORKER, [0, 1]).cpus == []
+    sent = feed(thawed, clock, CONFIRM + MEASURE, **HOG)
+    assert [o.strategy.cpus for o in sent if o.strategy.cpus] == [[0]]
+
+
+def test_a_strategy_saved_before_causes_were_recorded_is_judged_by_its_history():
+    clock = Clock()
+    saved = hogged(clock).export()
+    del saved["workers"][SLOT]["cause"]
+    restored = Coordinator(DEFAULTS, wall=clock)
+    restored.restore(saved)
+    assert restored.strategy_for(WORKER, [0, 1]).cpus == []
+
+
+def test_an_imported_placement_has_no_cause_and_survives_a_restart():
+    clock = Clock()
+    coordinator = Coordinator(DEFAULTS, wall=clock)
+    feed(coordinator, clock, 1)
+    coordinator.import_strategy({"workers": {"*": {"knobs": DEFAULTS.with_(cpus=(0,)).as_dict()}}})
+    assert feed(coordinator, clock, 10, **GONE) == []  # an operator's choice: nothing to release
+    restored = Coordinator(DEFAULTS, wall=clock)
+    restored.restore(coordinator.export())
+    assert restored.strategy_for(WORKER, [0, 1]).cpus == [0]
+
+
+def test_a_change_reverted_for_costing_throughput_leaves_no_cause():
+    clock = Clock()
+    coordinator = Coordinator(DEFAULTS, wall=clock)
+    feed(coordinator, clock, CONFIRM, **HOG)
+    [revert] = feed(coordinator, clock, MEASURE + 1, **HOG, output_tokens=700)
+    assert revert.strategy.cpus == [] and coordinator.slots[SLOT].cause is None
+
+
+def resumed_with_larger_batches(clock: Clock) -> Coordinator:
+    saved = Coordinator(DEFAULTS, wall=clock)
+    feed(saved, clock, 1)
+    saved.import_strategy({"workers": {"*": {"knobs": DEFAULTS.with_(max_batch_size=16, token_budget=528).as_dict()}}})
+    saved.set_frozen(False)  # learning resumed from it, then the server stopped
+    coordinator = Coordinator(DEFAULTS, wall=clock)
+    coordinator.restore(saved.export())
+    assert coordinator.strategy_for(WORKER, [0, 1]).max_batch_size == 16
+    return coordinator
+
+
+def test_a_resumed_strategy_no_faster_than_the_defaults_is_dropped_in_the_first_minute():
+    clock = Clock()
+    coordinator = resumed_with_larger_batches(clock)
+    [check] = feed(coordinator, clock, MEASURE)  # three profiles on the resumed knobs, then the defaults
+    assert check.strategy.max_batch_size == DEFAULTS.max_batch_size
+    assert coordinator.history[-1].policy == RESUME_CHECK
+    assert feed(coordinator, clock, MEASURE + 1) == []  # the defaults do as well: they stay
+    assert coordinator.history[-1].outcome == "kept" and knobs(coordinator) == DEFAULTS
+    assert len(coordinator.history) < 5 + 2  # within the first minute: 7 profiles of 5 s
+
+
+def test_a_resumed_strategy_clearly_faster_than_the_defaults_is_kept():
+    clock = Clock()
+    coordinator = resumed_with_larger_batches(clock)
+    feed(coordinator, clock, MEASURE)
+    [back] = feed(coordinator, clock, MEASURE + 1, output_tokens=1000)  # the defaults: a fifth fewer tokens
+    assert back.strategy.max_batch_size == 16 and coordinator.history[-1].kind == "revert"
+    assert feed(coordinator, clock, 20) == []  # checked once, not again
+
+
+def test_a_frozen_resumed_strategy_is_not_second_guessed():
+    clock = Clock()
+    coordinator = resumed_with_larger_batches(clock)
+    coordinator.frozen = True
+    coordinator.slots[SLOT].resume_check = False  # as restore() leaves a frozen one
+    doc = coordinator.export()
+    again = Coordinator(DEFAULTS, wall=clock)
+    again.restore(doc)
+    assert not again.slots[SLOT].resume_check
+    assert feed(again, clock, 20) == [] and knobs(again).max_batch_size == 16
