@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, get_type_hints
 
 from shared.errors import ConfigError
+from shared.model_registry import parse_keep_alive
 
 DEFAULT_CONFIG_NAME = "reame.conf"
 
@@ -155,6 +156,16 @@ class SpeculativeSection:
 
 
 @dataclass(frozen=True)
+class ModelsSection:
+    """Several models behind one gateway (shared.model_registry): loaded on demand, unloaded when
+    idle or to make room under the memory budget."""
+    serve: str = ""  # one 'NAME = PATH-OR-NAME [aliases=a,b] [context_length=N] [keep_alive=S|pinned]' a line
+    memory_budget: str = "60%"  # weights + KV pools of loaded models: bytes or a share of available RAM
+    keep_alive: str = "300"  # seconds an idle model stays loaded; 0 = unload when idle; pinned = never
+    load_timeout: float = 120.0  # seconds a request waits for its model to load, then 503 + Retry-After
+
+
+@dataclass(frozen=True)
 class Config:
     model: ModelSection = field(default_factory=ModelSection)
     engine: EngineSection = field(default_factory=EngineSection)
@@ -167,6 +178,7 @@ class Config:
     serve: ServeSection = field(default_factory=ServeSection)
     tuning: TuningSection = field(default_factory=TuningSection)
     speculative: SpeculativeSection = field(default_factory=SpeculativeSection)
+    models: ModelsSection = field(default_factory=ModelsSection)
     source: str = ""  # the file this was read from ("" = built-in defaults)
 
     def resolve_path(self, value: str) -> Path:
@@ -240,6 +252,10 @@ def _convert(section: str, key: str, raw: str, kind: Any) -> Any:
             raise ConfigError(f"reame.conf: [{section}] {key} = {raw!r}: give a size such as 2GiB (a disk "
                               f"budget is not a share of RAM)")
         memory_bytes(raw, 1, f"[{section}] {key}")
+    if (section, key) == ("models", "memory_budget"):
+        memory_bytes(raw, 1, f"[{section}] {key}")
+    if (section, key) == ("models", "keep_alive"):
+        parse_keep_alive(raw, f"[{section}] {key}")
     choices = _CHOICES.get((section, key))
     if choices and raw not in choices:
         raise ConfigError(f"reame.conf: [{section}] {key} = {raw!r}; expected one of {sorted(choices)}")
