@@ -131,7 +131,7 @@ class TuningSection:
     kernels and threads as [engine] says, the scheduler knobs as [scheduler] says, no speculation."""
     adaptive: bool = True  # the master switch (also --adaptive on|off)
     kernels: str = "adaptive"  # adaptive | fixed: kernel and thread choice measured online
-    state_path: str = "~/.cache/reame/tuning"  # learned kernel tables and the coordinator's strategy
+    state_path: str = ""  # learned kernel tables and the strategy; "" = <[server] state_dir>/tuning
     profile_interval: float = 5.0  # seconds between a worker's profiles to the coordinator
     report_interval: float = 1800.0  # seconds between adaptive reports in the log
     kernel_explore_share: float = 0.05  # share of steps that time a candidate kernel/thread choice
@@ -195,6 +195,15 @@ class Config:
         if is_model_name(value):
             return value
         return str(self.resolve_path(value))
+
+    @property
+    def tuning_path(self) -> Path:
+        """Where this deployment keeps what it learned: [tuning] state_path, else <[server] state_dir>/tuning.
+        Never a directory of the user's shared by unrelated servers (issue 37: one server's frozen
+        placement, learned under a passing CPU hog, was resumed by every server of that user)."""
+        if self.tuning.state_path:
+            return self.resolve_path(self.tuning.state_path)
+        return self.resolve_path(self.server.state_dir) / "tuning"
 
     @property
     def kernel_tuning(self) -> bool:

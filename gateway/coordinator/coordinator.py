@@ -38,6 +38,7 @@ from typing import Any, Callable
 
 from gateway.coordinator.knobs import Knobs
 from gateway.coordinator.policy import METRICS, QUIET_NEIGHBOURS, THROUGHPUT, Proposal, others_by_cpu, propose
+from gateway.coordinator.store import age
 from shared.errors import ConfigError
 from shared.protocol import Profile, Strategy
 
@@ -383,7 +384,7 @@ class Coordinator:
         self.version += 1
         name = self._name_of(slot)
         reason = (f"its cause is gone: other processes use {100 * now_load:.0f}% of {where} now "
-                  f"({cause.get('policy')}, {_age(self.wall() - cause.get('at', self.wall()))} ago: "
+                  f"({cause.get('policy')}, {age(self.wall() - cause.get('at', self.wall()))} ago: "
                   f"{cause.get('reason', '')})")
         decision = Decision(self.version, name, self.wall(), "release", cause.get("policy", ""), reason,
                             slot.knobs.as_dict(), knobs.as_dict())
@@ -422,11 +423,11 @@ class Coordinator:
                 return knobs
             cause = {"policy": chosen_by.policy, "reason": chosen_by.reason, "at": chosen_by.at}
         at = cause.get("at")
-        age = _age(self.wall() - at) if isinstance(at, (int, float)) else "some time"
+        since = age(self.wall() - at) if isinstance(at, (int, float)) else "some time"
         log.warning("coordinator: %s: the saved placement (cpus %s, threads %s) is not resumed: %s chose it %s ago "
                     "because %s; the worker starts on all its CPUs and the policies re-test that live",
                     name[:80], ",".join(map(str, knobs.cpus)) or "all", knobs.threads or "all",
-                    cause.get("policy"), age, cause.get("reason"))
+                    cause.get("policy"), since, cause.get("reason"))
         return knobs.with_(cpus=(), threads=self.defaults.threads)
 
     # ---- bookkeeping ---------------------------------------------------------------------------
@@ -445,18 +446,6 @@ class Coordinator:
     def _record(self, decision: Decision) -> None:
         self.history.append(decision)
         del self.history[:-HISTORY]
-
-
-def _age(seconds: float) -> str:
-    """"45 s", "12 min", "6.0 h", "3.2 days"."""
-    seconds = max(0.0, seconds)
-    if seconds < 120:
-        return f"{seconds:.0f} s"
-    if seconds < 7200:
-        return f"{seconds / 60:.0f} min"
-    if seconds < 172800:
-        return f"{seconds / 3600:.1f} h"
-    return f"{seconds / 86400:.1f} days"
 
 
 def _mean(read: Callable[[Profile], float], profiles: list[Profile]) -> float:

@@ -1,6 +1,7 @@
 """The coordinator inside the gateway: profiles from the worker pool in, strategies out to the
-workers, the strategy saved under `[tuning] state_path` after each change, and the adaptive
-report in the log every `[tuning] report_interval`.
+workers, the strategy saved under the deployment's tuning directory (Config.tuning_path) after
+each change, and the adaptive report in the log every `[tuning] report_interval`. A frozen strategy
+resumed at start is announced loudly: its age and what it pins.
 
 With `[tuning] adaptive = false` the profiles still feed the report and the dashboard, but no
 decision is made and no strategy is sent or resumed: the workers keep reame.conf's knobs.
@@ -15,7 +16,7 @@ from typing import Any, Callable
 from gateway.coordinator.coordinator import Coordinator, Outgoing, slot_of
 from gateway.coordinator.knobs import Knobs
 from gateway.coordinator.report import AdaptiveReport
-from gateway.coordinator.store import StrategyStore
+from gateway.coordinator.store import StrategyStore, describe, legacy_strategy
 from shared.config import Config
 from shared.errors import ConfigError
 from shared.protocol import Profile, Register
@@ -35,8 +36,7 @@ class TuningService:
         self.wall = wall
         self.boot_wall = wall()
         self.coordinator = Coordinator(Knobs.from_config(config), adaptive=config.tuning.adaptive, wall=wall)
-        state_path = config.tuning.state_path
-        self.store = StrategyStore(config.resolve_path(state_path) if state_path else None)
+        self.store = StrategyStore(config.tuning_path)
         self.report = AdaptiveReport(clock(), min(REPORT_WINDOW_S, config.tuning.report_interval))
         self._report_task: asyncio.Task | None = None
         self._saved_state: Any = None
@@ -45,6 +45,11 @@ class TuningService:
         pool.on_register = self.on_register
 
     def _resume(self) -> None:
+        old = legacy_strategy(self.store.path.parent)
+        if old is not None:
+            log.warning("coordinator: ignoring %s: a strategy in the user's home, shared by every server of the user "
+                        "(an older Reame's default). This deployment keeps its own in %s; `reame strategy import "
+                        "FILE` pins it here if it is wanted, else delete it", old, self.store.path.parent)
         doc = self.store.load()
         if doc is None:
             return
@@ -58,6 +63,10 @@ class TuningService:
             return
         log.info("coordinator: resumed strategy v%d from %s (%d workers%s)", self.coordinator.version,
                  self.store.path, len(self.coordinator.slots), ", frozen" if self.coordinator.frozen else "")
+        if self.coordinator.frozen:
+            log.warning("coordinator: THE RESUMED STRATEGY IS FROZEN: nothing is learned until POST "
+                        "/admin/strategy/unfreeze (a placement chosen for a neighbour is still re-tested). %s",
+                        "; ".join(line.strip() for line in describe(doc, self.wall())))
         self._saved_state = self._state_key()
 
     # ---- lifecycle -----------------------------------------------------------------------------

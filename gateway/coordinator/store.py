@@ -1,9 +1,15 @@
-"""The strategy on disk (`[tuning] state_path`/strategy.json), so a restarted gateway resumes it."""
+"""The strategy on disk (Config.tuning_path/strategy.json), so a restarted gateway resumes it, and
+what a saved one pins, in words (the start-up announcement and `reame strategy show`).
+
+Learned state belongs to one deployment (its state directory, or `[tuning] state_path`). Versions
+before issue 37 kept it in ~/.cache/reame/tuning, shared by every server of a user: a strategy
+found there is never read, only named in a warning (LEGACY_DIRECTORY)."""
 from __future__ import annotations
 
 import json
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +18,7 @@ from shared.private_state import make_private
 log = logging.getLogger("reame.coordinator")
 
 FILE_NAME = "strategy.json"
+LEGACY_DIRECTORY = Path("~/.cache/reame/tuning")  # the per-user default before issue 37
 
 
 class StrategyStore:
@@ -48,3 +55,62 @@ class StrategyStore:
             os.replace(tmp, self.path)
         except OSError as exc:  # losing the file costs a restart its resume, never the serving
             log.warning("coordinator: cannot save the strategy to %s: %s", self.path, exc)
+
+
+def legacy_strategy(directory: Path | None, legacy: Path = LEGACY_DIRECTORY) -> Path | None:
+    """The home-directory strategy an older version left, when this deployment keeps its own elsewhere."""
+    old = Path(os.path.expanduser(legacy)) / FILE_NAME
+    try:
+        if directory is not None and old.resolve() == (Path(directory) / FILE_NAME).resolve():
+            return None
+        return old if old.is_file() else None
+    except OSError:
+        return None
+
+
+def age(seconds: float) -> str:
+    """"45 s", "12 min", "6.0 h", "3.2 days"."""
+    seconds = max(0.0, seconds)
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h" if seconds < 172800 else f"{seconds / 86400:.1f} days"
+
+
+def describe(doc: dict[str, Any], now: float | None = None) -> list[str]:
+    """A saved strategy in words: version, freeze and its age, and per worker slot the knobs it
+    pins that differ from the defaults it was saved with (and why, for a placement)."""
+    now = time.time() if now is None else now
+    saved_at, frozen_at = doc.get("saved_at"), doc.get("frozen_at")
+    head = f"strategy v{doc.get('version', 0)}"
+    if isinstance(saved_at, (int, float)):
+        head += f", saved {age(now - saved_at)} ago"
+    if doc.get("frozen"):
+        head += ", FROZEN" + (f" {age(now - frozen_at)} ago" if isinstance(frozen_at, (int, float)) else "")
+    lines = [head]
+    defaults = doc.get("defaults") if isinstance(doc.get("defaults"), dict) else {}
+    workers = doc.get("workers") if isinstance(doc.get("workers"), dict) else {}
+    for name, entry in workers.items():
+        knobs = entry.get("knobs") if isinstance(entry, dict) and isinstance(entry.get("knobs"), dict) else {}
+        pins = [f"{k}={_show(v)} (default {_show(defaults[k])})" for k, v in knobs.items()
+                if k in defaults and defaults[k] != v and not (k == "cpus" and not v and not defaults[k])]
+        lines.append(f"  {name}: v{entry.get('version', 0) if isinstance(entry, dict) else 0}: "
+                     + (", ".join(pins) if pins else "the defaults"))
+        cause = entry.get("cause") if isinstance(entry, dict) else None
+        if isinstance(cause, dict):
+            at = cause.get("at")
+            lines.append(f"    placement chosen by {cause.get('policy')}"
+                         + (f" {age(now - at)} ago" if isinstance(at, (int, float)) else "")
+                         + f" because {cause.get('reason')}; not resumed at start (re-tested live)")
+    if not workers:
+        lines.append("  no worker slots (every worker runs the defaults)")
+    return lines
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, list):
+        return ",".join(map(str, value)) or "all"
+    return f"{value:g}" if isinstance(value, (int, float)) else str(value)

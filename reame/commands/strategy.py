@@ -1,4 +1,6 @@
 """`reame strategy export FILE` and `reame strategy import FILE`: pin a known-good tuning strategy.
+`reame strategy show`: the strategy this deployment saved (what a restart resumes), read from its
+tuning directory: its age, whether it is frozen and since when, and what it pins.
 
 Both talk to a running gateway's /admin/strategy (the URL from reame.conf's [gateway] host and
 port, or --url; the API key from --api-key, $REAME_API_KEY or reame.conf). An imported strategy
@@ -24,6 +26,8 @@ def add_parser(sub) -> None:
                             description="Save the scheduler knobs the tuning coordinator chose, or pin saved ones.")
     actions = parser.add_subparsers(dest="strategy_action", metavar="ACTION")
     actions.required = True
+    show = actions.add_parser("show", help="print the strategy this deployment saved (what a restart resumes)")
+    show.set_defaults(handler=_show)
     for name, handler, help_text in (("export", _export, "write the running strategy to FILE (JSON)"),
                                      ("import", _import, "pin the strategy in FILE (frozen)")):
         action = actions.add_parser(name, help=help_text)
@@ -31,6 +35,21 @@ def add_parser(sub) -> None:
         action.add_argument("--url", help="the gateway (default: http://[gateway] host:port from reame.conf)")
         action.add_argument("--api-key", help="the gateway's API key (default: $REAME_API_KEY, then reame.conf)")
         action.set_defaults(handler=handler)
+
+
+def _show(args: argparse.Namespace) -> int:
+    from gateway.coordinator.store import StrategyStore, describe, legacy_strategy
+    store = StrategyStore(load_config(args.config).tuning_path)
+    doc = store.load()
+    if doc is None:
+        print(f"no saved strategy in {store.path.parent} (workers start on reame.conf's knobs)")
+    else:
+        print(store.path)
+        print("\n".join(describe(doc)))
+    old = legacy_strategy(store.path.parent)
+    if old is not None:
+        print(f"ignored: {old} (an older Reame's per-user strategy; this deployment never reads it)")
+    return 0
 
 
 def _export(args: argparse.Namespace) -> int:

@@ -1,9 +1,10 @@
 """The learned kernel table on disk, and the worker's KernelTuner built from reame.conf.
 
 One JSON file per (host CPU model and flags, model file, Reame version and engine code, numerics,
-threads) under `[tuning] state_path`: a restarted worker on the same host and model starts on
-what it learned, skipping calibration; any other combination starts fresh (a table measured
-for another CPU or another build of the kernels says nothing about this one).
+threads) under the deployment's tuning directory (`[tuning] state_path`, else <[server]
+state_dir>/tuning): a restarted worker on the same host and model starts on what it learned,
+skipping calibration; any other combination starts fresh (a table measured for another CPU or
+another build of the kernels says nothing about this one).
 """
 from __future__ import annotations
 
@@ -111,7 +112,8 @@ def reset_tables(directory: Path) -> int:
 
 
 def table_directory(config: Config) -> Path:
-    return config.resolve_path(config.tuning.state_path)
+    """The deployment's tuning directory ([tuning] state_path, else <[server] state_dir>/tuning)."""
+    return config.tuning_path
 
 
 def build_kernel_tuner(config: Config, engine) -> KernelTuner | FixedKernels:
