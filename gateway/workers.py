@@ -457,7 +457,10 @@ class WorkerPool:
             free = [w for w in self.workers.values() if w.has_slot]
             if not free:
                 break
-            job = self._next_job()
+            picked = self._next_job(free)
+            if picked is None:
+                break  # what waits is constrained jobs of tenants at their share of every free worker
+            job, free = picked
             candidates = [Candidate(w.worker_id, len(w.jobs), w.capacity, w.info.host) for w in free]
             worker = self.workers[self.router.choose(candidates, job.key)]
             worker.jobs[job.request_id] = job
@@ -469,28 +472,35 @@ class WorkerPool:
                                                    speculative=job.speculative))
         self._update_gauges()
 
-    def _next_job(self) -> Job:
+    def _next_job(self, free: list[WorkerHandle]) -> tuple[Job, list[WorkerHandle]] | None:
         """The oldest queued job of the tenant with the fewest jobs running, and of those the one
         served least recently: one tenant's burst (a request with n = 16, a client in a loop)
         takes turns with the other tenants' requests instead of every free slot. With one tenant
-        (or none: no API keys) this is first in, first out."""
+        (or none: no API keys) this is first in, first out. Returned with the free workers it may
+        go to: a constrained job only to those where its tenant holds under its share
+        (constrained_share); None when every queued job waits for that."""
         running: dict[str, int] = {}
         for worker in self.workers.values():
             for job in worker.jobs.values():
                 running[job.tenant] = running.get(job.tenant, 0) + 1
-        best, best_rank, seen = 0, None, set()
+        best, best_rank, best_free, seen = 0, None, free, set()
         for i, job in enumerate(self.queue):
             if job.tenant in seen:
                 continue
+            allowed = [w for w in free if _under_constrained_share(w, job)]
+            if not allowed:
+                continue  # the tenant's next job, if free text, may go instead
             seen.add(job.tenant)
             rank = (running.get(job.tenant, 0), self._served.get(job.tenant, -1))
             if best_rank is None or rank < best_rank:
-                best, best_rank = i, rank
+                best, best_rank, best_free = i, rank, allowed
+        if best_rank is None:
+            return None
         job = self.queue[best]
         del self.queue[best]
         self._dispatched += 1
         self._served[job.tenant] = self._dispatched
-        return job
+        return job, best_free
 
     def _update_gauges(self) -> None:
         ready = self.ready
@@ -509,6 +519,23 @@ class WorkerPool:
         # heartbeats and timeouts deal with such peers.
         future = self._socket.send_multipart([identity, protocol.encode(message)], flags=zmq.NOBLOCK)
         future.add_done_callback(_consume_result)
+
+
+def constrained_share(capacity: int) -> int:
+    """How many grammar-constrained jobs of one tenant a worker runs at once: a quarter of its
+    slots, at least one. Every constrained row costs the worker's step loop its grammar's token
+    taking (an ambiguous grammar: 15 ms a token at 200 tokens, growing) and the mask thread its
+    masks, so one tenant's n = 8 of them took every slot of a worker of 8 and another tenant's
+    token gap p99 from 39 to 253 ms (bench/abuse.py grammar_stall, issue 41, item 3); its other
+    jobs wait in the queue instead, and its free-text jobs are not held by them."""
+    return max(1, capacity // 4)
+
+
+def _under_constrained_share(worker: WorkerHandle, job: Job) -> bool:
+    if not job.params.grammar:
+        return True
+    held = sum(1 for j in worker.jobs.values() if j.tenant == job.tenant and j.params.grammar)
+    return held < constrained_share(worker.capacity)
 
 
 def _worker_id_of(identity: bytes) -> str:

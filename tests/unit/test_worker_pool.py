@@ -10,15 +10,17 @@ import socket
 import stat
 import subprocess
 import sys
+import uuid
 
 import orjson
 import zmq
 import zmq.asyncio
 
 from gateway.metrics import Metrics
-from gateway.workers import WorkerPool
+from gateway.workers import Job, WorkerPool
 from shared import protocol
-from shared.protocol import Error, Kind, Register
+from shared.protocol import Error, Finished, Kind, Register
+from shared.sampling import SamplingParams
 
 GOOD = Register("w0", 0, [0, 1], "SmolLM2", "/m/a.gguf", "llama", 8192, 49152, 2, "elsewhere", 12)
 
@@ -143,3 +145,43 @@ def test_a_same_host_worker_whose_process_the_gateway_cannot_see_lives_by_its_he
     with caplog.at_level(logging.INFO, "reame.gateway"):
         with_pool(tmp_path, body, worker_timeout=30)
     assert f"worker w0: its process {invisible} is not visible to the gateway" in caplog.text
+
+
+def test_one_tenants_constrained_choices_hold_a_quarter_of_a_workers_slots(tmp_path):
+    """mallory's n = 8 under an ambiguous grammar took every slot of a worker of 8, and alice's
+    next request waited for them (bench/abuse.py grammar_stall, issue 41, item 3). Now two of
+    them run (8 // 4), alice's and mallory's own free-text job go beside them, and the next
+    constrained one goes when one of the two finishes."""
+    def job(tenant: str, grammar: str) -> Job:
+        return Job(uuid.uuid4().hex, 0, [1, 2, 3], SamplingParams(max_tokens=4, grammar=grammar),
+                   asyncio.Queue(), b"", tenant=tenant)
+
+    async def body(pool, peer):
+        await peer.send(protocol.encode(dataclasses.replace(GOOD, capacity=8)))
+        await settle(lambda: "w0" in pool.workers)
+        constrained = [job("mallory", "start: /[ab]+/") for _ in range(8)]
+        pool.submit(constrained + [job("mallory", ""), job("alice", "")])
+        running = pool.workers["w0"].jobs.values()
+        assert sorted((j.tenant, bool(j.params.grammar)) for j in running) == [
+            ("alice", False), ("mallory", False), ("mallory", True), ("mallory", True)]
+        assert len(pool.queue) == 6 and all(j.params.grammar for j in pool.queue)
+        first = next(j for j in running if j.params.grammar)
+        await peer.send(protocol.encode(Finished(first.request_id, "stop")))
+        await settle(lambda: len(pool.queue) == 5)
+        assert [j.tenant for j in pool.workers["w0"].jobs.values() if j.params.grammar] == ["mallory"] * 2
+
+    with_pool(tmp_path, body, worker_timeout=30)
+
+
+def test_constrained_jobs_of_different_tenants_each_get_their_share(tmp_path):
+    def job(tenant: str) -> Job:
+        return Job(uuid.uuid4().hex, 0, [1], SamplingParams(grammar="start: /a+/"), asyncio.Queue(), b"",
+                   tenant=tenant)
+
+    async def body(pool, peer):
+        await peer.send(protocol.encode(dataclasses.replace(GOOD, capacity=4)))
+        await settle(lambda: "w0" in pool.workers)
+        pool.submit([job("mallory"), job("mallory"), job("alice"), job("bob")])
+        assert sorted(j.tenant for j in pool.workers["w0"].jobs.values()) == ["alice", "bob", "mallory"]
+
+    with_pool(tmp_path, body, worker_timeout=30)
