@@ -131,6 +131,7 @@ def build_kernel_tuner(config: Config, engine) -> KernelTuner | FixedKernels:
     tuner = KernelTuner(engine, settings, saved=store.save)
     choices = store.load()
     if choices is not None and tuner.adopt(choices):
+        tuner.verify()
         log.info("kernel tuner: starting on the saved table %s (%s)", store.path,
                  ", ".join(f"{b} rows: {v}x{t}t" for b, (v, t) in tuner.choices().items()))
     else:

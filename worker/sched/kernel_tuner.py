@@ -427,6 +427,37 @@ class KernelTuner:
         if self._save is not None:
             self._save(self.choices())
 
+    def verify(self, timer: Callable[[], float] = time.perf_counter) -> None:
+        """Re-time, before trusting it, each adopted choice of fewer threads than the engine has
+        against the same variant on every thread: fewer threads win while a neighbour holds a core
+        and lose once it has gone (issue 37: a table learned under a 45 s hog kept later servers
+        on one thread). The saved choice stays only if it still wins by min_gain. A few matmul
+        timings per such bucket (CALIBRATION_ROWS); the online A/B goes on either way."""
+        if not self.settings.enabled:
+            return
+        original, changed = self.engine.threads, False
+        for bucket, rows in zip(self.buckets, CALIBRATION_ROWS):
+            saved = bucket.incumbent
+            full = (saved[0], self.max_threads)
+            if saved[1] >= self.max_threads or full not in bucket.candidates:
+                continue
+            timings = {}
+            for arm in (saved, full):
+                self.engine.set_threads(arm[1])
+                table = OpTable.of(matmul=arm[0])
+                self.engine.time_matmul(table, rows, repeats=1)  # first touch
+                timings[arm] = self.engine.time_matmul(table, rows, repeats=5) / rows
+            kept = timings[saved] < timings[full] * (1.0 - self.settings.min_gain)
+            if not kept:
+                bucket.incumbent, changed = full, True
+            log.info("kernel tuner: bucket %s rows: the saved %s %s (%.0f us/row vs %.0f us/row for %s at start)",
+                     bucket.name, arm_name(saved), "still wins" if kept else f"is dropped for {arm_name(full)}",
+                     1e6 * timings[saved], 1e6 * timings[full], arm_name(full))
+        self.engine.set_threads(original)
+        self._install(self.buckets[0].incumbent[1])
+        if changed:
+            self._saved()
+
     # ---- start-up calibration ------------------------------------------------------------------
 
     def calibrate(self, budget_s: float | None = None, timer: Callable[[], float] = time.perf_counter) -> None:
