@@ -1,4 +1,5 @@
-"""`reame`: the umbrella command (models, generate, tokenize, chat, serve, strategy, coordinator).
+"""`reame`: the umbrella command (models, generate, tokenize, chat, serve, strategy, coordinator,
+perplexity).
 
 Each subcommand lives in `reame/commands/<name>.py` with `add_parser(subparsers)` that
 registers it and sets `handler`. Errors from Reame become one clear line and exit code 1.
@@ -14,7 +15,8 @@ from shared.errors import ReameError
 
 blas_env.prefer_native_blas()  # before anything imports numpy
 
-COMMANDS = ("models", "generate", "tokenize", "chat", "serve", "keys", "strategy", "tune", "coordinator")
+COMMANDS = ("models", "generate", "tokenize", "chat", "serve", "keys", "strategy", "tune", "coordinator",
+            "perplexity")
 
 
 def build_parser() -> argparse.ArgumentParser:
