@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 from gateway.structured import Constraint
 from shared.errors import InvalidRequestError
-from shared.grammar import JSON_OPTIONS
+from shared.grammar import JSON_OPTIONS, bounded_numbers
 
 MAX_TOOLS = 128
 MAX_PARALLEL_CALLS = 8  # a forced reply holds at most this many calls
@@ -153,7 +153,10 @@ def call_constraint(request: ToolRequest, family: Family) -> Constraint | None:
     if not forced:
         return None
     key = "parameters" if family == "llama3" else "arguments"
-    schema = {"anyOf": [{"type": "object", "properties": {"name": {"const": t.name}, key: t.parameters},
+    # Numbers get bounded digits as response_format's do: unbounded, greedy decoding may write
+    # digits until max_tokens (issue 41, item 10).
+    schema = {"anyOf": [{"type": "object",
+                         "properties": {"name": {"const": t.name}, key: bounded_numbers(t.parameters)},
                          "required": ["name", key], "additionalProperties": False} for t in forced],
               "x-guidance": JSON_OPTIONS}
     call = f"%json {json.dumps(schema)}"

@@ -8,8 +8,9 @@ import re
 import numpy as np
 import pytest
 
-from shared.grammar import (FRACTION_DIGITS, INTEGER_DIGITS, bounded_numbers, json_schema_grammar, regex_grammar,
-                            token_table)
+from gateway.tools import Tool, ToolRequest, call_constraint
+from shared.grammar import (FRACTION_DIGITS, INTEGER_DIGITS, bounded_numbers, json_schema_grammar, lark_grammar,
+                            regex_grammar, token_table)
 from shared.sampling import SamplingParams
 from shared.vocab import BYTE, CONTROL, NORMAL, Vocab
 from worker.sched.constraint import Constraints
@@ -145,3 +146,17 @@ def test_a_deep_schema_is_bounded_without_recursion():
     while "items" in node:
         node = node["items"]
     assert node["maximum"] == 10 ** INTEGER_DIGITS - 1
+
+
+@pytest.mark.parametrize("family, prefix", [
+    ("hermes", '<tool_call>\n{"name": "count", "arguments": {"n": '),
+    ("llama3", '{"name": "count", "parameters": {"n": '),
+])
+def test_forced_tool_call_numbers_have_bounded_digits(constraints, family, prefix):
+    """A tool schema's numbers are bounded as response_format's are: a forced call to a tool
+    with an integer argument once let greedy decoding write digits until max_tokens."""
+    tool = Tool("count", "", {"type": "object", "properties": {"n": {"type": "integer"}, "x": {"type": "number"}},
+                              "required": ["n", "x"], "additionalProperties": False})
+    grammar = lark_grammar(call_constraint(ToolRequest((tool,), "required", False), family).source)
+    assert longest_run(constraints, grammar, prefix) == INTEGER_DIGITS
+    assert longest_run(constraints, grammar, prefix + '7, "x": 0.') == FRACTION_DIGITS
