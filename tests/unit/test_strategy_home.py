@@ -92,3 +92,49 @@ def test_strategy_show_names_the_cause_of_a_placement_and_an_ignored_old_file(tm
     assert "cpus=0 (default all)" in out and "because other processes used 50% of CPU 1" in out
     assert "not resumed at start" in out and "ignored:" in out and json.loads((tmp_path / "state" / "strategy.json")
                                                                                .read_text())["frozen"]
+
+
+def test_through_a_gateway_a_hog_freeze_and_restart_end_on_both_cpus(tmp_path):
+    """The incident end to end in one process: a real gateway (its TuningService, store and
+    /admin routes) with a fake worker over ZeroMQ. The hog moves the worker to CPU 0, the operator
+    freezes, the gateway and the worker restart without the hog: the worker runs on both CPUs."""
+    import asyncio
+
+    import requests
+
+    from tests.unit.test_coordinator_causes import GONE, HOG, profile
+    from tests.unit.test_tuning_gateway import KEY, WORKER, add_tuned_worker, make_server
+
+    server = make_server(tmp_path)
+    slot = "h/node0/cpus0-1"
+
+    def send(n: int, worker: str, running, **fields) -> None:
+        """Profiles as the worker's pulse sends them: with the version its TuningState runs."""
+        for _ in range(n):
+            p = profile(worker, knobs_version=running.version, **fields)
+            asyncio.run_coroutine_threadsafe(_call(server.state.tuning.on_profile, p), server.loop).result(5)
+
+    try:
+        tuning = add_tuned_worker(server, WORKER)
+        send(2, WORKER, tuning, **HOG)
+        server.wait_until(lambda: tuning.version == 1)
+        send(4, WORKER, tuning, **HOG, output_tokens=2500)  # measured: it helped while the hog ran
+        assert requests.post(server.url + "/admin/strategy/freeze", headers=KEY, timeout=5).status_code == 200
+        saved = json.loads((tmp_path / "tuning" / "strategy.json").read_text())
+        assert saved["frozen"] and saved["workers"][slot]["knobs"]["cpus"] == [0]
+
+        server.restart_gateway()
+        fresh = add_tuned_worker(server, "h/node0/2")
+        strategy = requests.get(server.url + "/admin/strategy", headers=KEY, timeout=5).json()
+        assert strategy["frozen"] and strategy["workers"][slot]["knobs"]["cpus"] == []
+        send(1, "h/node0/2", fresh, **GONE)  # its first profile: it is sent what its slot should run
+        version = server.state.tuning.coordinator.slots[slot].version
+        server.wait_until(lambda: fresh.version == version)
+        send(6, "h/node0/2", fresh, **GONE)
+        assert server.state.tuning.coordinator.slots[slot].knobs.cpus == () and fresh.version == version
+    finally:
+        server.close()
+
+
+async def _call(fn, *args):
+    return fn(*args)
