@@ -195,9 +195,13 @@ class CoordinatorServer:
             return AdminReply(call.call_id, orjson.dumps(body).decode())
         except ReameError as exc:
             return AdminReply(call.call_id, error=type(exc).__name__, message=exc.message)
-        except Exception as exc:  # a bug answers as an error, never as silence (the gateway would wait)
-            log.exception("coordinator: %s failed", call.action)
-            return AdminReply(call.call_id, error=type(exc).__name__, message=str(exc))
+        except Exception:  # a bug answers as an error, never as silence (the gateway would wait)
+            # Its text (paths, values, keys) stays in this log: the reply travels to the gateway,
+            # whose logs and callers are not the coordinator's operator's (issue 41, item 7).
+            log.exception("coordinator: %s (call %s) failed", call.action, call.call_id)
+            return AdminReply(call.call_id, error="InternalError",
+                              message=f"the coordinator failed to answer {call.action!r} (call {call.call_id}); "
+                                      "its log has the detail")
 
     # ---- liveness ------------------------------------------------------------------------------
 

@@ -8,6 +8,7 @@ import logging
 import pytest
 
 from gateway.coordinator.remote import RemoteTuning
+from gateway.coordinator.server import CoordinatorServer
 from gateway.errors import ServiceUnavailableError
 from shared.config import parse_config
 from shared.errors import ConfigError
@@ -47,3 +48,19 @@ def test_a_refusal_keeps_its_message():
     with pytest.raises(ConfigError, match="unknown slot 'x'"):
         answered({"error": "ConfigError", "message": "unknown slot 'x'"})
     assert answered({"body": '{"ok": true}'}) == {"ok": True}
+
+
+def test_the_coordinator_answers_a_bug_with_a_stable_message_and_logs_the_exception(tmp_path, caplog):
+    """Before, reame-coordinator sent str(exc) to the gateway in its AdminReply."""
+    config = parse_config(f"[tuning]\ncoordinator = ipc://{tmp_path}/coordinator.ipc\n"
+                          f"state_path = {tmp_path / 'tuning'}\n")
+    server = CoordinatorServer(config)
+
+    async def failing(action, argument):
+        raise KeyError(SECRET)
+    server.tuning.call = failing
+    with caplog.at_level(logging.ERROR, "reame"):
+        reply = asyncio.run(server._reply(AdminCall("7", "import", '{"slots": {}}')))
+    assert reply.error == "InternalError" and not reply.body
+    assert reply.message == "the coordinator failed to answer 'import' (call 7); its log has the detail"
+    assert "sk-123" in caplog.text and "import (call 7) failed" in caplog.text
