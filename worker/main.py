@@ -197,7 +197,10 @@ def serve(config: Config, node: int, cpus: list[int], engine, path: Path) -> Non
         counters = generator.heartbeat_counters()
         counters["kv_block_tokens"] = engine.kv.block_size
         threads = engine.threads if tuner_owns_threads else service.threads
-        return profiler.profile(tuning.version, counters, generator.preemptions, threads)
+        window = profiler.profile(tuning.version, counters, generator.preemptions, threads)
+        if tuner_owns_threads:  # a neighbour arriving or leaving is a drift: the tuner explores again
+            generator.kernel_tuner.note_neighbours(window.cpu_others)
+        return window
 
     pulse = Pulse(context, config.endpoint, service, config.server.heartbeat_interval,
                   counters=generator.heartbeat_counters, profile=profile,

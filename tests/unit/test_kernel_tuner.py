@@ -95,11 +95,61 @@ def test_promotes_the_faster_arm_and_logs_before_and_after(caplog):
     assert tuner.choices()["33+"] == ("int8", 2)
 
 
-def test_exploration_is_a_small_share_of_steps():
+def test_exploration_is_a_small_share_of_steps_and_decays_while_nothing_wins():
     tuner, engine, clock = make(TunerSettings(explore_share=0.05))
     seen = run(tuner, engine, clock, lambda arm, now: 0.01, 4000)
-    explored = sum(1 for arm in seen if arm != ("int8", 2))
-    assert 0.02 * 4000 < explored < 0.08 * 4000
+    explored = [arm != ("int8", 2) for arm in seen]
+    assert 0.02 * 1000 < sum(explored[:1000]) < 0.08 * 1000  # the full budget while it learns
+    assert sum(explored[2000:]) < 0.01 * 2000  # equal arms: rounds without a win halved it
+    assert tuner.buckets[0].decay >= 2 and tuner.snapshot()["buckets"]["1"]["explore_budget"] <= 0.25
+
+
+def hogged(arm, now):
+    return 0.03 if arm[1] == 2 else 0.012  # a neighbour holds one of two cores
+
+
+def quiet(arm, now):
+    return 0.006 if arm[1] == 2 else 0.012  # ... and has gone: a one-thread step is unchanged
+
+
+def _settled_under_a_hog():
+    tuner, engine, clock = make(TunerSettings(explore_share=0.05))
+    tuner.note_neighbours(0.02)
+    run(tuner, engine, clock, lambda arm, now: 0.01, 2000)
+    assert tuner.buckets[0].decay >= 1  # settled: exploring at half or less
+    tuner.note_neighbours(0.8)
+    run(tuner, engine, clock, hogged, 4000, seed=3)
+    assert tuner.choices()["1"][1] == 1 and tuner.buckets[0].decay >= 1
+    return tuner, engine, clock
+
+
+def _steps_until_two_threads(tuner, engine, clock, limit=20000):
+    for i in range(limit):
+        run(tuner, engine, clock, quiet, 1, seed=i)
+        if tuner.choices()["1"][1] == 2:
+            return i
+    return limit
+
+
+def test_a_drift_in_step_time_brings_exploration_back():
+    """A neighbour arrives: the two-thread incumbent's steps get slower (drift), the decayed
+    bucket explores fully again and one thread is promoted."""
+    tuner, engine, clock = make(TunerSettings(explore_share=0.05))
+    run(tuner, engine, clock, lambda arm, now: 0.01, 3000)
+    assert tuner.buckets[0].decay >= 1
+    seen = run(tuner, engine, clock, hogged, 600, seed=2)
+    assert tuner.choices()["1"][1] == 1 and seen.index(tuner.choices()["1"]) < 200
+
+
+def test_a_neighbour_leaving_brings_exploration_back_within_seconds():
+    """A one-thread step barely changes when the neighbour leaves: no drift to see. The profile's
+    neighbour share (note_neighbours) wakes the bucket; without it the decayed pauses take ~10x longer."""
+    tuner, engine, clock = _settled_under_a_hog()
+    tuner.note_neighbours(0.02)
+    started = clock.now
+    assert _steps_until_two_threads(tuner, engine, clock) < 1000 and clock.now - started < 15.0
+    unnoticed, engine2, clock2 = _settled_under_a_hog()
+    assert _steps_until_two_threads(unnoticed, engine2, clock2) > 3000
 
 
 def test_a_table_never_changes_inside_a_step():

@@ -30,6 +30,15 @@ Rollback. For `rollback_steps` steps after a promotion the new incumbent's time 
 compared with the old one's before the switch; `rollback` (10%) worse beyond the jitter: undone,
 and the arm banned for `ban_s`. Each promotion and rollback is one INFO line with before/after.
 
+Budget (issue 37, item 2: exploring must not cost where there is nothing to gain). A *round* ends
+when every live candidate of a bucket has lost to the incumbent since its last change; each round
+without a win halves that bucket's exploration (share, busy-time floor) and doubles the pauses of
+its losers, down to 1/2**MAX_DECAY. Exploration returns to full when the profile drifts: the
+incumbent's time per row moves by DRIFT from what it was when the bucket last settled (a neighbour
+arriving, longer contexts), other processes' share of the worker's CPUs crosses between quiet and
+busy (note_neighbours: a neighbour leaving barely moves a one-thread step), the worker's CPUs
+change, or a promotion or rollback.
+
 Only variants of the engine's numerics (float32 or int8 activations) are arms: they give the same
 bits, so tuning never changes an output. Threads are arms too (1 to the engine's threads): with a
 busy neighbour on one of two cores, a two-thread step waits at every barrier for the thread that
@@ -59,6 +68,9 @@ MAX_PAUSE = 6.0  # the longest pause of an eliminated arm, in recheck_s
 CONFIRM_WITHIN = 4  # a first win lapses unless confirmed within this many min_samples of fresh steps
 REFERENCE_STEPS = 5  # incumbent steps whose median is a candidate step's yardstick
 CALIBRATION_ROWS = (1, 4, 16, 64)  # rows timed per bucket at start-up
+MAX_DECAY = 4  # rounds without a win halve exploration at most this often (to 1/16)
+DRIFT = 0.25  # |log| change of the incumbent's time per row (~±25%) that is a new profile
+BUSY_NEIGHBOURS, QUIET_NEIGHBOURS = 0.5, 0.15  # other processes' share of the CPUs (the coordinator's bounds)
 
 
 class TunableEngine(Protocol):
@@ -146,6 +158,9 @@ class _Bucket:
         self.switch: _Switch | None = None
         self.steps = 0
         self.busy = 0.0  # seconds of its steps since a candidate last ran
+        self.decay = 0  # rounds in a row without a win: exploration runs at 1/2**decay
+        self.lost: set = set()  # candidates that lost in the round under way
+        self.settled_at: float | None = None  # the incumbent's s/row when the last round ended
 
     def reset_candidates(self) -> None:
         for c in self.candidates.values():
@@ -185,7 +200,30 @@ class KernelTuner:
         self.rollbacks = 0
         self.frozen = False  # a frozen strategy (POST /admin/strategy/freeze): no exploration, no change
         self.thread_limit = self.max_threads  # CPUs the worker may run on (the coordinator's placement)
+        self._load: str | None = None  # "busy" | "quiet": other processes on the worker's CPUs, last heard
+        self._wake_reason: str | None = None  # set from the profile thread, acted on between steps
         self._install(engine.threads)
+
+    def note_neighbours(self, others: float) -> None:
+        """Other processes' share of the worker's CPUs in the last profile window (any thread):
+        crossing between quiet and busy is a drift, and every bucket explores fully again."""
+        load = "busy" if others >= BUSY_NEIGHBOURS else "quiet" if others <= QUIET_NEIGHBOURS else self._load
+        if load != self._load:
+            if self._load is not None:
+                self._wake_reason = f"other processes now use {100 * others:.0f}% of the worker's CPUs ({load})"
+            self._load = load
+
+    def _wake(self, bucket: "_Bucket", reason: str) -> None:
+        """Explore at the full budget again; paused losers come back at once (banned arms stay out)."""
+        if bucket.decay:
+            log.info("kernel tuner: bucket %s rows: exploring again (was at 1/%d): %s", bucket.name,
+                     2 ** bucket.decay, reason)
+        bucket.decay, bucket.settled_at = 0, None
+        bucket.lost.clear()
+        now = self.clock()
+        for c in bucket.candidates.values():
+            if not c.banned and c.paused_until > now:
+                c.paused_until = now
 
     def freeze(self, frozen: bool) -> None:
         """Stop (or resume) exploring; the choices in force stay. Called between steps."""
@@ -204,6 +242,7 @@ class KernelTuner:
             return
         self.thread_limit = cpus
         for bucket in self.buckets:
+            self._wake(bucket, f"the worker now runs on {cpus} CPU{'s' if cpus > 1 else ''}")
             variant, threads = bucket.incumbent
             if threads > cpus:
                 bucket.incumbent = (variant, cpus)
@@ -221,11 +260,16 @@ class KernelTuner:
         if self._step is not None:
             raise RuntimeError("KernelTuner.before_step called twice without after_step: a table may "
                                "only change between steps")
+        if self._wake_reason is not None:
+            reason, self._wake_reason = self._wake_reason, None
+            for b in self.buckets:
+                self._wake(b, reason)
         bucket = self.buckets[bucket_of(max(1, rows))]
         arm, exploring = bucket.incumbent, False
+        budget = 0.5 ** bucket.decay
         if (self.settings.enabled and not self.frozen and bucket.switch is None and len(bucket.recent) >= REFERENCE_STEPS
-                and (self.rng.random() < self.settings.explore_share
-                     or bucket.busy >= self.settings.explore_every_s)):
+                and (self.rng.random() < self.settings.explore_share * budget
+                     or bucket.busy >= self.settings.explore_every_s / budget)):
             candidate = self._candidate(bucket)
             if candidate is not None:
                 arm, exploring = candidate, True
@@ -258,6 +302,10 @@ class KernelTuner:
             return
         bucket.recent.append(per_row)
         bucket.busy += seconds
+        if bucket.settled_at is not None and len(bucket.recent) >= REFERENCE_STEPS:
+            now_s = median(list(bucket.recent)[-REFERENCE_STEPS:])
+            if abs(math.log(max(now_s, 1e-12) / max(bucket.settled_at, 1e-12))) > DRIFT:
+                self._wake(bucket, f"its time per row moved {1e3 * bucket.settled_at:.3f} -> {1e3 * now_s:.3f} ms")
         if bucket.switch is not None:
             bucket.switch.after.append(per_row)
             if len(bucket.switch.after) >= self.settings.rollback_steps:
@@ -328,13 +376,29 @@ class KernelTuner:
             # what its re-checks cost stays bounded (on a swamped host a two-thread step took 10-20x
             # a one-thread one), while a 2x loser comes back within recheck_s once a neighbour
             # leaves. Not longer per repeated loss: that delayed noticing a neighbour by 16 s.
-            pause = s.recheck_s * min(MAX_PAUSE, max(1.0, math.exp(m) / 3.0))
+            pause = s.recheck_s * min(MAX_PAUSE, max(1.0, math.exp(m) / 3.0)) * 2 ** bucket.decay
             c.paused_until, c.confirming = now + pause, False
+            self._lost(bucket, arm)
             c.ratios.clear()
             c.seconds.clear()
             log.debug("kernel tuner: bucket %s rows: %s eliminated (%+.0f%% ±%.0f%% vs %s) for %.0f s",
                       bucket.name, arm_name(arm), 100 * math.expm1(m), 100 * se, arm_name(bucket.incumbent),
                       pause)
+
+    def _lost(self, bucket: _Bucket, arm: Arm) -> None:
+        """A candidate lost; when every live one has, the round ends and exploration halves."""
+        bucket.lost.add(arm)
+        live = {a for a in bucket.candidates if a != bucket.incumbent and a[1] <= self.thread_limit
+                and not bucket.candidates[a].banned}
+        if not live <= bucket.lost:
+            return
+        bucket.lost.clear()
+        if bucket.recent:
+            bucket.settled_at = median(list(bucket.recent)[-REFERENCE_STEPS:])
+        if bucket.decay < MAX_DECAY:
+            bucket.decay += 1
+            log.debug("kernel tuner: bucket %s rows: %s held a round; exploring at 1/%d", bucket.name,
+                      arm_name(bucket.incumbent), 2 ** bucket.decay)
 
     def _promote(self, bucket: _Bucket, arm: Arm, c: _Candidate, m: float, se: float) -> None:
         before = list(bucket.recent)
@@ -346,6 +410,7 @@ class KernelTuner:
         bucket.switch = _Switch(previous, before)
         bucket.recent.clear()
         bucket.reset_candidates()
+        self._wake(bucket, f"{arm_name(arm)} was promoted")
         self.promotions += 1
         self._event("promote", bucket, previous, arm, before_s, after_s, paired)
         log.info("kernel tuner: bucket %s rows: %s -> %s promoted: %.3f ms/row vs %.3f ms/row (%+.1f%% ±%.1f%%, "
@@ -367,6 +432,7 @@ class KernelTuner:
             bucket.incumbent = switch.previous
             bucket.recent.clear()
             bucket.reset_candidates()
+            self._wake(bucket, f"{arm_name(promoted)} was rolled back")
             banned = bucket.candidates[promoted]
             banned.paused_until, banned.banned = now + self.settings.ban_s, True
             self.rollbacks += 1
@@ -519,6 +585,7 @@ class KernelTuner:
                                            "banned": c.banned and c.paused_until > now}
             buckets[b.name] = {"choice": arm_name(b.incumbent), "variant": b.incumbent[0],
                                "threads": b.incumbent[1], "steps": b.steps, "watching_switch": b.switch is not None,
+                               "explore_budget": 0.5 ** b.decay,
                                "arms": arms}
         return {"enabled": self.settings.enabled, "numerics": self.numerics, "buckets": buckets,
                 "promotions": self.promotions, "rollbacks": self.rollbacks, "events": list(self.events)}
