@@ -26,7 +26,7 @@ from gateway.errors import error_from_worker
 from gateway.request_id import current_request_id
 from gateway.requests import CompletionRequest
 from gateway.router import prefix_key
-from gateway.sse import ClientStoppedReading, EventStream
+from gateway.sse import EventStream, until_the_client_leaves
 from gateway.tools import ToolCall, ToolCallParser, family_of
 from gateway.workers import Job, Restarted
 from shared.errors import ContextLengthError, InvalidRequestError, ReameError
@@ -179,18 +179,7 @@ class _Run:
 
     async def stream(self, request: web.Request) -> web.StreamResponse:
         out = EventStream(request, self.state.config.gateway.write_timeout)
-        try:
-            await self._send_events(out)
-        except ClientStoppedReading as exc:
-            log.info("request %s: cancelled: %s", self.request_id, exc)
-        except ConnectionError as exc:
-            if not out.started:
-                raise
-            log.debug("request %s: the client left mid-stream (%s)", self.request_id, exc)
-        # The connection is gone in both cases: `complete` releases the jobs (their workers stop
-        # generating). Answering, not raising, spares aiohttp's error log a traceback for what is
-        # an ordinary event (bench/abuse.py counted 24 in 30 s of clients closing after [DONE]).
-        return out.response
+        return await until_the_client_leaves(out, self.request_id, lambda: self._send_events(out))
 
     async def _send_events(self, out: EventStream) -> None:
         try:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable
 import orjson
 from aiohttp import web
 
-from gateway.sse import ClientStoppedReading, EventStream
+from gateway.sse import EventStream, until_the_client_leaves
 from gateway.tools import ToolCall, ToolCallParser
 from shared.errors import ReameError
 
@@ -113,28 +113,24 @@ async def stream_events(run: _Run, request: web.Request, body: Callable[[NamedEv
     first event is an ordinary HTTP error; after it, the `failure` event ends the stream; a client
     that left or stopped reading ends it quietly (`complete` then aborts the job)."""
     out = NamedEventStream(request, run.state.config.gateway.write_timeout)
-    try:
+
+    async def send() -> None:
         try:
             await body(out)
         except ReameError as exc:
             if not out.started:
                 raise
             await _fail(out, *failure(exc))
-            return out.response
+            return
         except Exception as exc:
             if not out.started or isinstance(exc, ConnectionError):
                 raise
             log.exception("request %s: failed mid-stream", run.request_id)
             await _fail(out, *failure(ReameError("internal server error")))
-            return out.response
+            return
         await out.end()
-    except ClientStoppedReading as exc:
-        log.info("request %s: cancelled: %s", run.request_id, exc)
-    except ConnectionError as exc:
-        if not out.started:
-            raise
-        log.debug("request %s: the client left mid-stream (%s)", run.request_id, exc)
-    return out.response
+
+    return await until_the_client_leaves(out, run.request_id, send)
 
 
 async def _fail(out: NamedEventStream, name: str, data: dict) -> None:
