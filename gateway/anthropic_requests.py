@@ -14,7 +14,7 @@ import json
 import re
 from typing import Any
 
-from gateway.requests import CompletionRequest, parse_chat
+from gateway.requests import CompletionRequest, parse_chat, translated_tools
 from shared.errors import InvalidRequestError
 
 ROLES = ("user", "assistant")
@@ -209,24 +209,19 @@ def _tool_result(block: dict, where: str) -> dict:
 
 
 def _tools(value: Any) -> list:
-    if not isinstance(value, list):
-        raise InvalidRequestError("'tools' must be an array", param="tools")
-    tools = []
-    for i, tool in enumerate(value):
-        where = f"tools[{i}]"
-        if not isinstance(tool, dict):
-            raise InvalidRequestError(f"'{where}' must be an object", param=where)
-        if tool.get("type", "custom") != "custom":
-            raise InvalidRequestError(f"'{where}.type' is {tool['type']!r:.60}: server tools are not supported, "
-                                      "only custom tools with an 'input_schema'", param=f"{where}.type")
-        if not isinstance(tool.get("input_schema"), dict):
-            raise InvalidRequestError(f"'{where}.input_schema' must be a JSON Schema object",
-                                      param=f"{where}.input_schema")
-        function = {"name": tool.get("name"), "parameters": tool["input_schema"]}
-        if tool.get("description") is not None:
-            function["description"] = tool["description"]
-        tools.append({"type": "function", "function": function})
-    return tools
+    return translated_tools(value, _function)
+
+
+def _function(tool: dict, where: str) -> dict:
+    if tool.get("type", "custom") != "custom":
+        raise InvalidRequestError(f"'{where}.type' is {tool['type']!r:.60}: server tools are not supported, "
+                                  "only custom tools with an 'input_schema'", param=f"{where}.type")
+    if not isinstance(tool.get("input_schema"), dict):
+        raise InvalidRequestError(f"'{where}.input_schema' must be a JSON Schema object", param=f"{where}.input_schema")
+    function = {"name": tool.get("name"), "parameters": tool["input_schema"]}
+    if tool.get("description") is not None:
+        function["description"] = tool["description"]
+    return function
 
 
 def _tool_choice(value: Any) -> tuple[Any, bool]:

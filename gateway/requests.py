@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Callable
 
 from gateway.structured import Constraint, constraint_of
 from gateway.tools import ToolRequest, parse_tools
@@ -69,6 +69,19 @@ class WarmRequest:
     messages: tuple[dict, ...]  # as for /v1/chat/completions; () when `prompt` is given
     prompt: str | tuple[int, ...] | None  # text or token ids, as one /v1/completions prompt; None when `messages`
     cache_salt: str | None = None
+
+
+def translated_tools(value: Any, function: Callable[[dict, str], dict]) -> list[dict]:
+    """Another API's `tools` array as chat tools: each object becomes `function(tool, 'tools[i]')`."""
+    if not isinstance(value, list):
+        raise InvalidRequestError("'tools' must be an array", param="tools")
+    tools = []
+    for i, tool in enumerate(value):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict):
+            raise InvalidRequestError(f"'{where}' must be an object", param=where)
+        tools.append({"type": "function", "function": function(tool, where)})
+    return tools
 
 
 def parse_chat(body: Any, *, max_n: int) -> CompletionRequest:

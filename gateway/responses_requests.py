@@ -15,7 +15,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.requests import CompletionRequest, parse_chat
+from gateway.requests import CompletionRequest, parse_chat, translated_tools
 from shared.errors import InvalidRequestError
 
 MAX_ID = 128  # longest response id accepted in a path or `previous_response_id`
@@ -206,18 +206,14 @@ def new_id(prefix: str) -> str:
 # ---- tools and format --------------------------------------------------------------------------------
 
 def _tools(value: Any) -> list:
-    if not isinstance(value, list):
-        raise InvalidRequestError("'tools' must be an array", param="tools")
-    tools = []
-    for i, tool in enumerate(value):
-        where = f"tools[{i}]"
-        if not isinstance(tool, dict) or tool.get("type") != "function":
-            kind = tool.get("type") if isinstance(tool, dict) else None
-            raise InvalidRequestError(f"'{where}.type' is {kind!r:.40}: only function tools are supported",
-                                      param=f"{where}.type")
-        function = {key: tool[key] for key in ("name", "description", "parameters") if tool.get(key) is not None}
-        tools.append({"type": "function", "function": function})
-    return tools
+    return translated_tools(value, _function)
+
+
+def _function(tool: dict, where: str) -> dict:
+    if tool.get("type") != "function":
+        raise InvalidRequestError(f"'{where}.type' is {tool.get('type')!r:.40}: only function tools are supported",
+                                  param=f"{where}.type")
+    return {key: tool[key] for key in ("name", "description", "parameters") if tool.get(key) is not None}
 
 
 def _tool_choice(value: Any) -> Any:
