@@ -121,7 +121,7 @@ class AdaptiveReport:
         n, w = PLATEAU_WINDOWS, self.window_s
         if self.first_traffic is None or at - self.first_traffic < 2 * n * w:
             return False, "still profiling (too little traffic yet to judge)"
-        recent_changes = [d for d in history if d.kind in ("change", "revert") and d.at - boot_wall > at - n * w]
+        recent_changes = [d for d in history if d.kind in ("change", "revert", "release") and d.at - boot_wall > at - n * w]
         if recent_changes:
             return False, f"still learning ({len(recent_changes)} changes in the last {_elapsed(n * w)})"
         values = [self.summary(at - (i + 1) * w, at - i * w).throughput for i in range(2 * n)]
@@ -147,6 +147,7 @@ class AdaptiveReport:
         now, boot = self.now_summary(at), self.boot_summary()
         changes = [d for d in history if d.kind == "change"]
         reverted = sum(1 for d in changes if d.outcome == "reverted")
+        released = sum(1 for d in history if d.kind == "release")  # a placement whose cause had gone
         _, plateau = self.plateau(at, history, boot_wall)
         return [
             f"[reame] adaptive report @ {_elapsed(at)}",
@@ -156,7 +157,8 @@ class AdaptiveReport:
             " vs boot)",
             f"  p95 latency:          {now.latency_ms_p95:.0f} ms ({_delta_rel(now.latency_ms_p95, boot and boot.latency_ms_p95)}"
             " vs boot)",
-            f"  strategy:             {len(changes)} changes, {reverted} reverted; {plateau}",
+            f"  strategy:             {len(changes)} changes, {reverted} reverted"
+            f"{f', {released} released (cause gone)' if released else ''}; {plateau}",
         ]
 
     def as_json(self, at: float, history: list[Decision], boot_wall: float) -> dict[str, Any]:

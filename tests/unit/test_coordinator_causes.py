@@ -181,3 +181,16 @@ def test_a_frozen_resumed_strategy_is_not_second_guessed():
     again.restore(doc)
     assert not again.slots[SLOT].resume_check
     assert feed(again, clock, 20) == [] and knobs(again).max_batch_size == 16
+
+
+def test_the_adaptive_report_counts_a_release_and_it_is_no_plateau():
+    from gateway.coordinator.report import AdaptiveReport
+    clock = Clock()
+    coordinator = hogged(clock)
+    feed(coordinator, clock, CONFIRM, **GONE)
+    report = AdaptiveReport(boot=0.0, window_s=60.0)
+    for i in range(1, 12 * 8):
+        report.add(profile(), now=5.0 * i)
+    boot_wall = clock.t - 5.0 * 12 * 8
+    lines = report.lines(5.0 * 12 * 8, coordinator.history, boot_wall)
+    assert "1 changes, 0 reverted, 1 released (cause gone); still learning" in lines[-1]
