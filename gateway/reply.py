@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable
 import orjson
 from aiohttp import web
 
+from gateway.choice import Choice, TokenEntry
 from gateway.sse import EventStream, until_the_client_leaves
 from gateway.tools import ToolCall, ToolCallParser
 from shared.errors import ReameError
@@ -31,6 +32,7 @@ class Part:
     text: str = ""  # content the client may see now
     calls: list[ToolCall] = field(default_factory=list)  # tool calls completed in this part
     finish_reason: str | None = None  # "stop" | "length" | "tool_calls", on the last part only
+    entries: list[TokenEntry] = field(default_factory=list)  # the tokens released with `text` (log-probabilities)
 
 
 @dataclass
@@ -54,7 +56,7 @@ async def parts(run: _Run, ending: Ending) -> AsyncIterator[Part]:
         for done, _ in batch:  # before any await: from here on the job may not move workers
             done.delivered = True
         for _, delta in batch:
-            part = Part(delta.text)
+            part = Part(delta.text, entries=_shown(run.choices[job], delta.entries))
             if parser is not None:
                 part.text, part.calls = parser.feed(delta.text)
                 if delta.finish_reason is not None:
@@ -63,7 +65,7 @@ async def parts(run: _Run, ending: Ending) -> AsyncIterator[Part]:
             made_calls = made_calls or bool(part.calls)
             if delta.finish_reason is not None:
                 part.finish_reason = "tool_calls" if made_calls and delta.finish_reason == "stop" else delta.finish_reason
-            if part.text or part.calls or part.finish_reason:
+            if part.text or part.calls or part.finish_reason or part.entries:
                 yield part
     _end(run, made_calls, ending)
 
@@ -74,7 +76,7 @@ async def whole(run: _Run, ending: Ending) -> Part:
     while run.pending:
         await run.next_deltas()
     (job,) = run.choices
-    part = Part(run.choices[job].text)
+    part = Part(run.choices[job].text, entries=_shown(run.choices[job], run.choices[job].entries))
     parser = run.parsers.get(job)
     if parser is not None:
         fresh = ToolCallParser(parser.family, parser.names)
@@ -84,6 +86,11 @@ async def whole(run: _Run, ending: Ending) -> Part:
     _end(run, bool(part.calls), ending)
     part.finish_reason = ending.finish_reason
     return part
+
+
+def _shown(choice: Choice, entries: list[TokenEntry]) -> list[TokenEntry]:
+    """The entries of the tokens whose text the reply shows: not the end-of-generation token."""
+    return [e for e in entries if e.token not in choice.hidden_ids]
 
 
 def _end(run: _Run, made_calls: bool, ending: Ending) -> None:

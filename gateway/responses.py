@@ -62,12 +62,17 @@ def delta_choice(chat: bool, index: int, text: str, entries: Sequence[TokenEntry
 
 def _logprobs(chat: bool, entries: Sequence[TokenEntry], token_bytes: TokenText, top: int) -> dict:
     if chat:
-        return {"content": [_chat_entry(e, token_bytes, top) for e in entries], "refusal": None}
+        return {"content": token_logprobs(entries, token_bytes, top), "refusal": None}
     return {"tokens": [_text(token_bytes(e.token)) for e in entries],
             "token_logprobs": [e.logprob for e in entries],
             "top_logprobs": [{_text(token_bytes(t)): lp for t, lp in e.top[:top]} if top else None
                              for e in entries],
             "text_offset": [e.offset for e in entries]}
+
+
+def token_logprobs(entries: Sequence[TokenEntry], token_bytes: TokenText, top: int) -> list[dict]:
+    """Entries as chat's `logprobs.content` lists them (the Responses API's output_text logprobs too)."""
+    return [_chat_entry(e, token_bytes, top) for e in entries]
 
 
 def _chat_entry(entry: TokenEntry, token_bytes: TokenText, top: int) -> dict:

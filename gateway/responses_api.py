@@ -30,6 +30,7 @@ from gateway.completion import complete
 from gateway.errors import NotFoundError
 from gateway.reply import Ending, NamedEventStream, Part, parts, stream_events, whole
 from gateway.response_store import ResponseStore, StoredResponse
+from gateway.responses import token_logprobs
 from gateway.responses_requests import MAX_ID, MAX_LIST, ResponsesRequest, new_id, parse_responses
 from gateway.routes import _check_model, _read_json, chat_prompt
 from gateway.state import STATE
@@ -91,6 +92,8 @@ async def create(request: web.Request) -> web.StreamResponse:
     req = replace(parsed.chat, messages=tuple(system + history + list(parsed.messages)))
     req, ids = await chat_prompt(state, req)
     reply = _Reply(parsed, req.model or state.model_id)
+    if parsed.logprobs:
+        reply.logprobs_of = lambda entries: token_logprobs(entries, state.tokenizer.token_bytes, req.top_logprobs)
 
     async def answer(run: _Run, http: web.Request) -> web.StreamResponse:
         async def save(body: dict) -> None:
@@ -166,6 +169,7 @@ class _Reply:
         self._open: dict | None = None  # the message item text is being added to
         self._emit: Emit | None = None
         self._sequence = 0
+        self.logprobs_of: Callable[[list], list[dict]] = lambda entries: []  # set when `include` asks for them
 
     async def stream(self, run: _Run, out: NamedEventStream, save: Callable[[dict], Awaitable[None]]) -> None:
         async def emit(name: str, data: dict) -> None:
@@ -195,7 +199,7 @@ class _Reply:
 
     async def add(self, part: Part) -> None:
         if part.text:
-            await self._add_text(part.text)
+            await self._add_text(part.text, self.logprobs_of(part.entries))
         for call in part.calls:
             await self._close_message()
             self.calls.append(call)
@@ -238,7 +242,7 @@ class _Reply:
         return "error", {"type": "error", "sequence_number": self._sequence, "code": error["code"] or error["type"],
                          "message": error["message"], "param": error["param"]}
 
-    async def _add_text(self, text: str) -> None:
+    async def _add_text(self, text: str, logprobs: list[dict]) -> None:
         self.text += text
         if self._open is None:
             self._open = {"id": new_id("msg_"), "type": "message", "status": "in_progress", "role": "assistant",
@@ -250,8 +254,9 @@ class _Reply:
                 await self._emit("response.content_part.added", {**self._where(), "part": {
                     "type": "output_text", "text": "", "annotations": [], "logprobs": []}})
         self._open["content"][0]["text"] += text
+        self._open["content"][0]["logprobs"] += logprobs
         if self._emit is not None:
-            await self._emit("response.output_text.delta", {**self._where(), "delta": text, "logprobs": []})
+            await self._emit("response.output_text.delta", {**self._where(), "delta": text, "logprobs": logprobs})
 
     async def _close_message(self) -> None:
         if self._open is None:
@@ -259,7 +264,8 @@ class _Reply:
         self._open["status"] = "completed"
         if self._emit is not None:
             part = self._open["content"][0]
-            await self._emit("response.output_text.done", {**self._where(), "text": part["text"], "logprobs": []})
+            await self._emit("response.output_text.done", {**self._where(), "text": part["text"],
+                                                            "logprobs": part["logprobs"]})
             await self._emit("response.content_part.done", {**self._where(), "part": part})
             await self._emit("response.output_item.done", {"output_index": self.output.index(self._open),
                                                            "item": self._open})

@@ -24,6 +24,11 @@ MAX_METADATA = 16
 INPUT_ROLES = ("user", "assistant", "system", "developer")
 TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
 _REFUSED_PARTS = {"input_image": "images", "input_file": "files", "input_audio": "audio"}
+LOGPROBS = "message.output_text.logprobs"
+# `include` values for items this server never makes (built-in tools, images, reasoning): nothing to add
+NOTHING_TO_INCLUDE = ("code_interpreter_call.outputs", "computer_call_output.output.image_url",
+                      "file_search_call.results", "message.input_image.image_url", "reasoning.encrypted_content",
+                      "web_search_call.action.sources", "web_search_call.results")
 
 
 @dataclass(frozen=True)
@@ -35,6 +40,7 @@ class ResponsesRequest:
     previous_response_id: str | None
     store: bool
     echo: dict  # request fields the response object repeats
+    logprobs: bool = False  # `include` asks for the output text's log-probabilities
 
 
 def parse_responses(body: Any) -> ResponsesRequest:
@@ -60,6 +66,9 @@ def parse_responses(body: Any) -> ResponsesRequest:
     for name in ("model", "temperature", "top_p", "stream", "user", "parallel_tool_calls"):
         chat[name] = body.get(name)
     chat["max_tokens"] = body.get("max_output_tokens")
+    logprobs = _include(body.get("include"))
+    if logprobs or body.get("top_logprobs") is not None:
+        chat["logprobs"], chat["top_logprobs"] = True, body.get("top_logprobs")
     if body.get("tools") is not None:
         chat["tools"] = _tools(body["tools"])
     if body.get("tool_choice") is not None:
@@ -81,8 +90,23 @@ def parse_responses(body: Any) -> ResponsesRequest:
             is not False, "temperature": request.sampling.temperature, "top_p": request.sampling.top_p,
             "tools": body.get("tools") or [], "tool_choice": body.get("tool_choice") or "auto",
             "text": {"format": (text or {}).get("format") or {"type": "text"}}, "user": chat.get("user"),
-            "store": store, "truncation": "disabled"}
-    return ResponsesRequest(request, instructions, tuple(items), tuple(messages), previous, store, echo)
+            "store": store, "truncation": "disabled", "top_logprobs": request.top_logprobs}
+    return ResponsesRequest(request, instructions, tuple(items), tuple(messages), previous, store, echo,
+                            request.logprobs)
+
+
+def _include(value: Any) -> bool:
+    """Check `include`; whether it asks for the output text's log-probabilities."""
+    if value is None:
+        return False
+    known = (LOGPROBS, *NOTHING_TO_INCLUDE)
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise InvalidRequestError("'include' must be an array of strings", param="include")
+    for i, name in enumerate(value):
+        if name not in known:
+            raise InvalidRequestError(f"'include[{i}]' is {name!r:.60}; this server knows {list(known)}",
+                                      param=f"include[{i}]")
+    return LOGPROBS in value
 
 
 def _optional_str(body: dict, name: str) -> str | None:

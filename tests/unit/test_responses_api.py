@@ -124,6 +124,9 @@ def test_stream_events(client):
      "text.format.name"),
     ({"input": "hi", "previous_response_id": "resp_nothing"}, "previous_response_id"),
     ({"input": "hi", "background": True}, "background"),
+    ({"input": "hi", "include": "message.output_text.logprobs"}, "include"),
+    ({"input": "hi", "include": ["message.output_text.logprobs", "everything"]}, "include[1]"),
+    ({"input": "hi", "include": ["message.output_text.logprobs"], "top_logprobs": 99}, "top_logprobs"),
     ({"input": "hi", "model": "gpt-5"}, "model"),
 ])
 def test_bad_requests_in_openai_envelope(server, body, param):
@@ -131,6 +134,23 @@ def test_bad_requests_in_openai_envelope(server, body, param):
                       headers={"Content-Type": "application/json", "Authorization": f"Bearer {ALICE}"})
     assert 400 <= r.status_code < 500
     assert r.json()["error"]["param"] == param and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_include_logprobs_whole_and_streamed(client):
+    kw = {"model": "reame", "input": "hi", "temperature": 0, "top_logprobs": 2,
+          "include": ["message.output_text.logprobs", "reasoning.encrypted_content"]}
+    plain = client.responses.create(**kw)
+    (part,) = plain.output[0].content
+    # The fake worker: one token per byte of REPLY, each at -0.5, its runner-up at -2.0.
+    assert b"".join(bytes(lp.bytes) for lp in part.logprobs).decode() == REPLY
+    assert all(lp.logprob == -0.5 and [t.logprob for t in lp.top_logprobs] == [-0.5, -2.0] for lp in part.logprobs)
+    events = list(client.responses.create(**kw, stream=True))
+    streamed = [lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    (done,) = [e for e in events if e.type == "response.output_text.done"]
+    assert [lp.model_dump() for lp in streamed] == [lp.model_dump() for lp in done.logprobs] == \
+        [lp.model_dump() for lp in part.logprobs]
+    # Not asked for: none.
+    assert client.responses.create(model="reame", input="hi", temperature=0).output[0].content[0].logprobs == []
 
 
 def test_input_items_paging(client):
