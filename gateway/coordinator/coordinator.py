@@ -12,7 +12,10 @@ A worker's life under the coordinator:
    the new version is skipped: part of its window ran the old knobs).
 3. A change whose goal got worse by more than TOLERANCE (or that lost more than THROUGHPUT_GUARD
    of the tokens per busy second, whatever its goal) is reverted, and its policy is not tried
-   again on that worker for TABU_S: no oscillation between two values.
+   again on that worker for TABU_S: no oscillation between two values. Each further revert of
+   the same policy doubles its rest (to MAX_TABU_S): a trial is a cost, and the same traffic
+   gives the same verdict. A rest ends early only when the profile drifts from the one the
+   revert was measured on (the request mix, the arrival rate, a neighbour: MIX_DRIFT).
 No decision while a change is being measured, while frozen, or with adaptivity off.
 
 No decision outlives its cause. A placement chosen because other processes loaded the worker's
@@ -31,13 +34,15 @@ restarts gets its slot's strategy back.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from gateway.coordinator.knobs import Knobs
-from gateway.coordinator.policy import METRICS, QUIET_NEIGHBOURS, THROUGHPUT, Proposal, others_by_cpu, propose
+from gateway.coordinator.policy import (BUSY_NEIGHBOURS, METRICS, QUIET_NEIGHBOURS, THROUGHPUT, Proposal,
+                                        others_by_cpu, propose)
 from gateway.coordinator.store import age
 from shared.errors import ConfigError
 from shared.protocol import Profile, Strategy
@@ -49,6 +54,8 @@ MEASURE = 3
 TOLERANCE = 0.05
 THROUGHPUT_GUARD = 0.10
 TABU_S = 600.0
+MAX_TABU_S = 8 * TABU_S
+MIX_DRIFT = 0.7  # |log| change (2x) of a request-mix figure that makes a rested policy worth a new trial
 HISTORY = 500  # decisions kept (and persisted)
 CONDITIONAL = ("busy CPUs", "neighbours")  # policies whose choice holds only while other processes load the CPUs
 RESUME_CHECK = "resume check"
@@ -99,6 +106,8 @@ class _Slot:
     recent: deque = field(default_factory=lambda: deque(maxlen=MEASURE))  # profiles with traffic
     trial: _Trial | None = None
     blocked: dict[str, float] = field(default_factory=dict)  # policy → monotonic time it may fire again
+    reverts: dict[str, int] = field(default_factory=dict)  # policy → its reverts on this worker
+    blocked_mix: dict[str, tuple] = field(default_factory=dict)  # policy → the mix its last revert saw
     # Why the placement (cpus, threads) is narrowed: {"policy", "reason", "cpus": the loaded CPUs,
     # "at": wall seconds}; None: it is not narrowed, or an operator pinned it.
     cause: dict | None = None
@@ -160,7 +169,7 @@ class Coordinator:
         if slot.resume_check:
             return self._check_resumed(slot)
         proposals = [p for p in propose(profile, slot.knobs, self.defaults)
-                     if slot.blocked.get(p.policy, 0.0) <= now]
+                     if slot.blocked.get(p.policy, 0.0) <= now or self._drifted(slot, p.policy, profile)]
         if not proposals:
             slot.streak, slot.streak_count = None, 0
             return []
@@ -335,17 +344,39 @@ class Coordinator:
                      "" if goal.name == THROUGHPUT else f", tokens per busy second {100 * tput_change:+.0f}%")
             return []
         decision.outcome = "reverted"
-        slot.blocked[decision.policy] = now + TABU_S
+        count = slot.reverts[decision.policy] = slot.reverts.get(decision.policy, 0) + 1
+        rest = min(MAX_TABU_S, TABU_S * 2 ** (count - 1))
+        slot.blocked[decision.policy] = now + rest
+        slot.blocked_mix[decision.policy] = _mix(trial.after)
         self.version += 1
         revert = Decision(self.version, name, self.wall(), "revert", decision.policy,
                           f"v{decision.version} made {goal.name} {100 * change:+.0f}% (tokens per busy second "
                           f"{100 * tput_change:+.0f}%)", slot.knobs.as_dict(), trial.previous.as_dict(),
                           goal=decision.goal, effect=dict(decision.effect))
-        log.info("coordinator: %s v%d reverted by v%d: %s; %r not tried again for %.0f s", name,
-                 decision.version, self.version, revert.reason, decision.policy, TABU_S)
+        log.info("coordinator: %s v%d reverted by v%d: %s; %r not tried again for %.0f s (revert %d) unless "
+                 "the traffic changes", name, decision.version, self.version, revert.reason, decision.policy, rest,
+                 count)
         slot.knobs, slot.version, slot.cause = trial.previous, self.version, trial.cause
         self._record(revert)
         return [Outgoing(slot.worker_id, slot.knobs.strategy(slot.version, f"revert: {revert.reason}"))]
+
+    def _drifted(self, slot: _Slot, policy: str, profile: Profile) -> bool:
+        """Whether a resting policy may be tried again before its rest ends: the profile moved from
+        the one its revert was measured on."""
+        then = slot.blocked_mix.get(policy)
+        if then is None or profile.steps == 0:
+            return False
+        now = _mix([profile])
+        moved = [f"{name} {a:.3g}→{b:.3g}" for name, a, b in zip(_MIX_NAMES[:-1], then[:-1], now[:-1])
+                 if abs(math.log((b + 1.0) / (a + 1.0))) > MIX_DRIFT]
+        if _load(then[-1]) != _load(now[-1]):
+            moved.append(f"other processes' share {100 * then[-1]:.0f}%→{100 * now[-1]:.0f}%")
+        if not moved:
+            return False
+        del slot.blocked[policy], slot.blocked_mix[policy]
+        log.info("coordinator: %s: %r may be tried again before its rest ends: the profile drifted (%s)",
+                 self._name_of(slot), policy, ", ".join(moved))
+        return True
 
     # ---- conditional choices and resumed strategies --------------------------------------------
 
@@ -446,6 +477,20 @@ class Coordinator:
     def _record(self, decision: Decision) -> None:
         self.history.append(decision)
         del self.history[:-HISTORY]
+
+
+_MIX_NAMES = ("prompt tokens p50", "output tokens p50", "arrivals/s", "other processes")
+
+
+def _mix(profiles: list[Profile]) -> tuple[float, ...]:
+    """What a verdict depended on, averaged over its profiles: the request mix, the rate, the neighbours."""
+    n = max(1, len(profiles))
+    return (sum(p.prompt_tokens_p50 for p in profiles) / n, sum(p.output_tokens_p50 for p in profiles) / n,
+            sum(p.arrivals / p.seconds for p in profiles) / n, sum(p.cpu_others for p in profiles) / n)
+
+
+def _load(others: float) -> str:
+    return "busy" if others >= BUSY_NEIGHBOURS else "quiet" if others <= QUIET_NEIGHBOURS else "some"
 
 
 def _mean(read: Callable[[Profile], float], profiles: list[Profile]) -> float:

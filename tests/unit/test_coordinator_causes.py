@@ -194,3 +194,45 @@ def test_the_adaptive_report_counts_a_release_and_it_is_no_plateau():
     boot_wall = clock.t - 5.0 * 12 * 8
     lines = report.lines(5.0 * 12 * 8, coordinator.history, boot_wall)
     assert "1 changes, 0 reverted, 1 released (cause gone); still learning" in lines[-1]
+
+
+# ---- never costs (issue 37, item 2): a rested policy comes back later each time, or on drift --------
+
+SHORT = dict(arrivals=40, output_tokens_p50=32, batch_size_mean=7.5, waiting_mean=4.0)  # asks for larger batches
+WORSE = dict(SHORT, output_tokens=1000)  # ... which cost a third of the tokens
+
+
+def first_trial_after(coordinator: Coordinator, clock: Clock, seconds: float) -> float | None:
+    """Feed the same short-request traffic for up to `seconds`; the time the policy was tried again."""
+    for _ in range(int(seconds / 5)):
+        if feed(coordinator, clock, 1, **SHORT):
+            return clock.t
+    return None
+
+
+def test_each_revert_of_the_same_policy_doubles_its_rest():
+    from gateway.coordinator.coordinator import TABU_S
+    clock = Clock()
+    coordinator = Coordinator(DEFAULTS, wall=clock)
+    feed(coordinator, clock, CONFIRM, **SHORT)
+    feed(coordinator, clock, MEASURE + 1, **WORSE)
+    reverted_at = clock.t
+    tried = first_trial_after(coordinator, clock, 3 * TABU_S)
+    assert TABU_S <= tried - reverted_at <= TABU_S + 5 * CONFIRM  # the first rest: TABU_S
+    feed(coordinator, clock, MEASURE + 1, **WORSE)
+    reverted_at = clock.t
+    tried = first_trial_after(coordinator, clock, 3 * TABU_S)
+    assert 2 * TABU_S <= tried - reverted_at <= 2 * TABU_S + 5 * CONFIRM  # the second: twice as long
+    assert [d.kind for d in coordinator.history] == ["change", "revert", "change", "revert", "change"]
+
+
+def test_a_profile_that_drifts_from_the_reverted_one_may_try_again_at_once(caplog):
+    clock = Clock()
+    coordinator = Coordinator(DEFAULTS, wall=clock)
+    feed(coordinator, clock, CONFIRM, **SHORT)
+    feed(coordinator, clock, MEASURE + 1, **WORSE)
+    assert feed(coordinator, clock, 20, **SHORT) == []  # the same traffic: it rests
+    with caplog.at_level(logging.INFO, "reame.coordinator"):
+        [again] = feed(coordinator, clock, CONFIRM, **{**SHORT, "output_tokens_p50": 90, "prompt_tokens_p50": 900})
+    assert again.strategy.max_batch_size == 16
+    assert "may be tried again before its rest ends: the profile drifted (prompt tokens p50 100→900" in caplog.text
