@@ -26,7 +26,9 @@ on one of two CPUs for hours). A restored strategy never resumes such a placemen
 starts on all its CPUs and the policies re-test the cause on live profiles. The rest of a resumed
 (unfrozen) strategy is checked against the shipped defaults on the first profiles with traffic
 ("resume check": the same trial as any change, from the resumed knobs to the defaults) and
-dropped unless it was clearly faster.
+dropped unless it was clearly faster. Knobs a policy chose for a traffic mix remember that mix;
+once the profiles have drifted from it (MIX_DRIFT) for MEASURE profiles and no policy fires, they
+are tried against the defaults the same way ("re-test").
 
 Workers are keyed by slot (host, NUMA node and CPUs, not the process id), so a worker that
 restarts gets its slot's strategy back.
@@ -59,6 +61,7 @@ MIX_DRIFT = 0.7  # |log| change (2x) of a request-mix figure that makes a rested
 HISTORY = 500  # decisions kept (and persisted)
 CONDITIONAL = ("busy CPUs", "neighbours")  # policies whose choice holds only while other processes load the CPUs
 RESUME_CHECK = "resume check"
+RETEST = "re-test"  # learned knobs against the defaults, once the traffic they were chosen for has changed
 
 
 @dataclass
@@ -113,6 +116,8 @@ class _Slot:
     cause: dict | None = None
     calm: int = 0  # consecutive profiles in which the cause was gone
     resume_check: bool = False  # resumed knobs not yet compared with the defaults
+    chosen_for: tuple | None = None  # the mix (_mix) the scheduler knobs were chosen under
+    drifting: int = 0  # consecutive profiles drifted from chosen_for
 
 
 def slot_of(worker_id: str, cpus: list[int]) -> str:
@@ -172,7 +177,8 @@ class Coordinator:
                      if slot.blocked.get(p.policy, 0.0) <= now or self._drifted(slot, p.policy, profile)]
         if not proposals:
             slot.streak, slot.streak_count = None, 0
-            return []
+            retest = self._retest_if_drifted(slot, profile, now)
+            return [retest] if retest is not None else []
         first = proposals[0]
         key = (first.policy, first.knobs)
         slot.streak_count = slot.streak_count + 1 if slot.streak == key else 1
@@ -339,6 +345,10 @@ class Coordinator:
                      name, "is kept" if negative else "is dropped", goal.name, before, after, 100 * change)
         if not negative:
             decision.outcome = "kept"
+            if decision.policy in (RESUME_CHECK, RETEST):
+                slot.chosen_for = None  # the defaults serve again
+            elif decision.policy not in CONDITIONAL:
+                slot.chosen_for = _mix(trial.before)
             log.info("coordinator: %s v%d kept: %s %.3g → %.3g (%+.0f%%)%s", name, decision.version, goal.name,
                      before, after, 100 * change,
                      "" if goal.name == THROUGHPUT else f", tokens per busy second {100 * tput_change:+.0f}%")
@@ -357,6 +367,8 @@ class Coordinator:
                  "the traffic changes", name, decision.version, self.version, revert.reason, decision.policy, rest,
                  count)
         slot.knobs, slot.version, slot.cause = trial.previous, self.version, trial.cause
+        if decision.policy == RETEST:
+            slot.chosen_for = _mix(trial.after)  # the learned knobs still win on this traffic
         self._record(revert)
         return [Outgoing(slot.worker_id, slot.knobs.strategy(slot.version, f"revert: {revert.reason}"))]
 
@@ -366,17 +378,29 @@ class Coordinator:
         then = slot.blocked_mix.get(policy)
         if then is None or profile.steps == 0:
             return False
-        now = _mix([profile])
-        moved = [f"{name} {a:.3g}→{b:.3g}" for name, a, b in zip(_MIX_NAMES[:-1], then[:-1], now[:-1])
-                 if abs(math.log((b + 1.0) / (a + 1.0))) > MIX_DRIFT]
-        if _load(then[-1]) != _load(now[-1]):
-            moved.append(f"other processes' share {100 * then[-1]:.0f}%→{100 * now[-1]:.0f}%")
+        moved = _moved(then, _mix([profile]))
         if not moved:
             return False
         del slot.blocked[policy], slot.blocked_mix[policy]
         log.info("coordinator: %s: %r may be tried again before its rest ends: the profile drifted (%s)",
                  self._name_of(slot), policy, ", ".join(moved))
         return True
+
+    def _retest_if_drifted(self, slot: _Slot, profile: Profile, now: float) -> Outgoing | None:
+        """Try the defaults against knobs chosen for a mix the traffic has left."""
+        if slot.chosen_for is None or profile.steps == 0 or slot.blocked.get(RETEST, 0.0) > now:
+            return None
+        target = self._defaults_at(slot.knobs)
+        if target == slot.knobs:
+            slot.chosen_for = None
+            return None
+        moved = _moved(slot.chosen_for, _mix([profile]), neighbours=False)
+        slot.drifting = slot.drifting + 1 if moved else 0
+        if slot.drifting < max(CONFIRM, MEASURE):  # and the trial's "before" is all of the new mix
+            return None
+        slot.drifting = 0
+        return self._change(slot, Proposal(RETEST, target, THROUGHPUT,
+                                           f"the traffic these knobs were chosen for has changed ({', '.join(moved)})"))
 
     # ---- conditional choices and resumed strategies --------------------------------------------
 
@@ -487,6 +511,15 @@ def _mix(profiles: list[Profile]) -> tuple[float, ...]:
     n = max(1, len(profiles))
     return (sum(p.prompt_tokens_p50 for p in profiles) / n, sum(p.output_tokens_p50 for p in profiles) / n,
             sum(p.arrivals / p.seconds for p in profiles) / n, sum(p.cpu_others for p in profiles) / n)
+
+
+def _moved(then: tuple, now: tuple, neighbours: bool = True) -> list[str]:
+    """What moved by more than MIX_DRIFT between two _mix()es, in words."""
+    moved = [f"{name} {a:.3g}→{b:.3g}" for name, a, b in zip(_MIX_NAMES[:-1], then[:-1], now[:-1])
+             if abs(math.log((b + 1.0) / (a + 1.0))) > MIX_DRIFT]
+    if neighbours and _load(then[-1]) != _load(now[-1]):
+        moved.append(f"other processes' share {100 * then[-1]:.0f}%→{100 * now[-1]:.0f}%")
+    return moved
 
 
 def _load(others: float) -> str:

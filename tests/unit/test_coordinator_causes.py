@@ -236,3 +236,38 @@ def test_a_profile_that_drifts_from_the_reverted_one_may_try_again_at_once(caplo
         [again] = feed(coordinator, clock, CONFIRM, **{**SHORT, "output_tokens_p50": 90, "prompt_tokens_p50": 900})
     assert again.strategy.max_batch_size == 16
     assert "may be tried again before its rest ends: the profile drifted (prompt tokens p50 100→900" in caplog.text
+
+
+LONG_PROMPTS = dict(prompt_tokens_p50=1500, prompt_tokens_p95=2000, prefill_tokens=15000,
+                    decoders_waiting_on_prefill=3.0, step_ms_prefill=400)
+AGENTIC = dict(prompt_tokens_p50=120, prompt_tokens_p95=200, prefill_tokens=1000, output_tokens_p50=40)
+
+
+def smaller_chunks_for_long_prompts(clock: Clock) -> Coordinator:
+    coordinator = Coordinator(DEFAULTS, wall=clock)
+    [halved] = feed(coordinator, clock, CONFIRM, **LONG_PROMPTS)
+    assert halved.strategy.prefill_chunk == DEFAULTS.prefill_chunk // 2
+    feed(coordinator, clock, MEASURE + 1, **{**LONG_PROMPTS, "step_ms_prefill": 200})
+    assert coordinator.history[-1].outcome == "kept" and knobs(coordinator).prefill_chunk == 256
+    assert feed(coordinator, clock, 12, **{**LONG_PROMPTS, "decoders_waiting_on_prefill": 0.0}) == []
+    return coordinator
+
+
+def test_knobs_chosen_for_a_traffic_mix_are_retested_once_the_mix_has_gone():
+    clock = Clock()
+    coordinator = smaller_chunks_for_long_prompts(clock)  # the same mix: nothing more happens
+    [retest] = feed(coordinator, clock, MEASURE, **AGENTIC)  # short agentic turns from now on
+    assert retest.strategy.prefill_chunk == DEFAULTS.prefill_chunk
+    assert coordinator.history[-1].policy == "re-test" and "prompt tokens p50 1.5e+03→120" in coordinator.history[-1].reason
+    assert feed(coordinator, clock, MEASURE + 1, **AGENTIC) == []  # the defaults do as well: they stay
+    assert coordinator.history[-1].outcome == "kept" and knobs(coordinator) == DEFAULTS
+    assert feed(coordinator, clock, 20, **AGENTIC) == []
+
+
+def test_learned_knobs_that_still_win_on_the_new_mix_stay_and_are_not_retested_again():
+    clock = Clock()
+    coordinator = smaller_chunks_for_long_prompts(clock)
+    feed(coordinator, clock, MEASURE, **AGENTIC)
+    [back] = feed(coordinator, clock, MEASURE + 1, **AGENTIC, output_tokens=900)  # the defaults lose 24%
+    assert back.strategy.prefill_chunk == 256 and coordinator.history[-1].kind == "revert"
+    assert feed(coordinator, clock, 40, **AGENTIC) == []  # this mix is now the one they were checked on
