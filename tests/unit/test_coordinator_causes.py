@@ -258,7 +258,8 @@ def test_knobs_chosen_for_a_traffic_mix_are_retested_once_the_mix_has_gone():
     coordinator = smaller_chunks_for_long_prompts(clock)  # the same mix: nothing more happens
     [retest] = feed(coordinator, clock, MEASURE, **AGENTIC)  # short agentic turns from now on
     assert retest.strategy.prefill_chunk == DEFAULTS.prefill_chunk
-    assert coordinator.history[-1].policy == "re-test" and "prompt tokens p50 1.5e+03→120" in coordinator.history[-1].reason
+    retested = coordinator.history[-1]
+    assert retested.policy == "re-test" and "prompt tokens p50 1.5e+03→120" in retested.reason
     assert feed(coordinator, clock, MEASURE + 1, **AGENTIC) == []  # the defaults do as well: they stay
     assert coordinator.history[-1].outcome == "kept" and knobs(coordinator) == DEFAULTS
     assert feed(coordinator, clock, 20, **AGENTIC) == []
