@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 
 import numpy as np
 import pytest
@@ -160,3 +161,32 @@ def test_forced_tool_call_numbers_have_bounded_digits(constraints, family, prefi
     grammar = lark_grammar(call_constraint(ToolRequest((tool,), "required", False), family).source)
     assert longest_run(constraints, grammar, prefix) == INTEGER_DIGITS
     assert longest_run(constraints, grammar, prefix + '7, "x": 0.') == FRACTION_DIGITS
+
+
+def test_the_mask_thread_rests_after_a_costly_mask_as_long_as_it_took():
+    """A costly grammar's masks keep the mask thread busy half the time at most (a busy mask
+    thread took time slices from the engine's threads); a cheap mask never rests."""
+    now = [0.0]
+    rests: list[float] = []
+    rested = threading.Event()
+
+    def rest(seconds: float) -> None:
+        rests.append(seconds)
+        rested.set()
+    constraints = Constraints(lambda: token_table(vocab(), [EOS]), len(vocab().tokens), capacity=2,
+                              clock=lambda: now[0], rest=rest)
+    try:
+        cheap = constraints.compile(regex_grammar("[0-9]+"), (EOS,))
+        constraints.masks(constraints.start([cheap]))
+        costly = constraints.compile(regex_grammar("[0-9]+"), (EOS,))
+        fill = costly.fill
+
+        def slow_fill():  # 40 ms of the fake clock
+            now[0] += 0.04
+            fill()
+        costly.fill = slow_fill
+        constraints.masks(constraints.start([costly]))
+        assert rested.wait(5)
+        assert rests == [pytest.approx(0.04)]
+    finally:
+        constraints.close()

@@ -48,6 +48,12 @@ MASK_BUDGET_S = 5.0
 # about a fifth of a mask with the ambiguous grammar (15 ms beside 65 ms at 200 tokens), and that
 # runs on the step loop, so it counts too.
 MASK_LIMIT_S = 0.1
+# A mask that took longer than this is followed by a rest as long as it took, so costly grammars
+# keep the mask thread busy half the time at most: busy all the time, even at nice 19, it took
+# a core's time slices from the engine's threads, whose every barrier then waited (bench/abuse.py
+# grammar_stall: another tenant's gap p99 5.4x its alone value with two ambiguous rows). JSON
+# schema masks (0.05-0.2 ms) never rest.
+REST_AFTER_S = 0.005
 
 
 class GrammarConstraint:
@@ -123,12 +129,14 @@ class Constraints:
     masks on a helper thread.
 
     capacity: the most rows one step samples (the scheduler's batch size); the size of the array
-    `masks` returns. clock: for the mask-time budget (tests pass their own)."""
+    `masks` returns. clock: for the mask-time budget; rest: how the mask thread pauses after a
+    costly mask (REST_AFTER_S) (tests pass their own)."""
 
     def __init__(self, vocab_source: Callable[[], llguidance.LLTokenizer], vocab_size: int, capacity: int,
                  budget: float = MASK_BUDGET_S, clock: Callable[[], float] | None = None,
-                 limit: float = MASK_LIMIT_S):
+                 limit: float = MASK_LIMIT_S, rest: Callable[[float], None] = time.sleep):
         self._vocab_source = vocab_source
+        self._rest = rest
         self._table: llguidance.LLTokenizer | None = None
         self._table_lock = threading.Lock()
         self.vocab_size = vocab_size
@@ -279,6 +287,8 @@ class Constraints:
                 done.set_exception(error)
             else:
                 done.set_result(None)
+            if started is not None and seconds > REST_AFTER_S:
+                self._rest(seconds)
 
     def close(self) -> None:
         with self._wake:
