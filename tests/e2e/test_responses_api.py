@@ -46,6 +46,21 @@ def test_previous_response_id_resumes_from_the_prefix_cache(client):
     assert [i.content[0].text for i in items.data] == ["And 3 + 3?"]
 
 
+def test_a_resumed_turn_finds_the_previous_answer_in_the_cache(client):
+    # The previous turn's prompt and its answer were computed by the worker (all but the last
+    # token sampled, whose K/V nobody computed); rendered again as the next turn's history they
+    # must be the same tokens, so the whole of them comes from the prefix cache, answer included.
+    previous = None
+    for turn, question in enumerate(("Tell me about Paris in three sentences.", "And about Rome?",
+                                      "Which of the two is older?")):
+        r = client.responses.create(model="reame", temperature=0, max_output_tokens=40, previous_response_id=previous,
+                                    input=f"{question} (conversation {secrets.token_hex(4)})" if turn == 0 else question)
+        if previous is not None:
+            cached = r.usage.input_tokens_details.cached_tokens
+            assert cached >= last.usage.input_tokens + last.usage.output_tokens - 1, (turn, cached, last.usage)
+        last, previous = r, r.id
+
+
 def test_function_call_round_trip(client):
     r = client.responses.create(model="reame", input="What is the weather in Paris?", tools=[WEATHER],
                                 tool_choice={"type": "function", "name": "get_weather"}, temperature=0,
