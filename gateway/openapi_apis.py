@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gateway.responses_requests import MAX_ID, MAX_LIST
+from gateway.responses_requests import INCLUDABLE, MAX_ID, MAX_LIST
 
 Schema = dict[str, Any]
 _OBJECT: Schema = {"type": "object"}
@@ -27,7 +27,8 @@ def agent_api_paths(secured: bool) -> Schema:
     responses_body = {"type": "object", "required": ["input"], "properties": {
         "input": {"type": ["string", "array"], "minLength": 1, "minItems": 1}, "model": {"type": ["string", "null"]},
         "stream": {"type": ["boolean", "null"]}, "store": {"type": ["boolean", "null"]},
-        "max_output_tokens": {"type": ["integer", "null"], "minimum": 1}}}
+        "max_output_tokens": {"type": ["integer", "null"], "minimum": 1},
+        "include": {"type": ["array", "null"], "items": {"type": "string", "enum": INCLUDABLE}}}}
     response_id = {"name": "response_id", "in": "path", "required": True,
                    "schema": {"type": "string", "minLength": 1, "maxLength": MAX_ID}}
     items = _operation("The input items of a stored response", _ok(), secured, _error("no such response (of this "
@@ -36,7 +37,9 @@ def agent_api_paths(secured: bool) -> Schema:
                            {"name": "order", "in": "query", "schema": {"type": "string", "enum": ["asc", "desc"]}},
                            {"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1,
                                                                        "maximum": MAX_LIST}},
-                           {"name": "after", "in": "query", "schema": {"type": "string"}}]
+                           {"name": "after", "in": "query", "schema": {"type": "string"}},
+                           {"name": "include", "in": "query", "schema": {"type": "array", "items": {
+                               "type": "string", "enum": INCLUDABLE}}}]
     one = {"get": _operation("A stored response (of this API key)", _ok(), secured, _error("no such response")),
            "delete": _operation("Delete a stored response", _ok(), secured, _error("no such response"))}
     for operation in one.values():

@@ -31,7 +31,7 @@ from gateway.errors import NotFoundError
 from gateway.reply import Ending, NamedEventStream, Part, parts, stream_events, whole
 from gateway.response_store import ResponseStore, StoredResponse
 from gateway.responses import token_logprobs
-from gateway.responses_requests import MAX_ID, MAX_LIST, ResponsesRequest, new_id, parse_responses
+from gateway.responses_requests import MAX_ID, MAX_LIST, ResponsesRequest, check_include, new_id, parse_responses
 from gateway.routes import _check_model, _read_json, chat_prompt
 from gateway.state import STATE
 from gateway.tools import ToolCall
@@ -137,6 +137,8 @@ async def input_items(request: web.Request) -> web.Response:
         limit = 0
     if not 1 <= limit <= MAX_LIST:
         raise InvalidRequestError(f"'limit' must be an integer between 1 and {MAX_LIST}", param="limit")
+    include = query.getall("include[]", []) + query.getall("include", [])
+    check_include(include)  # input items are text: nothing any known value adds; an unknown one is a 400
     items = stored.input_items if order == "asc" else stored.input_items[::-1]
     after = query.get("after")
     if after is not None:

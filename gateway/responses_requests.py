@@ -29,6 +29,7 @@ LOGPROBS = "message.output_text.logprobs"
 NOTHING_TO_INCLUDE = ("code_interpreter_call.outputs", "computer_call_output.output.image_url",
                       "file_search_call.results", "message.input_image.image_url", "reasoning.encrypted_content",
                       "web_search_call.action.sources", "web_search_call.results")
+INCLUDABLE = [LOGPROBS, *NOTHING_TO_INCLUDE]
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,7 @@ def parse_responses(body: Any) -> ResponsesRequest:
     for name in ("model", "temperature", "top_p", "stream", "user", "parallel_tool_calls"):
         chat[name] = body.get(name)
     chat["max_tokens"] = body.get("max_output_tokens")
-    logprobs = _include(body.get("include"))
+    logprobs = check_include(body.get("include"))
     if logprobs or body.get("top_logprobs") is not None:
         chat["logprobs"], chat["top_logprobs"] = True, body.get("top_logprobs")
     if body.get("tools") is not None:
@@ -95,11 +96,11 @@ def parse_responses(body: Any) -> ResponsesRequest:
                             request.logprobs)
 
 
-def _include(value: Any) -> bool:
+def check_include(value: Any) -> bool:
     """Check `include`; whether it asks for the output text's log-probabilities."""
     if value is None:
         return False
-    known = (LOGPROBS, *NOTHING_TO_INCLUDE)
+    known = INCLUDABLE
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise InvalidRequestError("'include' must be an array of strings", param="include")
     for i, name in enumerate(value):

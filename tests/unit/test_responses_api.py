@@ -161,6 +161,11 @@ def test_input_items_paging(client):
     rest = client.responses.input_items.list(r.id, limit=2, after=newest_first.last_id)
     assert [i.content[0].text for i in rest.data] == ["a"] and not rest.has_more
     assert [i.content[0].text for i in client.responses.input_items.list(r.id, order="asc")] == ["a", "b", "c"]
+    listed = client.responses.input_items.list(r.id, include=["message.input_image.image_url"], order="asc")
+    assert [i.content[0].text for i in listed] == ["a", "b", "c"] and listed.first_id == listed.data[0].id
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.input_items.list(r.id, include=["everything"])
+    assert caught.value.body["param"] == "include[0]"
 
 
 # ---- pure parts -------------------------------------------------------------------------------------
