@@ -49,10 +49,11 @@ MASK_BUDGET_S = 5.0
 # runs on the step loop, so it counts too.
 MASK_LIMIT_S = 0.1
 # A mask that took longer than this is followed by a rest as long as it took, so costly grammars
-# keep the mask thread busy half the time at most: busy all the time, even at nice 19, it took
-# a core's time slices from the engine's threads, whose every barrier then waited (bench/abuse.py
-# grammar_stall: another tenant's gap p99 5.4x its alone value with two ambiguous rows). JSON
-# schema masks (0.05-0.2 ms) never rest.
+# keep the mask thread busy half the time at most: a mask thread busy all the time takes time
+# slices from the engine's threads, whose every barrier then waits. bench/abuse.py grammar_stall
+# (two ambiguous rows running), the other tenant's gap in the attack phase, two runs each on a
+# busy 2-core host: p99 67 and 60 ms with the rest, 71 and 77 ms without (p50 36, 30 / 32, 41),
+# so within the noise there. JSON schema masks (0.05-0.2 ms) never rest.
 REST_AFTER_S = 0.005
 
 
