@@ -430,14 +430,17 @@ def schema_chat(schema: dict, name: str = "s") -> dict:
 
 async def grammar_stall(a: Attack) -> None:
     """n=8 rows of the ambiguous grammar: the others' token gap must not follow its mask time; each
-    row is stopped at its mask-time budget (400 grammar_too_complex) or ends (200)."""
+    row is stopped at its mask-time budget (400 grammar_too_complex) or ends (200). Only a quarter
+    of the worker's slots run flooder's constrained rows at once, so the request may outlast the
+    phase: given up at its end (0), that is the defence, not a finding."""
     t = a.tally("grammar_stall")
     for _ in range(3):
         if not a.more():
             return
         status, answer, _, seconds = await a.post(t, CHAT, chat("Write a and b.", n=8, max_tokens=250,
-                                                                temperature=1.0, grammar=AMBIGUOUS), a.flooder)
-        t.record("n=8 ambiguous grammar", status, {200, 400}, seconds)
+                                                                temperature=1.0, grammar=AMBIGUOUS), a.flooder,
+                                                  timeout=max(a.deadline - time.monotonic(), 1.0))
+        t.record("n=8 ambiguous grammar", status, {0, 200, 400}, seconds)
         code = (answer.get("error") or {}).get("code")
         if status == 400 and code != "grammar_too_complex":
             t.note(f"400 with code {code!r}, not grammar_too_complex")
