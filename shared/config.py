@@ -36,7 +36,9 @@ class EngineSection:
     max_context: int = 8192
     prefill_chunk: int = 512
     kv_block_size: int = 16  # tokens per paged-KV block
-    kv_dtype: str = "float16"  # float16 | float32
+    kv_dtype: str = "float16"  # float16 | float32 | q8_0
+    k_dtype: str = ""  # K's dtype when it differs from kv_dtype ("" = kv_dtype)
+    v_dtype: str = ""  # V's dtype when it differs from kv_dtype ("" = kv_dtype)
     kv_cache_memory: str = "1GiB"  # the KV block pool: bytes ("512MiB", "2GB") or a share of RAM ("10%")
     matmul_activations: str = "auto"  # auto | float32 | int8: the fast kernels' matmul inputs
     window_kv: str = "bounded"  # bounded | full: sliding-window layers' K/V kept to the window or not
@@ -225,7 +227,9 @@ class Config:
 
 _CHOICES = {
     ("engine", "kernels"): {"auto", "reference"},
-    ("engine", "kv_dtype"): {"float32", "float16"},
+    ("engine", "kv_dtype"): {"float32", "float16", "q8_0"},
+    ("engine", "k_dtype"): {"", "float32", "float16", "q8_0"},
+    ("engine", "v_dtype"): {"", "float32", "float16", "q8_0"},
     ("engine", "matmul_activations"): {"auto", "float32", "int8"},
     ("engine", "window_kv"): {"bounded", "full"},
     ("gateway", "content_specials"): {"text", "reject"},

@@ -144,6 +144,7 @@ def load_engine(path, kernels: str = _ENGINE.kernels, threads: int = _ENGINE.thr
                 context_length: int = _ENGINE.context_length, max_context: int = _ENGINE.max_context,
                 prefill_chunk: int = _ENGINE.prefill_chunk, kv_block_size: int = _ENGINE.kv_block_size,
                 kv_dtype: str = _ENGINE.kv_dtype, kv_cache_memory: str = _ENGINE.kv_cache_memory,
+                k_dtype: str = _ENGINE.k_dtype, v_dtype: str = _ENGINE.v_dtype,
                 attention_chunk: int = _SCHEDULER.attention_chunk,
                 matmul_activations: str = _ENGINE.matmul_activations, window_kv: str = _ENGINE.window_kv,
                 window_sequences: int = 2 * _SCHEDULER.max_batch_size,
@@ -194,16 +195,18 @@ def load_engine(path, kernels: str = _ENGINE.kernels, threads: int = _ENGINE.thr
     shape = KVShape(hp.n_layers, hp.n_kv_heads, hp.head_dim, kv_block_size)
     budget = memory_bytes(kv_cache_memory, psutil.virtual_memory().total)
     window = _window_layout(model, window_kv, window_sequences, n_ctx, prefill_chunk, kv_block_size)
+    k_dtype, v_dtype = k_dtype or kv_dtype, v_dtype or kv_dtype
     if window is None:
-        kv = PagedKVCache(shape, pool_blocks(shape, kv_dtype, budget, n_ctx), kv_dtype)
+        kv = PagedKVCache(shape, pool_blocks(shape, k_dtype, budget, n_ctx, v_dtype=v_dtype), k_dtype,
+                          v_dtype=v_dtype)
     else:
-        window_bytes = window.slots * shape.block_bytes(kv_dtype, len(window.layers))
+        window_bytes = window.slots * shape.block_bytes(k_dtype, len(window.layers), v_dtype)
         main_layers = hp.n_layers - len(window.layers)
-        kv = PagedKVCache(shape, pool_blocks(shape, kv_dtype, budget - window_bytes, n_ctx, main_layers), kv_dtype,
-                          window)
+        kv = PagedKVCache(shape, pool_blocks(shape, k_dtype, budget - window_bytes, n_ctx, main_layers, v_dtype),
+                          k_dtype, window, v_dtype)
         say(f"KV window pool: {len(window.layers)} sliding-window layers ({window.tokens} tokens) keep their K/V "
             f"for {window_sequences} sequences' windows: {window.slots} slots, {window_bytes / 2**20:.0f} MiB")
-    say(f"KV cache: {kv.num_blocks} blocks of {kv_block_size} tokens, {kv_dtype}, "
+    say(f"KV cache: {kv.num_blocks} blocks of {kv_block_size} tokens, {kv.dtype}, "
         f"{kv.nbytes / 2**20:.0f} MiB ({kv.num_blocks * kv_block_size} tokens)")
     if kernels == "auto":
         say(f"matmuls: {_matmul_description(ops.numerics('matmul') == 'int8')}")
@@ -257,6 +260,7 @@ def load_engine_from_config(config, model: str | None = None, kernels: str | Non
                        context_length=e.context_length, max_context=e.max_context,
                        prefill_chunk=e.prefill_chunk,
                        kv_block_size=e.kv_block_size, kv_dtype=e.kv_dtype, kv_cache_memory=e.kv_cache_memory,
+                       k_dtype=e.k_dtype, v_dtype=e.v_dtype,
                        attention_chunk=config.scheduler.attention_chunk,
                        matmul_activations=e.matmul_activations, window_kv=e.window_kv,
                        window_sequences=2 * config.scheduler.max_batch_size, progress=progress)

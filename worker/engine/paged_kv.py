@@ -9,6 +9,8 @@ kernels.key_scores scores a whole block with one vector multiply-add per dimensi
 - everything one block holds (all layers) is one contiguous span of each array, so a block is
   copied, hashed or stored as a unit (the prefix store needs that).
 float16 pools hold IEEE half bits as uint16 (numba has no float16 scalar); the kernels convert.
+q8_0 pools are int8 with their float16 scales in extra layers at the end (kernels.kv_q8); K and V
+may differ in dtype (k_dtype, v_dtype).
 
 Window layers (Gemma 3's local layers: a query sees only the last `window` keys). In "bounded"
 mode their K/V leave the main pool for the window pool (n_slots, n_window_layers, ...), indexed
@@ -27,7 +29,7 @@ import numpy as np
 
 from shared.errors import ConfigError
 
-KV_DTYPES = {"float32": np.float32, "float16": np.uint16}
+KV_DTYPES = {"float32": np.float32, "float16": np.uint16, "q8_0": np.int8}
 WINDOW_KV_MODES = ("bounded", "full")
 
 
@@ -38,11 +40,25 @@ class KVShape:
     head_dim: int
     block_size: int
 
-    def block_bytes(self, dtype: str, layers: int | None = None) -> int:
-        """K and V of one block, all layers (or `layers` of them)."""
-        item = np.dtype(KV_DTYPES[dtype]).itemsize
+    def block_bytes(self, dtype: str, layers: int | None = None, v_dtype: str | None = None) -> int:
+        """K and V of one block, all layers (or `layers` of them); V in v_dtype when it differs."""
         n = self.n_layers if layers is None else layers
-        return 2 * n * self.n_kv_heads * self.block_size * self.head_dim * item
+        slab = self.n_kv_heads * self.block_size * self.head_dim
+        return sum(pool_layers(dt, n) * slab * np.dtype(KV_DTYPES[dt]).itemsize
+                   for dt in (dtype, v_dtype or dtype))
+
+
+def pool_layers(dtype: str, layers: int) -> int:
+    """Layers a pool of `layers` model layers has: q8_0 adds the layers holding its scales."""
+    if dtype == "q8_0":
+        from worker.engine.kernels.kv_q8 import scale_layers
+        return layers + scale_layers(layers)
+    return layers
+
+
+def kv_dtype_name(k_dtype: str, v_dtype: str) -> str:
+    """One name for the pair (the prefix store's fingerprint): "q8_0", or "k=q8_0,v=float16"."""
+    return k_dtype if k_dtype == v_dtype else f"k={k_dtype},v={v_dtype}"
 
 
 @dataclass(frozen=True)
@@ -54,11 +70,18 @@ class WindowLayout:
 
 
 class PagedKVCache:
-    def __init__(self, shape: KVShape, num_blocks: int, dtype: str = "float32", window: WindowLayout | None = None):
-        if dtype not in KV_DTYPES:
-            raise ConfigError(f"KV dtype {dtype!r} is not supported (choose float32 or float16)")
+    def __init__(self, shape: KVShape, num_blocks: int, dtype: str = "float32", window: WindowLayout | None = None,
+                 v_dtype: str | None = None):
+        v_dtype = v_dtype or dtype
+        for dt in (dtype, v_dtype):
+            if dt not in KV_DTYPES:
+                raise ConfigError(f"KV dtype {dt!r} is not supported (choose float32, float16 or q8_0)")
+            if dt == "q8_0" and shape.head_dim % 32:
+                raise ConfigError(f"q8_0 KV needs a head size that is a multiple of 32, this model's is "
+                                  f"{shape.head_dim}")
         self.shape = shape
-        self.dtype = dtype
+        self.k_dtype, self.v_dtype = dtype, v_dtype
+        self.dtype = kv_dtype_name(dtype, v_dtype)
         self.num_blocks = num_blocks
         self.window = window
         windowed = set(window.layers) if window else set()
@@ -74,10 +97,12 @@ class PagedKVCache:
         # A 1-slot placeholder when there is no window pool: the kernels take both pools always.
         windowed = (window.slots if window else 1, max(counts[1], 1))
         # np.zeros maps pages lazily: memory is committed only as blocks are first written.
-        self.k = np.zeros(main + (n_kv, d, bs), KV_DTYPES[dtype])
-        self.v = np.zeros(main + (n_kv, bs, d), KV_DTYPES[dtype])
-        self.k_window = np.zeros(windowed + (n_kv, d, bs), KV_DTYPES[dtype])
-        self.v_window = np.zeros(windowed + (n_kv, bs, d), KV_DTYPES[dtype])
+        def pool(dt, size, layers, slab):
+            return np.zeros((size, pool_layers(dt, layers)) + slab, KV_DTYPES[dt])
+        self.k = pool(dtype, *main, (n_kv, d, bs))
+        self.v = pool(v_dtype, *main, (n_kv, bs, d))
+        self.k_window = pool(dtype, *windowed, (n_kv, d, bs))
+        self.v_window = pool(v_dtype, *windowed, (n_kv, bs, d))
 
     @property
     def block_size(self) -> int:
@@ -123,8 +148,11 @@ class PagedKVCache:
         out = []
         for pool, keys in ((k_pool, True), (v_pool, False)):
             part = pool[np.where(missing, 0, ids), index]  # a copy: (blocks, KVH, block_size, D), K transposed
-            if self.dtype == "float16":
+            dtype = self.k_dtype if keys else self.v_dtype
+            if dtype == "float16":
                 part = part.view(np.float16).astype(np.float32)
+            elif dtype == "q8_0":
+                part = _q8_0_values(pool, np.where(missing, 0, ids), index, keys)
             part[missing] = 0.0
             heads = part.shape[1]
             rows = part.transpose(1, 0, 3, 2) if keys else part.transpose(1, 0, 2, 3)
@@ -150,14 +178,32 @@ class PagedKVCache:
     def write_block(self, block_id: int, payload: bytes, slot: int = -1) -> None:
         """The inverse of read_block. A window model's block without a slot (outside the window of
         the sequence it is restored for) keeps only its main-pool part."""
-        raw = np.frombuffer(payload, self.k.dtype)
+        raw = np.frombuffer(payload, np.uint8)
         targets = [self.k[block_id], self.v[block_id]]
         if self.window is not None and slot >= 0:
             targets += [self.k_window[slot], self.v_window[slot]]
         at = 0
         for t in targets:
-            t.reshape(-1)[:] = raw[at:at + t.size]
-            at += t.size
+            t.reshape(-1).view(np.uint8)[:] = raw[at:at + t.nbytes]
+            at += t.nbytes
+
+
+def _q8_0_values(pool: np.ndarray, blocks: np.ndarray, layer: int, keys: bool) -> np.ndarray:
+    """float32 values of a q8_0 pool's blocks for one layer (the reference set's gather; the fused
+    kernels decode a block at a time instead): (blocks, KVH, D, block_size) for K, (blocks, KVH,
+    block_size, D) for V."""
+    from worker.engine.kernels.kv_q8 import GROUP, LAYERS_PER_SCALE_LAYER
+    values = pool[blocks, layer].astype(np.float32)
+    n_blk, n_kv, a, b = values.shape
+    per = a * b // 16  # scale bytes of one layer and kv head
+    region = pool[blocks, pool.shape[1] - 1 - layer // LAYERS_PER_SCALE_LAYER].reshape(n_blk, n_kv, -1)
+    start = (layer % LAYERS_PER_SCALE_LAYER) * per
+    scales = region[:, :, start:start + per].copy().view(np.float16).astype(np.float32)
+    if keys:  # (D, block_size): scale g*block_size + t covers rows g*32.. of column t
+        scales = scales.reshape(n_blk, n_kv, a // GROUP, 1, b)
+        return (values.reshape(n_blk, n_kv, a // GROUP, GROUP, b) * scales).reshape(values.shape)
+    scales = scales.reshape(n_blk, n_kv, a, b // GROUP, 1)
+    return (values.reshape(n_blk, n_kv, a, b // GROUP, GROUP) * scales).reshape(values.shape)
 
 
 def window_blocks_per_sequence(window_tokens: int, prefill_chunk: int, block_size: int) -> int:
@@ -166,10 +212,11 @@ def window_blocks_per_sequence(window_tokens: int, prefill_chunk: int, block_siz
     return -(-(window_tokens - 1 + prefill_chunk) // block_size) + 2
 
 
-def pool_blocks(shape: KVShape, dtype: str, budget_bytes: int, n_ctx: int, layers: int | None = None) -> int:
+def pool_blocks(shape: KVShape, dtype: str, budget_bytes: int, n_ctx: int, layers: int | None = None,
+                v_dtype: str | None = None) -> int:
     """Main-pool blocks (of `layers` layers) that fit in budget_bytes; ConfigError when that cannot
     hold one full context."""
-    per_block = shape.block_bytes(dtype, layers)
+    per_block = shape.block_bytes(dtype, layers, v_dtype)
     blocks = budget_bytes // per_block
     needed = -(-n_ctx // shape.block_size)
     if blocks < needed:

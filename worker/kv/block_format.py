@@ -28,7 +28,8 @@ _HEADER = struct.Struct("<4sHBB32sIIII")
 _CRC_OFFSET = _HEADER.size - 4
 _CRC = struct.Struct("<I")
 _COMPRESSION_CODES = {"none": 0, "zstd": 1}
-_DTYPE_CODES = {"float16": 1, "bfloat16": 2, "float32": 3, "int8": 4}
+# q8_0 and K/V of different dtypes ("k=q8_0,v=float16": the fingerprint names the pair) since 39.
+_DTYPE_CODES = {"float16": 1, "bfloat16": 2, "float32": 3, "int8": 4, "q8_0": 5, "mixed": 6}
 
 
 class BlockCodec:

@@ -36,7 +36,7 @@ def build_prefix_cache(config: Config, engine, blocks: BlockManager) -> PrefixCa
         payload = engine.kv.block_payload_bytes
         try:
             store = KVStore(path, fingerprint=fingerprint, payload_bytes=payload, budget_bytes=budget,
-                            dtype=engine.kv.dtype, compression=settings.store_compression)
+                            dtype=engine.kv.dtype if "," not in engine.kv.dtype else "mixed", compression=settings.store_compression)
         except KVStoreUnavailable as exc:
             # Typically a path the service may not write (systemd's ProtectHome= hides ~): without
             # this line the host store, and all it saves across restarts, is silently gone.

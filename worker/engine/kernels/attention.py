@@ -2,8 +2,9 @@
 queries of one sequence).
 
 The pool is two arrays: ``k_pool`` of shape (n_blocks, n_layers, n_kv_heads, head_dim, block_size)
-and ``v_pool`` of shape (n_blocks, n_layers, n_kv_heads, block_size, head_dim), dtype float32 or
-uint16 (IEEE float16 bits: numba has no float16 scalar). Keys are stored transposed per block
+and ``v_pool`` of shape (n_blocks, n_layers, n_kv_heads, block_size, head_dim), dtype float32,
+uint16 (IEEE float16 bits: numba has no float16 scalar) or int8 (q8_0, with its scales:
+kv_q8). Keys are stored transposed per block
 (key_scores explains why) and after RoPE; values as rows. A sequence owns a block table (int32
 array): entry i names the pool block that holds its tokens [i*block_size, (i+1)*block_size). For
 one (block, layer, kv head) both slabs are contiguous. Element reads go through ``kv_load`` and
@@ -29,6 +30,7 @@ from numba import njit, prange
 from worker.engine.kernels.fast_exp import exp_neg
 from worker.engine.kernels.key_scores import block_scores
 from worker.engine.kernels.kv_element import kv_load, kv_store_value
+from worker.engine.kernels.kv_q8 import k_slab, slab_scratch, store_k_head, store_v_head, v_slab
 from worker.engine.kernels.prefetch import prefetch
 from worker.engine.kernels.value_sums import value_sums
 
@@ -60,7 +62,7 @@ def store_kv(k_pool, v_pool, layer, block_table, start, k, v):
     """Write k, v (T, n_kv_heads*head_dim) float32 of positions start..start+T-1 into the pools.
 
     Positions are mapped through block_table (int32); keys go in as a column of their block's
-    transposed slab. uint16 pools get float16 rounding (RNE).
+    transposed slab. uint16 pools get float16 rounding (RNE), int8 pools q8_0 (kv_q8).
     """
     n_kv = v_pool.shape[2]
     bs = v_pool.shape[3]
@@ -71,12 +73,8 @@ def store_kv(k_pool, v_pool, layer, block_table, start, k, v):
         blk = block_table[bi]
         slot = p - bi * bs
         for kvh in range(n_kv):
-            kd = k_pool[blk, layer, kvh]
-            vd = v_pool[blk, layer, kvh, slot]
-            base = kvh * d
-            for i in range(d):
-                kd[i, slot] = kv_store_value(k[t, base + i], k_pool)
-                vd[i] = kv_store_value(v[t, base + i], v_pool)
+            store_k_head(k_pool, blk, layer, kvh, slot, k[t], kvh * d, d)
+            store_v_head(v_pool, blk, layer, kvh, slot, v[t], kvh * d, d)
 
 
 @njit(parallel=True, **_JIT)
@@ -153,7 +151,7 @@ def score_width(keys, block_size):
 
 
 @njit(**_JIT)
-def _group_values(v_pool, layer, kvh, table, kb, ks, nc, heads, weights, w0, acc):
+def _group_values(v_pool, layer, kvh, table, kb, ks, nc, heads, weights, w0, acc, v_scratch):
     """acc[hh] += Σ_j weights[hh, w0 + j] v_j over nc consecutive keys from slot ks of table block kb
     (value_sums: each value row read and converted once for all the heads)."""
     bs = v_pool.shape[3]
@@ -163,7 +161,7 @@ def _group_values(v_pool, layer, kvh, table, kb, ks, nc, heads, weights, w0, acc
             ks = 0
             kb += 1
         run = min(bs - ks, nc - j)
-        value_sums(v_pool[table[kb], layer, kvh], ks, run, weights, w0 + j, acc, heads)
+        value_sums(v_slab(v_pool, table[kb], layer, kvh, v_scratch), ks, run, weights, w0 + j, acc, heads)
         j += run
         ks += run
 
@@ -180,6 +178,7 @@ def _attend_group(qv, h0, heads, k_pool, v_pool, layer, kvh, table, lo, hi, scal
     bs = v_pool.shape[3]
     d = v_pool.shape[4]
     total, scores, acc, m, _ = group_scratch(heads, score_width(min(chunk, hi - lo), bs), d)
+    k_scratch, v_scratch = slab_scratch(k_pool), slab_scratch(v_pool)  # q8_0 pools decode a block there
     qoff = h0 * d
     last = (hi - 1) // bs  # the table's entries past it may be anything: never prefetched
     for b in range(lo // bs, min(lo // bs + PREFETCH_AHEAD, last + 1)):
@@ -193,10 +192,11 @@ def _attend_group(qv, h0, heads, k_pool, v_pool, layer, kvh, table, lo, hi, scal
             if b + PREFETCH_AHEAD <= last:
                 prefetch(k_pool[table[b + PREFETCH_AHEAD], layer, kvh])
             prefetch(v_pool[table[b], layer, kvh])
-            block_scores(k_pool[table[b], layer, kvh], qv, qoff, scale, scores, (b - kb) * bs, heads)
+            block_scores(k_slab(k_pool, table[b], layer, kvh, k_scratch), qv, qoff, scale, scores, (b - kb) * bs,
+                         heads)
         for hh in range(heads):
             softmax_chunk(scores[hh, ks:ks + nc], c0 == lo, m, total, acc, hh)
-        _group_values(v_pool, layer, kvh, table, kb, ks, nc, heads, scores, ks, acc)
+        _group_values(v_pool, layer, kvh, table, kb, ks, nc, heads, scores, ks, acc, v_scratch)
         c0 += nc
     for hh in range(heads):
         write_head(acc, total, hh, ov, (h0 + hh) * d)

@@ -24,6 +24,7 @@ from numba import njit, prange
 
 from worker.engine.kernels.attention import balanced_item, group_scratch, score_width, softmax_chunk, write_head
 from worker.engine.kernels.key_scores import block_scores
+from worker.engine.kernels.kv_q8 import k_slab, slab_scratch, v_slab
 from worker.engine.kernels.value_sums import value_sums
 
 __all__ = ["PROMPT_TILE", "row_runs", "paged_attention_runs"]
@@ -126,6 +127,7 @@ def _attend_tile(q, r0, r1, h0, ph, k_pool, v_pool, layer, kvh, table, positions
     # starts differing by at most n - 1 (consecutive positions).
     width = score_width(min(chunk, longest) + n - 1, bs)
     total, scores, acc, m, qt = group_scratch(heads, width, d)
+    k_scratch, v_scratch = slab_scratch(k_pool), slab_scratch(v_pool)  # q8_0 pools decode a block there
     for rr in range(n):
         for hh in range(ph):
             src = q[r0 + rr, (h0 + hh) * d:(h0 + hh + 1) * d]
@@ -149,7 +151,8 @@ def _attend_tile(q, r0, r1, h0, ph, k_pool, v_pool, layer, kvh, table, positions
         kb1 = (last_end - 1) // bs
         base = kb0 * bs  # scores[x, c] belongs to key base + c
         for b in range(kb0, kb1 + 1):
-            block_scores(k_pool[table[b], layer, kvh], qt, 0, scale, scores, (b - kb0) * bs, heads)
+            block_scores(k_slab(k_pool, table[b], layer, kvh, k_scratch), qt, 0, scale, scores, (b - kb0) * bs,
+                         heads)
         for rr in range(n):
             p = positions[r0 + rr]
             s = _row_lo(p, window) + j * chunk
@@ -158,7 +161,7 @@ def _attend_tile(q, r0, r1, h0, ph, k_pool, v_pool, layer, kvh, table, positions
                 for hh in range(ph):
                     softmax_chunk(scores[rr * ph + hh, s - base:e - base], j == 0, m, total, acc, rr * ph + hh)
         for b in range(kb0, kb1 + 1):
-            _tile_values(v_pool[table[b], layer, kvh], b * bs, positions, r0, n, ph, window, chunk, j,
+            _tile_values(v_slab(v_pool, table[b], layer, kvh, v_scratch), b * bs, positions, r0, n, ph, window, chunk, j,
                          scores, base, acc)
         j += 1
     for rr in range(n):
