@@ -4,6 +4,7 @@ both workers, a freeze through one gateway freezes all, killing it leaves both g
 their last strategy, and a restarted one resumes the persisted strategy."""
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import os
 import signal
@@ -15,10 +16,14 @@ from pathlib import Path
 
 import pytest
 import requests
+import zmq
+import zmq.asyncio
 
 from shared.config import Config, parse_config
 from shared.errors import ConfigError
-from shared.protocol import Profile
+from gateway.coordinator.server import CoordinatorServer
+from shared import protocol
+from shared.protocol import AdminCall, AdminReply, Attach, Profile
 from tests.fakes import FakeServer
 from tests.unit.test_coordinator import SHORT, profile as synthetic
 
@@ -226,3 +231,41 @@ def test_a_gateway_with_adaptivity_off_keeps_no_link_to_the_coordinator(tmp_path
     off = parse_config("[tuning]\ncoordinator = tcp://127.0.0.1:5560\nadaptive = false\n")
     assert isinstance(tuning_service(on, Pool()), RemoteTuning)
     assert isinstance(tuning_service(off, Pool()), TuningService)
+
+
+def test_no_connection_takes_up_an_attached_gateways_routing_id(tmp_path):
+    """No ROUTER_HANDOVER on reame-coordinator's socket (issue 41.5): a second connection under
+    an attached gateway's routing id is not let in, so it gets neither its answers nor its advice,
+    and the gateway keeps being answered."""
+    config = parse_config(f"[tuning]\ncoordinator = ipc://{tmp_path}/coordinator.ipc\n"
+                          f"state_path = {tmp_path / 'tuning'}\n")
+
+    async def main():
+        server = CoordinatorServer(config)
+        await server.start()
+        context = zmq.asyncio.Context()
+        peers = []
+        try:
+            for _ in range(2):
+                peer = context.socket(zmq.DEALER)
+                peer.setsockopt(zmq.IDENTITY, b"gateway-1")
+                peer.setsockopt(zmq.LINGER, 0)
+                peer.connect(server.endpoint)
+                peers.append(peer)
+                await peer.send(protocol.encode(Attach("gateway-1")))
+                if len(peers) == 1:
+                    await asyncio.wait_for(peer.recv(), 5)  # attached
+            gateway, intruder = peers
+            await intruder.send(protocol.encode(AdminCall("1", "strategy", "")))
+            await gateway.send(protocol.encode(AdminCall("2", "strategy", "")))
+            answer = protocol.decode(await asyncio.wait_for(gateway.recv(), 5))
+            while not isinstance(answer, AdminReply):
+                answer = protocol.decode(await asyncio.wait_for(gateway.recv(), 5))
+            assert answer.call_id == "2"
+            assert await intruder.poll(500) == 0
+        finally:
+            for peer in peers:
+                peer.close()
+            context.term()
+            await server.close()
+    asyncio.run(main())
