@@ -94,6 +94,10 @@ def load(config: Config):
     engine = load_engine_from_config(config, model=str(path), progress=_progress)
     log.info("loaded %s (%s, context %d) in %.1fs; %s", engine.model_name, engine.arch, engine.n_ctx,
              time.perf_counter() - started, blas_env.describe())
+    import psutil
+    from worker.engine.paged_kv import memory_plan
+    log.info("%s", memory_plan(engine.model.w.table.nbytes, engine.kv.nbytes, psutil.virtual_memory().available,
+                               engine.kv.dtype))
     started = time.perf_counter()
     engine.kv.reserve()
     log.info("KV cache: %d MiB reserved in %.1fs (%d blocks of %d tokens)", engine.kv.nbytes >> 20,

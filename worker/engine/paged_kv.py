@@ -226,3 +226,18 @@ def pool_blocks(shape: KVShape, dtype: str, budget_bytes: int, n_ctx: int, layer
             f"{shape.block_size}-token block); one full context of {n_ctx} tokens needs "
             f"{needed * per_block / 2**20:.0f} MiB: raise kv_cache_memory or lower context_length")
     return int(blocks)
+
+
+def memory_plan(weights_bytes: int, pool_bytes: int, available_bytes: int, dtype: str) -> str:
+    """The start-up line naming weights, KV pool and the memory left spare; ConfigError naming the
+    numbers and the keys to change when the pool (not yet committed: reserve() commits it) does
+    not fit the memory the host has available once the weights are loaded."""
+    mib = 2 ** 20
+    if pool_bytes > available_bytes:
+        raise ConfigError(
+            f"the KV pool needs {pool_bytes / mib:.0f} MiB ({dtype}) but this host has {available_bytes / mib:.0f} "
+            f"MiB available after loading the weights ({weights_bytes / mib:.0f} MiB): lower [engine] "
+            f"kv_cache_memory (or context_length, which sets the least it may be), or set [engine] kv_dtype = "
+            f"q8_0 (0.54x float16's bytes per token)")
+    return (f"memory: weights {weights_bytes / mib:.0f} MiB, KV pool {pool_bytes / mib:.0f} MiB ({dtype}), "
+            f"{(available_bytes - pool_bytes) / mib:.0f} MiB spare of {available_bytes / mib:.0f} MiB available")
