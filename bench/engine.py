@@ -59,7 +59,43 @@ def context_for(tokens: int) -> int:
     return -(-(tokens + DECODE_TOKENS + 16) // 1024) * 1024
 
 
-def bench_reame(path: Path, threads: int, runs: int, tokens: int) -> tuple[float, float]:
+def read_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
+    """The host's read bandwidth in GB/s on numba's threads: the best of `repeats` parallel sums
+    over an array far larger than the caches. Decode reads every weight once a token, so
+    weight bytes / this is its bound."""
+    import numba
+
+    @numba.njit(parallel=True, cache=False)
+    def total(a):
+        s = 0.0
+        for i in numba.prange(a.size):
+            s += a[i]
+        return s
+
+    a = np.ones(megabytes * 2**20 // 4, np.float32)
+    total(a[:1024])  # compile
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        total(a)
+        best = min(best, time.perf_counter() - t0)
+    return a.nbytes / best / 1e9
+
+
+def matmul_work(engine) -> tuple[int, int]:
+    """(bytes of packed weights a token's matmuls read, multiply-adds a token does in them): every
+    layer matrix and the output projection (the embedding is a row lookup unless tied)."""
+    from worker.engine.kernels.packing import M_K, M_N
+    w = engine.model.w
+    mats = [int(i) for i in w.mats.ravel()] + [w.output]
+    table = w.table
+    macs = sum(int(table.meta[i, M_N]) * int(table.meta[i, M_K]) for i in mats)
+    # The table's bytes in proportion to the matrices' weights (scales ride with their codes).
+    weights = sum(int(table.meta[i, M_N]) * int(table.meta[i, M_K]) for i in range(len(table.meta)))
+    return int(table.nbytes * macs / weights), macs
+
+
+def bench_reame(path: Path, threads: int, runs: int, tokens: int) -> tuple[float, float, int, int, float]:
     import numba
     from threadpoolctl import threadpool_limits
 
@@ -85,7 +121,8 @@ def bench_reame(path: Path, threads: int, runs: int, tokens: int) -> tuple[float
             prefill.append(t.prefill_tokens / t.prefill_s)
             decode.append(t.decode_tokens / t.decode_s)  # the first token comes from prefill
             say(f"  reame {threads}t run {run + 1}/{runs}: prefill {prefill[-1]:.0f} tok/s, decode {decode[-1]:.1f} tok/s")
-    return statistics.median(prefill), statistics.median(decode)
+    read_bytes, macs = matmul_work(engine)
+    return statistics.median(prefill), statistics.median(decode), read_bytes, macs, read_bandwidth()
 
 
 def bench_llama_cpp(path: Path, threads: int, runs: int, tokens: int) -> tuple[float, float] | None:
@@ -197,13 +234,28 @@ def main() -> int:
     print(header)
     print("-" * len(header))
     first_rate = {}
-    for name, threads, tokens, (p, d), peer in rows:
+    for name, threads, tokens, (p, d, *_), peer in rows:
         pp, pd = peer if peer else (None, None)
         base = first_rate.setdefault((name, threads), p)
         fmt = lambda v, spec: format(v, spec) if v else "-"
         print(f"{name:<14} {threads:>3} {tokens:>6} {p:>14.0f} {p / base:>8.2f} {fmt(pp, '8.0f'):>8} "
               f"{fmt(pp and p / pp, '6.2f'):>6} {d:>13.1f} {fmt(pd, '8.1f'):>8} {fmt(pd and d / pd, '6.2f'):>6}")
+    print_bounds(rows)
     return 0
+
+
+def print_bounds(rows) -> None:
+    """Decode beside the bandwidth bound (every matmul weight read once a token, at the host's read
+    bandwidth measured in the same process) and prefill's achieved matmul GFLOP/s."""
+    print("\nbounds: decode reads the packed matmul weights once a token; prefill's FLOPs are its matmuls'")
+    header = (f"{'model':<14} {'thr':>3} {'prompt':>6} {'weights MB':>10} {'read GB/s':>9} {'decode GB/s':>11} "
+              f"{'bound tok/s':>11} {'of bound':>8} {'prefill GFLOP/s':>15}")
+    print(header)
+    print("-" * len(header))
+    for name, threads, tokens, (p, d, read_bytes, macs, gbps), _peer in rows:
+        bound = gbps * 1e9 / read_bytes
+        print(f"{name:<14} {threads:>3} {tokens:>6} {read_bytes / 1e6:>10.0f} {gbps:>9.1f} "
+              f"{d * read_bytes / 1e9:>11.1f} {bound:>11.1f} {d / bound:>8.0%} {2 * macs * p / 1e9:>15.1f}")
 
 
 if __name__ == "__main__":
