@@ -35,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--host", help="address to listen on ([gateway] host)")
     parser.add_argument("--port", type=int, help="port to listen on ([gateway] port)")
     parser.add_argument("--model", help="GGUF path or known model name ([model] model_path)")
+    parser.add_argument("--model-id", help="the name clients use for it ([model] model_id)")
     parser.add_argument("--api-key", help="require this bearer token ([gateway] api_key; or $REAME_API_KEY)")
     parser.add_argument("--state-dir", help="runtime directory for the worker socket ([server] state_dir)")
     add_adaptive_flag(parser)
@@ -44,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
 def configure(args: argparse.Namespace) -> Config:
     """reame.conf, then $REAME_API_KEY, then flags."""
     config = load_config(args.config)
-    config = override(config, "model", model_path=model_flag(args.model))
+    config = override(config, "model", model_path=model_flag(args.model), model_id=args.model_id)
     config = override(config, "gateway", host=args.host, port=args.port,
                       api_key=args.api_key or os.environ.get("REAME_API_KEY") or None)
     state_dir = str(Path(args.state_dir).expanduser().resolve()) if args.state_dir else None

@@ -31,7 +31,9 @@ def add_parser(sub) -> None:
     p = sub.add_parser("serve", help="start the OpenAI-compatible server (gateway + workers)")
     # SUPPRESS: without a value here, the top-level `reame --config` stays in effect.
     p.add_argument("--config", default=argparse.SUPPRESS, help="reame.conf to read")
-    p.add_argument("--model", help="GGUF path or known model name ([model] model_path)")
+    p.add_argument("--model", action="append",
+                   help="GGUF path or known model name ([model] model_path); repeat it to serve several "
+                        "behind one URL, each under its file stem or name ([models] serve)")
     p.add_argument("--host", help="address to listen on ([gateway] host)")
     p.add_argument("--port", type=int, help="port to listen on ([gateway] port)")
     p.add_argument("--workers", type=int, help="worker processes; 0 = one per NUMA node ([serve] workers)")
@@ -45,7 +47,8 @@ def configure(args: argparse.Namespace) -> Config:
     config = load_config(getattr(args, "config", None))
     if args.workers is not None and args.workers < 0:
         raise ConfigError(f"--workers {args.workers}: give 0 (one per NUMA node) or more")
-    config = override(config, "model", model_path=model_flag(args.model))
+    models = _model_flags(args)
+    config = override(config, "model", model_path=models[0] if len(models) == 1 else None)
     config = override(config, "gateway", host=args.host, port=args.port,
                       api_key=args.api_key or os.environ.get("REAME_API_KEY") or None)
     config = override(config, "serve", workers=args.workers)
@@ -107,20 +110,50 @@ def build_children(config: Config, model: Path):
 
 
 def run(args: argparse.Namespace) -> int:
-    from reame.supervisor import FatalChildError, Supervisor
-
     config = configure(args)
     setup_logging(config.logging.level, "serve")
+    from shared.model_registry import repository_for
+
+    repository = repository_for(config, _model_flags(args))
+    if len(repository.entries) > 1:
+        return _run_children(config, [_front_child(config, _model_flags(args))],
+                             f"{', '.join(repository.served())} (loaded on demand)", 0)
     from shared.model_store import model_file
 
     model = model_file(config, progress=lambda line: log.info("%s", line))
     gateway, workers = build_children(config, model)
-    supervisor = Supervisor([gateway, *workers], config.serve.restart_backoff_max)
+    return _run_children(config, [gateway, *workers], model.name, len(workers))
+
+
+def _model_flags(args: argparse.Namespace) -> list[str]:
+    """--model's values, as paths relative to the current directory (one, or a list of several)."""
+    given = args.model if isinstance(args.model, list) else [args.model] if args.model else []
+    return [model_flag(m) for m in given]
+
+
+def _front_child(config: Config, models: list[str]):
+    """Several models: the front (gateway.model_front) starts each model's gateway and worker."""
+    from reame.supervisor import Child
+
+    argv = [sys.executable, "-m", "gateway.model_front", "--host", config.gateway.host,
+            "--port", str(config.gateway.port), "--state-dir", str(config.resolve_path(config.server.state_dir))]
+    if config.source:
+        argv += ["--config", config.source]
+    for model in models:
+        argv += ["--model", model]
+    env = {"REAME_API_KEY": config.gateway.api_key} if config.gateway.api_key else {}
+    return Child("front", argv, env)
+
+
+def _run_children(config: Config, children: list, what: str, n_workers: int) -> int:
+    from reame.supervisor import FatalChildError, Supervisor
+
+    supervisor = Supervisor(children, config.serve.restart_backoff_max)
     signals = []
     previous = {sig: signal.signal(sig, lambda signum, _f: signals.append(signum))
                 for sig in (signal.SIGINT, signal.SIGTERM)}
     url = _public_url(config)
-    log.info("serving %s with %d worker(s)", model.name, len(workers))
+    log.info("serving %s with %d worker(s)", what, n_workers)
     try:
         supervisor.start_all()
         ready = False

@@ -1,0 +1,142 @@
+"""Several models behind one URL (`reame serve` with [models] serve): SmolLM2 and Gemma 3 answer
+alternately, loaded on demand, with a memory budget that fits only one of them at a time.
+
+Greedy answers through the front equal those of each model served alone; switching unloads the
+idle model; 8 concurrent first requests cause one load; a model with a request running is not
+unloaded under it (the admin's unload is refused, another model's request waits, then gets 503
+with Retry-After); a bad path fails that model alone.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+
+import pytest
+import requests
+
+from tests.e2e.servers import API_KEY, NO_END, auth, gateway_and_worker, write_config
+from tests.harness import free_port, reame_serve
+
+BUDGET_MIB = 1000  # SmolLM2 (~606 MiB: file + 512 MiB KV pool) or Gemma 3 (~753 MiB), not both
+PROMPTS = ["What is the capital of France?", "Name three colours."]
+
+
+def chat(url: str, model: str | None, content: str, max_tokens: int = 12, **extra) -> requests.Response:
+    body = {"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens, "temperature": 0, **extra}
+    if model is not None:
+        body["model"] = model
+    return requests.post(url + "/v1/chat/completions", json=body, headers=auth(), timeout=300)
+
+
+def answer(url: str, model: str | None, content: str) -> str:
+    r = chat(url, model, content)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["message"]["content"]
+
+
+@pytest.fixture(scope="module")
+def gemma_alone(gemma3_gguf, tmp_path_factory):
+    with gateway_and_worker(tmp_path_factory.mktemp("gemma-alone"), gemma3_gguf) as server:
+        yield {p: answer(server.url, None, p) for p in PROMPTS}
+
+
+@pytest.fixture(scope="module")
+def smol_alone(server):
+    return {p: answer(server.url, None, p) for p in PROMPTS}
+
+
+@pytest.fixture(scope="module")
+def front(smollm2_gguf, gemma3_gguf, tmp_path_factory, gemma_alone, smol_alone):
+    directory = tmp_path_factory.mktemp("front")
+    port = free_port()
+    serve = (f"\n    smol = {smollm2_gguf}  aliases=small\n    gemma = {gemma3_gguf}"
+             f"\n    bad = {directory}/missing.gguf")
+    config = write_config(directory, smollm2_gguf, port, gateway={"max_queue": 16})
+    with open(config, "a") as f:
+        # Each model's tuning state under its own state directory (the default state_path). A long
+        # load_timeout: a worker whose kernels are not in the numba cache compiles them for minutes.
+        f.write(f"[models]\nserve = {serve}\nmemory_budget = {BUDGET_MIB}MiB\nload_timeout = 900\n")
+    text = config.read_text().replace(f"state_path = {directory / 'tuning'}\n", "")
+    config.write_text(text)
+    with reame_serve("reame serve (front)", directory, config, port, workers=0) as server:
+        yield server
+
+
+def models(url: str) -> dict[str, dict]:
+    r = requests.get(url + "/admin/models", headers=auth(), timeout=10)
+    assert r.status_code == 200, r.text
+    return {m["id"]: m for m in r.json()["models"]}
+
+
+def loads(server, name: str) -> int:
+    return (server.directory / "serve.log").read_text().count(f"model {name}: loading ")
+
+
+def test_v1_models_lists_every_model_with_its_state(front):
+    r = requests.get(front.url + "/v1/models", headers=auth(), timeout=10)
+    assert r.status_code == 200
+    data = {m["id"]: m for m in r.json()["data"]}
+    assert list(data) == ["smol", "gemma", "bad"]
+    assert data["smol"]["aliases"] == ["small"]
+    assert {m["state"] for m in data.values()} <= {"loaded", "loading", "unloaded"}
+
+
+def test_two_models_alternate_under_a_budget_for_one(front, smol_alone, gemma_alone):
+    for round_ in range(2):
+        for name, alone in (("smol", smol_alone), ("gemma", gemma_alone)):
+            for prompt in PROMPTS:
+                assert answer(front.url, name, prompt) == alone[prompt], (round_, name, prompt)
+            state = models(front.url)
+            loaded = [m for m in state if state[m]["state"] == "loaded"]
+            assert loaded == [name]  # the other was unloaded to make room
+            assert sum(m["size"] for m in state.values()) <= BUDGET_MIB * 2**20
+    # A request without `model` goes to the first; an alias selects its model.
+    assert answer(front.url, None, PROMPTS[0]) == smol_alone[PROMPTS[0]]
+    assert answer(front.url, "small", PROMPTS[0]) == smol_alone[PROMPTS[0]]
+
+
+def test_eight_concurrent_first_requests_load_once(front, gemma_alone):
+    answer(front.url, "smol", PROMPTS[0])  # gemma is unloaded now
+    assert models(front.url)["gemma"]["state"] == "unloaded"
+    before = loads(front, "gemma")
+    with cf.ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(answer, front.url, "gemma", PROMPTS[0]) for _ in range(8)]
+        answers = [f.result() for f in futures]
+    assert answers == [gemma_alone[PROMPTS[0]]] * 8
+    assert loads(front, "gemma") == before + 1
+
+
+def test_a_running_request_keeps_its_model(front):
+    answer(front.url, "smol", PROMPTS[0])
+    with cf.ThreadPoolExecutor(1) as pool:
+        # SmolLM2's end tokens banned: it runs to max_tokens, long enough to act meanwhile.
+        running = pool.submit(chat, front.url, "smol", "Count slowly.", 200, logit_bias=NO_END)
+        while models(front.url)["smol"]["running"] == 0:
+            pass
+        unload = requests.post(front.url + "/admin/models", json={"model": "smol", "action": "unload"},
+                               headers=auth(), timeout=10)
+        assert unload.status_code == 409 and "running" in unload.json()["error"]["message"]
+        other = chat(front.url, "gemma", PROMPTS[0])  # gemma does not fit beside a busy smol
+        assert other.status_code == 503 and other.headers["Retry-After"], other.text
+        done = running.result()
+    assert done.status_code == 200, done.text
+    assert done.json()["choices"][0]["finish_reason"] == "length"
+    unload = requests.post(front.url + "/admin/models", json={"model": "smol", "action": "unload"},
+                           headers=auth(), timeout=30)
+    assert unload.status_code == 200 and unload.json()["models"][0]["state"] == "unloaded"
+
+
+def test_a_bad_path_fails_that_model_alone(front, smol_alone):
+    r = chat(front.url, "bad", PROMPTS[0])
+    assert r.status_code == 503 and r.json()["error"]["code"] == "model_unavailable"
+    assert "missing.gguf" in r.json()["error"]["message"]
+    assert answer(front.url, "smol", PROMPTS[0]) == smol_alone[PROMPTS[0]]
+
+
+def test_unknown_model_and_admin_key(front):
+    r = chat(front.url, "gpt-4", "hi")
+    assert r.status_code == 404
+    assert r.json()["error"]["message"] == \
+        "The model 'gpt-4' does not exist; this server serves 'smol', 'gemma', 'bad'"
+    r = requests.get(front.url + "/admin/models", timeout=10)
+    assert r.status_code == 401
+    assert API_KEY not in r.text
