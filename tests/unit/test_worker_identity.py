@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import secrets
 import shutil
 import subprocess
 import sys
@@ -152,14 +153,17 @@ def test_over_ipc_a_worker_id_belongs_to_the_process_that_registered_it(tmp_path
         await pool.start()
         context = zmq.asyncio.Context()
         real = context.socket(zmq.DEALER)
-        real.setsockopt(zmq.IDENTITY, b"w0")
+        # As worker.main names it: the worker id, "@", a secret token; the thief knows only "w0".
+        # (With a bare "w0" the thief would take the routing id up once the real socket went,
+        # and whether it was sent r1 depended on how fast it started: CI saw GOT.)
+        real.setsockopt(zmq.IDENTITY, b"w0@" + secrets.token_hex(16).encode())
         real.setsockopt(zmq.LINGER, 0)
         real.connect(endpoint)
         try:
             await real.send(protocol.encode(GOOD))
             await settle(lambda: "w0" in pool.workers)
             owner = pool.workers["w0"].peer
-            real.close()  # the real worker's socket goes (a reconnect, a crash): w0 is free for a routing id
+            real.close()  # the real worker's socket goes (a reconnect, a crash): "w0" is free for a routing id
             thief = await asyncio.create_subprocess_exec(sys.executable, "-c", IPC_THIEF, endpoint, cwd=REPO,
                                                          stdout=subprocess.PIPE)
             await settle(timeout=0.3)
