@@ -46,12 +46,12 @@ blas_env.prefer_native_blas()
 from benchlib import say  # noqa: E402  (bench/, the script's directory, is on sys.path)
 from speculative import load_chat_model, run_batch  # noqa: E402
 
-from worker.spec.archive import NgramArchive  # noqa: E402
-from worker.spec.speculator import SpecCounters, Speculator  # noqa: E402
+from worker.speculative.archive import NgramArchive  # noqa: E402
+from worker.speculative.speculator import SpecCounters, Speculator  # noqa: E402
 
 
 class OracleDrafter:
-    """Stands in for worker.spec.Speculator: drafts the next k tokens of a known output."""
+    """Stands in for worker.speculative.Speculator: drafts the next k tokens of a known output."""
 
     def __init__(self, outputs: dict[str, list[int]], k: int):
         self.outputs, self.k = outputs, k

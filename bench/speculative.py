@@ -196,7 +196,7 @@ def lookup_bound(prompts: list[list[int]], outputs: list[list[int]], base: float
                  max_draft: int) -> float:
     """on/off if every step drafted exactly what prompt lookup gets right (see the docstring):
     the sequences step together, as in the batch, each verifying its right draft tokens."""
-    from worker.spec.prompt_lookup import PromptLookup
+    from worker.speculative.prompt_lookup import PromptLookup
 
     longest = max(map(len, outputs))
     off = sum(base + per_row * sum(1 for out in outputs if len(out) > s) for s in range(longest))
@@ -243,7 +243,7 @@ def main() -> None:
 
     from worker.kv.block_manager import BlockManager
     from worker.kv.prefix_cache import PrefixCache
-    from worker.spec.speculator import Speculator
+    from worker.speculative.speculator import Speculator
 
     _, engine, tok, template, stop_ids = load_chat_model(args.model, args.threads)
     texts = workloads(random.Random(7), 2 * args.json_requests)
@@ -322,7 +322,7 @@ def json_rows(engine, prompts, streams, stop_ids, prefix, model_sha256):
     off then on. The speculator is built as a worker builds it (build_speculator, an archive in
     a fresh directory) and shut down as a worker shuts down (save, then close the store)."""
     from shared.config import Config, override
-    from worker.spec.setup import build_speculator
+    from worker.speculative.setup import build_speculator
 
     config = override(Config(), "speculative", archive_path=tempfile.mkdtemp(prefix="reame-spec-archive-"),
                       archive_budget="64MiB")

@@ -145,7 +145,7 @@ def serve(config: Config, node: int, cpus: list[int], engine, path: Path) -> Non
     from worker.sched.kernel_tuner import FixedKernels, kernel_profile
     from worker.sched.tuning_state import SchedulerKnobs, TuningState
     from worker.service import WorkerService
-    from worker.spec.setup import build_speculator
+    from worker.speculative.setup import build_speculator
 
     knobs = SchedulerKnobs.from_config(config)
     host = socket.gethostname()

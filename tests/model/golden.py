@@ -6,7 +6,7 @@ from contextlib import closing
 from shared.sampling import SamplingParams
 from worker.engine.engine import Engine
 from worker.sched.one_request import generate_one, solo_generator
-from worker.spec.speculator import Speculator
+from worker.speculative.speculator import Speculator
 
 EXACT_RULE = (0.05, 0.1)  # (logit tolerance, near-tie gap) for the .f32-exact files
 SHIPPED_RULE = (1.0, 1.0)  # for the as-shipped files

@@ -22,7 +22,7 @@ from tests.model.tiny_gguf import TinyModel, write_tiny
 from worker.engine.engine import load_engine
 from worker.sched.generation import BatchGenerator, TokenEvent
 from worker.sched.tuning_state import SchedulerKnobs, TuningState
-from worker.spec.speculator import Speculator
+from worker.speculative.speculator import Speculator
 
 MODELS = {"smollm2": ("smollm2_gguf", "smollm2-135m-instruct-q4_1"), "gemma3": ("gemma3_gguf", "gemma-3-270m-q4_k_m")}
 
@@ -270,8 +270,8 @@ def test_a_restarted_worker_drafts_from_its_first_request_as_it_did_before_the_r
     Steps are timed by a fixed cost model, not the clock: the gate and the break-even read step
     times, and on a loaded host real ones made the restarted worker draft in 2 of 28 steps."""
     from shared.config import Config, override
-    from worker.spec.gate import SAMPLES
-    from worker.spec.setup import build_speculator
+    from worker.speculative.gate import SAMPLES
+    from worker.speculative.setup import build_speculator
 
     config = override(Config(), "speculative", archive_path=str(tmp_path / "archive"), archive_budget="1MiB")
     model = tiny.gguf.fingerprint()
@@ -327,7 +327,7 @@ def test_drafts_and_what_they_learn_stay_in_the_requests_cache_namespace(tiny):
     """Issue 41: one archive per host, keyed by the last tokens alone, learned from every finished
     request ("speculative": false and constrained ones too), let another tenant recover a code from
     someone's answer. Now a completion teaches its own namespace only, and an opted-out one nothing."""
-    from worker.spec.archive import NgramArchive
+    from worker.speculative.archive import NgramArchive
 
     alice, mallory = b"a" * 32, b"m" * 32
     archive = NgramArchive()

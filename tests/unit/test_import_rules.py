@@ -20,8 +20,8 @@ MAY_IMPORT: dict[str, tuple[str, ...]] = {
     "gateway": ("gateway", "shared"),
     "worker.engine": ("worker.engine", "shared"),
     "worker.kv": ("worker.kv", "worker.engine", "shared"),
-    "worker.spec": ("worker.spec", "shared"),  # drafting: pure, over token ids
-    "worker.sched": ("worker.sched", "worker.spec", "worker.kv", "worker.engine", "shared"),
+    "worker.speculative": ("worker.speculative", "shared"),  # drafting: pure, over token ids
+    "worker.sched": ("worker.sched", "worker.speculative", "worker.kv", "worker.engine", "shared"),
     "worker": ("worker", "shared"),  # the process: main, service, pulse, numa
     "reame": ("reame", "gateway", "worker", "shared"),  # the CLI wires both sides together
 }
@@ -80,6 +80,7 @@ def test_every_module_imports_only_what_its_layer_may():
     ("shared", "shared/oops.py", "worker.kv.sequence"),
     ("worker.engine", "worker/engine/oops.py", "worker.sched.sampler"),
     ("worker.kv", "worker/kv/oops.py", "worker.sched.scheduler"),
+    ("worker.speculative", "worker/speculative/oops.py", "worker.engine.engine"),
     ("gateway", "gateway/oops.py", "numba"),
 ])
 def test_a_wrong_way_import_is_caught(tmp_path, monkeypatch, layer, source, target):

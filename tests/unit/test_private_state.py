@@ -123,7 +123,7 @@ def test_a_curve_secret_key_others_can_read_is_made_private_when_loaded(tmp_path
 
 
 def test_the_speculation_archive_left_open_is_made_private(tmp_path, caplog):
-    from worker.spec.archive_store import ArchiveStore
+    from worker.speculative.archive_store import ArchiveStore
 
     where = tmp_path / "spec-archive"
     where.mkdir()

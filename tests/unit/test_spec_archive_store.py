@@ -9,8 +9,8 @@ import sys
 import lmdb
 
 from tests.conftest import REPO_ROOT
-from worker.spec.archive import NgramArchive
-from worker.spec.archive_store import ArchiveStore
+from worker.speculative.archive import NgramArchive
+from worker.speculative.archive_store import ArchiveStore
 
 MODEL = bytes(range(32))
 
@@ -42,7 +42,8 @@ def test_another_process_reads_what_this_one_wrote(tmp_path):
     store = _store(tmp_path)
     NgramArchive(order=3, backing=store).learn([10, 11, 12, 13, 14, 15])
     assert store.flush()
-    code = ("import sys; from worker.spec.archive import NgramArchive; from worker.spec.archive_store import ArchiveStore;"
+    code = ("import sys; from worker.speculative.archive import NgramArchive;"
+            " from worker.speculative.archive_store import ArchiveStore;"
             f"s = ArchiveStore(sys.argv[1], model=bytes(range(32)), order=3, budget_bytes=1 << 20);"
             "print(NgramArchive(order=3, backing=s).propose([0, 10, 11, 12], 3)); s.close()")
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, cwd=REPO_ROOT,

@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from worker.spec.archive import NgramArchive
-from worker.spec.prompt_lookup import PromptLookup
-from worker.spec.speculator import FIRST_BACKOFF, Speculator, StepCost, draft_length
+from worker.speculative.archive import NgramArchive
+from worker.speculative.prompt_lookup import PromptLookup
+from worker.speculative.speculator import FIRST_BACKOFF, Speculator, StepCost, draft_length
 
 
 def test_prompt_lookup_proposes_what_followed_the_longest_recurring_ngram():
@@ -176,7 +176,7 @@ def test_a_class_that_never_pays_starts_switched_off_and_opted_out_requests_neve
 
 
 def test_a_request_starts_from_the_longest_prompt_prefix_with_a_record():
-    from worker.spec.speculator import CLASS_EVIDENCE, class_keys
+    from worker.speculative.speculator import CLASS_EVIDENCE, class_keys
 
     template = list(range(500, 516))  # the chat template: every prompt's first 16 tokens
     quoting, chatting = template + list(range(600, 640)), template + list(range(700, 740))
@@ -207,7 +207,7 @@ def test_prompt_lookup_reports_how_far_back_its_source_agrees():
 
 
 def test_draft_length_follows_the_acceptance_learned_for_the_source_agreement():
-    from worker.spec.speculator import AGREEMENT_EVIDENCE, agreement_bucket
+    from worker.speculative.speculator import AGREEMENT_EVIDENCE, agreement_bucket
 
     spec = _measured(Speculator(max_draft=8))
     copied = list(range(100, 160))
@@ -249,7 +249,7 @@ def test_finished_sequences_teach_the_archive_which_then_drafts_for_others():
 
 
 def test_the_gate_stops_drafting_at_a_batch_size_where_drafted_steps_measure_slower(caplog):
-    from worker.spec.gate import SAMPLES, DraftGate
+    from worker.speculative.gate import SAMPLES, DraftGate
 
     gate = DraftGate(random.Random(1))
     kinds = []
@@ -307,7 +307,7 @@ def test_a_request_that_opted_out_of_speculation_teaches_nothing():
 
 def test_class_and_agreement_records_are_kept_per_namespace():
     """How fast a request starts drafting must not tell whether another tenant sent its prompt."""
-    from worker.spec.speculator import CLASS_EVIDENCE, PRIOR, agreement_bucket, class_keys
+    from worker.speculative.speculator import CLASS_EVIDENCE, PRIOR, agreement_bucket, class_keys
 
     prompt = list(range(500, 548))
     assert class_keys(prompt, b"a" * 32) != class_keys(prompt, b"m" * 32) != class_keys(prompt)

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import logging
 
-from worker.spec import learned
-from worker.spec.archive import NgramArchive
-from worker.spec.archive_store import ArchiveStore
-from worker.spec.gate import SAMPLES
-from worker.spec.learned import LearnedState
-from worker.spec.speculator import PRIOR, SAVE_EVERY, Speculator, class_keys
+from worker.speculative import learned
+from worker.speculative.archive import NgramArchive
+from worker.speculative.archive_store import ArchiveStore
+from worker.speculative.gate import SAMPLES
+from worker.speculative.learned import LearnedState
+from worker.speculative.speculator import PRIOR, SAVE_EVERY, Speculator, class_keys
 
 MODEL = bytes(range(32))
 PROMPT = list(range(100, 120))  # one request class (its first 16 tokens)

@@ -8,7 +8,7 @@ import pytest
 
 from shared.config import Config, SpeculativeSection, TuningSection
 from shared.errors import ConfigError
-from worker.spec.setup import build_speculator
+from worker.speculative.setup import build_speculator
 
 MODEL = "ab" * 32
 

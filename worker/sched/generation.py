@@ -27,7 +27,7 @@ from worker.sched.kernel_tuner import FixedKernels
 from worker.sched.sampler import Sampler
 from worker.sched.scheduler import ScheduledBatch, ScheduledChunk, Scheduler
 from worker.sched.tuning_state import TuningState
-from worker.spec.speculator import Speculator
+from worker.speculative.speculator import Speculator
 
 log = logging.getLogger("reame.generation")
 

@@ -14,7 +14,7 @@ from typing import Iterator
 from shared.sampling import SamplingParams
 from worker.sched.generation import BatchEngine, BatchGenerator, ErrorEvent, FinishEvent, TokenEvent
 from worker.sched.tuning_state import SchedulerKnobs, TuningState
-from worker.spec.speculator import Speculator
+from worker.speculative.speculator import Speculator
 
 _request_ids = itertools.count()
 

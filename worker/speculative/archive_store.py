@@ -5,7 +5,7 @@ Sub-databases, changed only inside one write transaction:
   ngrams  model(8) + namespace (0 or 32) + context (order x int32 LE) -> entry
   lru     stamp (8-byte big-endian time_ns) + key -> b""   oldest first
   meta    b"bytes_used" -> u64 big-endian                  sum of len(entry) over ngrams
-  state   model(8) -> the speculator's learned state (worker.spec.learned; small, outside the budget)
+  state   model(8) -> the speculator's learned state (worker.speculative.learned; small, outside the budget)
 An entry is magic b"NG", version, count of pairs, CRC32 of the pairs, the stamp of its `lru`
 row, then (token int32, count uint32) pairs, most frequent first, at most MAX_CONTINUATIONS.
 
@@ -110,7 +110,7 @@ class ArchiveStore:
         self._enqueue(("add", {self._key(ctx, namespace): row for ctx, row in counts.items()}))
 
     def load_state(self) -> bytes | None:
-        """The speculator's saved state for this model (worker.spec.learned decodes and checks it)."""
+        """The speculator's saved state for this model (worker.speculative.learned decodes and checks it)."""
         try:
             with self._env.begin(db=self._state) as txn:
                 return txn.get(self.model)

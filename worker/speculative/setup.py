@@ -4,8 +4,8 @@ from __future__ import annotations
 import logging
 
 from shared.config import Config, memory_bytes
-from worker.spec.archive import ORDER, NgramArchive
-from worker.spec.speculator import Speculator
+from worker.speculative.archive import ORDER, NgramArchive
+from worker.speculative.speculator import Speculator
 
 log = logging.getLogger("reame.spec")
 
@@ -23,7 +23,7 @@ def build_speculator(config: Config, model_sha256: str) -> tuple[Speculator | No
         raise ConfigError(f"[speculative] max_draft must be at least 1, got {settings.max_draft}")
     store = None
     if settings.archive_path:
-        from worker.spec.archive_store import ArchiveStore, ArchiveUnavailable
+        from worker.speculative.archive_store import ArchiveStore, ArchiveUnavailable
 
         path = config.resolve_path(settings.archive_path)
         budget = memory_bytes(settings.archive_budget, 1, "[speculative] archive_budget")

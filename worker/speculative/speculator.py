@@ -27,11 +27,11 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
-from worker.spec import learned
-from worker.spec.archive import NgramArchive
-from worker.spec.gate import DraftGate
-from worker.spec.learned import LearnedState
-from worker.spec.prompt_lookup import PromptLookup
+from worker.speculative import learned
+from worker.speculative.archive import NgramArchive
+from worker.speculative.gate import DraftGate
+from worker.speculative.learned import LearnedState
+from worker.speculative.prompt_lookup import PromptLookup
 
 log = logging.getLogger("reame.spec")
 
