@@ -61,7 +61,7 @@ def fixed_state(engine, table, threads: int):
 
 def variant_table(engine, threads: int, runs: int) -> dict:
     from worker.engine.kernels.registry import BUCKET_NAMES, OpTable, serves_bucket, variants_of
-    from worker.sched.kernel_tuner import CALIBRATION_ROWS
+    from worker.engine.tuning.kernel_tuner import CALIBRATION_ROWS
     numerics = engine.ops.numerics("matmul")
     # The weights are packed in the layout of the engine's numerics: only its variants can run.
     arms = [(v, t) for v in variants_of("matmul", numerics) for t in range(threads, 0, -1)]
@@ -104,7 +104,7 @@ def variant_table(engine, threads: int, runs: int) -> dict:
 
 def end_to_end(engine, threads: int, runs: int) -> None:
     from shared.sampling import SamplingParams
-    from worker.sched.kernel_tuner import FixedKernels, KernelTuner, TunerSettings
+    from worker.engine.tuning.kernel_tuner import FixedKernels, KernelTuner, TunerSettings
     from worker.sched.one_request import Timing, generate_one, solo_generator
     from worker.sched.tuning_state import SchedulerKnobs
 
@@ -182,7 +182,7 @@ def decode_curve(engine, generator, seconds: float) -> list[float]:
 
 
 def neighbour(engine, threads: int, seconds: float, png: str) -> None:
-    from worker.sched.kernel_tuner import FixedKernels, KernelTuner, TunerSettings
+    from worker.engine.tuning.kernel_tuner import FixedKernels, KernelTuner, TunerSettings
     from worker.sched.one_request import solo_generator
     default = engine.ops
     generator = solo_generator(engine)

@@ -141,8 +141,8 @@ def serve(config: Config, node: int, cpus: list[int], engine, path: Path) -> Non
     from worker.refusal_watch import RefusalWatch
     from worker.sched.constraint import Constraints
     from worker.sched.generation import BatchGenerator
-    from worker.sched.kernel_table_store import build_kernel_tuner
-    from worker.sched.kernel_tuner import FixedKernels, kernel_profile
+    from worker.engine.tuning.kernel_table_store import build_kernel_tuner
+    from worker.engine.tuning.kernel_tuner import FixedKernels, kernel_profile
     from worker.sched.tuning_state import SchedulerKnobs, TuningState
     from worker.service import WorkerService
     from worker.speculative.setup import build_speculator

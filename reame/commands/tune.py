@@ -20,12 +20,12 @@ def add_parser(sub) -> None:
 
 
 def _directory(args: argparse.Namespace):
-    from worker.sched.kernel_table_store import table_directory
+    from worker.engine.tuning.kernel_table_store import table_directory
     return table_directory(load_config(args.config))
 
 
 def _show(args: argparse.Namespace) -> int:
-    from worker.sched.kernel_table_store import saved_tables
+    from worker.engine.tuning.kernel_table_store import saved_tables
     directory = _directory(args)
     tables = saved_tables(directory)
     if not tables:
@@ -50,7 +50,7 @@ def _show(args: argparse.Namespace) -> int:
 
 
 def _reset(args: argparse.Namespace) -> int:
-    from worker.sched.kernel_table_store import reset_tables
+    from worker.engine.tuning.kernel_table_store import reset_tables
     directory = _directory(args)
     print(f"removed {reset_tables(directory)} kernel table(s) from {directory}")
     return 0

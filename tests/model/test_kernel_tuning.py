@@ -10,7 +10,7 @@ from shared.sampling import SamplingParams
 from tests.model.run_requests import run_requests
 from worker.engine.engine import load_engine
 from worker.sched.generation import BatchGenerator
-from worker.sched.kernel_tuner import KernelTuner, TunerSettings
+from worker.engine.tuning.kernel_tuner import KernelTuner, TunerSettings
 from worker.sched.tuning_state import SchedulerKnobs, TuningState
 
 

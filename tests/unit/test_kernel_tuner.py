@@ -10,8 +10,8 @@ import random
 import pytest
 
 from worker.engine.kernels.registry import KERNELS, MATMUL, OpTable, bucket_of
-from worker.sched.kernel_table_store import KernelTableStore, host_signature, reset_tables, saved_tables
-from worker.sched.kernel_tuner import KernelTuner, TunerSettings
+from worker.engine.tuning.kernel_table_store import KernelTableStore, host_signature, reset_tables, saved_tables
+from worker.engine.tuning.kernel_tuner import KernelTuner, TunerSettings
 
 CODE_TO_VARIANT = {v.code: v.variant for (op, _), v in KERNELS.items() if op == "matmul"}
 
@@ -356,8 +356,8 @@ class _GGUF:
 
 
 def test_worker_tuner_off_when_kernels_fixed_or_not_adaptive(tmp_path):
-    from worker.sched.kernel_table_store import build_kernel_tuner
-    from worker.sched.kernel_tuner import FixedKernels
+    from worker.engine.tuning.kernel_table_store import build_kernel_tuner
+    from worker.engine.tuning.kernel_tuner import FixedKernels
     for tuning in ({"kernels": "fixed"}, {"adaptive": "false"}):
         engine = FakeEngine()
         before = engine.ops
@@ -366,7 +366,7 @@ def test_worker_tuner_off_when_kernels_fixed_or_not_adaptive(tmp_path):
 
 
 def test_worker_tuner_calibrates_once_then_starts_on_the_saved_table(tmp_path):
-    from worker.sched.kernel_table_store import build_kernel_tuner
+    from worker.engine.tuning.kernel_table_store import build_kernel_tuner
     config = _config(tmp_path)
     calls = []
 
@@ -392,7 +392,7 @@ def test_worker_tuner_calibrates_once_then_starts_on_the_saved_table(tmp_path):
 def test_a_saved_one_thread_table_learned_under_a_hog_is_dropped_at_a_start_without_it(tmp_path, caplog):
     """Issue 37: one thread wins while a neighbour holds the other core, and loses once it is gone;
     a table saved meanwhile is re-timed at the next start, not trusted."""
-    from worker.sched.kernel_table_store import build_kernel_tuner
+    from worker.engine.tuning.kernel_table_store import build_kernel_tuner
     config = _config(tmp_path)
     hog = [True]
 

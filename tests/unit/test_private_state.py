@@ -13,7 +13,7 @@ from gateway.coordinator.store import StrategyStore
 from shared.config import parse_config
 from shared.errors import ConfigError
 from shared.private_state import make_private
-from worker.sched.kernel_table_store import KernelTableStore
+from worker.engine.tuning.kernel_table_store import KernelTableStore
 
 log = logging.getLogger("reame.test")
 

@@ -12,7 +12,7 @@ from gateway.coordinator.service import TuningService
 from gateway.coordinator.store import StrategyStore
 from reame.cli import main
 from shared.config import Config, parse_config
-from worker.sched.kernel_table_store import table_directory
+from worker.engine.tuning.kernel_table_store import table_directory
 
 DEFAULTS = Knobs.from_config(Config())
 SLOT = "host/node0/cpus0-1"

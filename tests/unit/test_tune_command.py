@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from reame.cli import main
-from worker.sched.kernel_table_store import KernelTableStore, saved_tables
+from worker.engine.tuning.kernel_table_store import KernelTableStore, saved_tables
 
 
 def _config(tmp_path):

@@ -23,7 +23,7 @@ from worker.kv.block_manager import BlockManager
 from worker.kv.prefix_cache import PrefixCache
 from worker.kv.sequence import Sequence
 from worker.sched.constraint import Constraints, GrammarConstraint
-from worker.sched.kernel_tuner import FixedKernels
+from worker.engine.tuning.kernel_tuner import FixedKernels
 from worker.sched.sampler import Sampler
 from worker.sched.scheduler import ScheduledBatch, ScheduledChunk, Scheduler
 from worker.sched.tuning_state import TuningState

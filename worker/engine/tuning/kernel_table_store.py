@@ -19,7 +19,7 @@ from pathlib import Path
 
 from shared.config import Config
 from shared.private_state import make_private
-from worker.sched.kernel_tuner import FixedKernels, KernelTuner, TunerSettings
+from worker.engine.tuning.kernel_tuner import FixedKernels, KernelTuner, TunerSettings
 
 log = logging.getLogger("reame.kernel_tuner")
 
