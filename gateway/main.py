@@ -20,7 +20,8 @@ from pathlib import Path
 from aiohttp import web
 
 from shared.config import Config, adaptive_flag, add_adaptive_flag, is_loopback, load_config, model_flag, override
-from shared.curve import check_coordinator_transport, check_transport, coordinator_client_keys, insecure_endpoints, server_keys
+from shared.zmq_keys import (check_coordinator_transport, check_transport, coordinator_client_keys, insecure_endpoints,
+                             server_keys)
 from shared.errors import ConfigError, ReameError
 from shared.logs import setup_logging
 

@@ -16,7 +16,7 @@ from gateway.prompts import EncodeProcesses, PromptEncoder
 from gateway.structured import GrammarCache
 from gateway.workers import WorkerPool
 from shared.config import Config
-from shared.curve import server_keys
+from shared.zmq_keys import server_keys
 
 
 @dataclass

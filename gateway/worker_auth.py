@@ -16,7 +16,7 @@ import zmq
 import zmq.asyncio
 import zmq.utils.z85
 
-from shared.curve import ZAP_DOMAIN, authorized_keys
+from shared.zmq_keys import ZAP_DOMAIN, authorized_keys
 
 log = logging.getLogger("reame.gateway")
 

@@ -41,7 +41,7 @@ from gateway.router import Candidate, Router
 from gateway.worker_auth import WorkerAuthenticator
 from shared import protocol
 from shared.config import GatewaySection, ServerSection
-from shared.curve import ServerKeys, secure_server
+from shared.zmq_keys import ServerKeys, secure_server
 from shared.protocol import Abort, Drain, Error, Finished, Generate, Heartbeat, Profile, Register, Strategy, TokenChunk
 from shared.sampling import SamplingParams
 

@@ -78,7 +78,7 @@ class ServerSection:
     endpoint: str = ""  # ZeroMQ endpoint; "" = ipc://<state_dir>/workers.ipc
     heartbeat_interval: float = 1.0  # seconds between a worker's heartbeats
     worker_timeout: float = 10.0  # a worker silent this long is dropped and its requests re-routed
-    # CURVE over tcp:// (shared.curve): ZeroMQ key files from `reame keys generate`; "" = off.
+    # CURVE over tcp:// (shared.zmq_keys): ZeroMQ key files from `reame keys generate`; "" = off.
     curve_gateway_key: str = ""  # the gateway's .key_secret on its host, its .key on workers' hosts
     curve_worker_key: str = ""  # this host's workers' .key_secret
     curve_authorized_keys: str = ""  # the gateway's directory of authorized workers' .key files

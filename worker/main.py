@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from shared import curve
+from shared import zmq_keys
 from shared.config import Config, adaptive_flag, add_adaptive_flag, load_config, model_flag, override
 from shared.errors import ConfigError, ReameError
 from shared.logs import setup_logging
@@ -48,8 +48,8 @@ def configure(args: argparse.Namespace) -> Config:
     config = override(config, "server", state_dir=state_dir)
     config = override(config, "tuning", adaptive=adaptive_flag(args.adaptive))
     config = override(config, "prefix_cache", store_path=args.store_path)
-    curve.check_transport(config)
-    curve.client_keys(config)  # the key files are checked before the model loads
+    zmq_keys.check_transport(config)
+    zmq_keys.client_keys(config)  # the key files are checked before the model loads
     return config
 
 
@@ -154,9 +154,9 @@ def serve(config: Config, node: int, cpus: list[int], engine, path: Path) -> Non
                     model_path=str(path), arch=engine.arch, n_ctx=engine.n_ctx, vocab_size=engine.vocab_size,
                     capacity=knobs.max_batch_size, host=host, pid=os.getpid())
     context = zmq.Context()
-    keys = curve.client_keys(config)
+    keys = zmq_keys.client_keys(config)
     if keys is not None:
-        curve.secure_clients(context, keys)  # the pulse's socket too
+        zmq_keys.secure_clients(context, keys)  # the pulse's socket too
         log.info("worker %s: CURVE key %s", worker_id, keys.public.decode())
     sock = context.socket(zmq.DEALER)
     # A token no one else knows in the routing id (gateway.workers): were this connection lost, no
@@ -218,7 +218,7 @@ def serve(config: Config, node: int, cpus: list[int], engine, path: Path) -> Non
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    if curve.is_tcp(config.endpoint) and keys is None:
+    if zmq_keys.is_tcp(config.endpoint) and keys is None:
         log.warning("worker %s: connecting over %s without CURVE (insecure_tcp = true): whoever reaches it "
                     "could pose as the gateway and send this worker its requests", worker_id, config.endpoint)
     log.info("worker %s: registering with %s", worker_id, config.endpoint)

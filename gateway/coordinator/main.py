@@ -16,7 +16,7 @@ import signal
 import sys
 
 from shared.config import Config, adaptive_flag, add_adaptive_flag, load_config, override
-from shared.curve import is_tcp
+from shared.zmq_keys import is_tcp
 from shared.errors import ReameError
 from shared.logs import setup_logging
 

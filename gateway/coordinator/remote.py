@@ -29,7 +29,7 @@ import zmq.asyncio
 from gateway.errors import ServiceUnavailableError
 from shared import protocol
 from shared.config import Config
-from shared.curve import coordinator_client_keys, secure_clients
+from shared.zmq_keys import coordinator_client_keys, secure_clients
 from shared.errors import ConfigError
 from shared.protocol import (COORDINATOR_PROTOCOL_VERSION, AdminCall, AdminReply, Advice, Attach, Attached, Profile,
                              Register, Strategy)

@@ -26,7 +26,7 @@ from gateway.worker_auth import WorkerAuthenticator
 from gateway.workers import bind_private
 from shared import protocol
 from shared.config import Config
-from shared.curve import check_coordinator_transport, coordinator_server_keys, secure_server
+from shared.zmq_keys import check_coordinator_transport, coordinator_server_keys, secure_server
 from shared.errors import ConfigError, ReameError
 from shared.protocol import (COORDINATOR_PROTOCOL_VERSION, AdminCall, AdminReply, Advice, Attach, Attached, Profile,
                              Register, Strategy)

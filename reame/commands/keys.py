@@ -1,4 +1,4 @@
-"""`reame keys generate`: a CURVE key pair for the gateway or a host's workers (shared.curve).
+"""`reame keys generate`: a CURVE key pair for the gateway or a host's workers (shared.zmq_keys).
 
     reame keys generate --name NAME [--dir DIR] [--force]
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from shared.curve import generate
+from shared.zmq_keys import generate
 
 
 def add_parser(sub) -> None:

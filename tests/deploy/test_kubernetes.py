@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from shared.config import parse_config
-from shared.curve import check_coordinator_transport
+from shared.zmq_keys import check_coordinator_transport
 
 K8S = Path(__file__).resolve().parents[2] / "deploy/kubernetes"
 KUBERNETES_VERSION = "1.31.0"  # the oldest release still supported upstream when this was written

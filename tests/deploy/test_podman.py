@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from shared.curve import generate
+from shared.zmq_keys import generate
 
 K8S = Path(__file__).resolve().parents[2] / "deploy/kubernetes"
 IMAGE = "registry.example.com/reame:0.1.0"  # what the manifests run (Dockerfile)

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from shared.curve import generate
+from shared.zmq_keys import generate
 from tests import harness
 from tests.e2e.servers import API_KEY, NO_END, auth, metric
 from tests.system_tools import require_tool

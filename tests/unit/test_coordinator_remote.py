@@ -158,7 +158,7 @@ def test_one_coordinator_advises_the_workers_of_two_gateways(cluster):
 
 
 def test_over_curve_only_authorized_gateways_get_in(tmp_path):
-    from shared.curve import generate
+    from shared.zmq_keys import generate
 
     keys, authorized, empty = tmp_path / "keys", tmp_path / "gateways", tmp_path / "workers"
     empty.mkdir()
@@ -197,7 +197,7 @@ def test_over_curve_only_authorized_gateways_get_in(tmp_path):
 
 def test_a_tcp_coordinator_needs_curve_even_on_loopback():
     config = parse_config("[tuning]\ncoordinator = tcp://10.1.2.3:5560\n")
-    from shared.curve import check_coordinator_transport
+    from shared.zmq_keys import check_coordinator_transport
 
     with pytest.raises(ConfigError, match="curve_coordinator_key"):
         check_coordinator_transport(config)

@@ -109,7 +109,7 @@ def test_an_api_keys_file_of_another_user_is_refused(tmp_path):
 
 
 def test_a_curve_secret_key_others_can_read_is_made_private_when_loaded(tmp_path, caplog):
-    from shared.curve import generate, load_key
+    from shared.zmq_keys import generate, load_key
 
     public, secret = generate(tmp_path, "gateway")
     secret.chmod(0o644)  # as an older version, or a copy under umask 022, left it

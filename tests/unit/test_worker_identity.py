@@ -23,7 +23,7 @@ from gateway.metrics import Metrics
 from gateway.workers import Job, Restarted, WorkerPool
 from shared import protocol
 from shared.config import parse_config
-from shared.curve import client_keys, generate, secure_clients, server_keys
+from shared.zmq_keys import client_keys, generate, secure_clients, server_keys
 from shared.protocol import Generate, Heartbeat, Profile
 from shared.sampling import SamplingParams
 from tests.harness import REPO, free_port

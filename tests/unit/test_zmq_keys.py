@@ -13,7 +13,7 @@ import zmq.asyncio
 
 from gateway.worker_auth import WorkerAuthenticator
 from shared.config import parse_config
-from shared.curve import (check_transport, client_keys, generate, insecure_endpoints, load_key, secure_clients,
+from shared.zmq_keys import (check_transport, client_keys, generate, insecure_endpoints, load_key, secure_clients,
                           secure_server, server_keys)
 from shared.errors import ConfigError
 

@@ -100,45 +100,39 @@ def server_keys(config: Config) -> ServerKeys | None:
     """The gateway's CURVE keys, or None when CURVE is off."""
     if not enabled(config):
         return None
-    server = config.server
-    public, secret = load_key(config.resolve_path(server.curve_gateway_key), need_secret=True,
-                              what="[server] curve_gateway_key")
-    if not server.curve_authorized_keys:
-        raise ConfigError("[server] curve_gateway_key is set but curve_authorized_keys is not: name the "
-                          "directory of the workers' public keys (.key files)")
-    directory = config.resolve_path(server.curve_authorized_keys)
-    if not directory.is_dir():
-        raise ConfigError(f"[server] curve_authorized_keys = {directory}: not a directory")
-    return ServerKeys(public, secret, directory)
+    return _server_keys(config, "server", "curve_gateway_key", "curve_authorized_keys", "workers")
 
 
 def client_keys(config: Config) -> ClientKeys | None:
     """A worker's CURVE keys, or None when CURVE is off."""
     if not enabled(config):
         return None
-    server_public, _ = load_key(config.resolve_path(config.server.curve_gateway_key), need_secret=False,
-                                what="[server] curve_gateway_key")
-    if not config.server.curve_worker_key:
-        raise ConfigError("[server] curve_gateway_key is set but curve_worker_key is not: name this host's "
-                          "worker key (.key_secret, from `reame keys generate`)")
-    public, secret = load_key(config.resolve_path(config.server.curve_worker_key), need_secret=True,
-                              what="[server] curve_worker_key")
-    return ClientKeys(server_public, public, secret)
+    server = config.server
+    return _client_keys(config, "[server] curve_gateway_key", server.curve_gateway_key,
+                        "[server] curve_worker_key", server.curve_worker_key,
+                        "curve_worker_key is not: name this host's worker key (.key_secret, from "
+                        "`reame keys generate`)")
 
 
 def coordinator_server_keys(config: Config) -> ServerKeys | None:
     """A standalone coordinator's CURVE keys ([tuning] curve_coordinator_key), or None when off."""
-    tuning = config.tuning
-    if not tuning.curve_coordinator_key:
+    if not config.tuning.curve_coordinator_key:
         return None
-    public, secret = load_key(config.resolve_path(tuning.curve_coordinator_key), need_secret=True,
-                              what="[tuning] curve_coordinator_key")
-    if not tuning.curve_authorized_gateways:
-        raise ConfigError("[tuning] curve_coordinator_key is set but curve_authorized_gateways is not: name the "
-                          "directory of the gateways' public keys (.key files)")
-    directory = config.resolve_path(tuning.curve_authorized_gateways)
+    return _server_keys(config, "tuning", "curve_coordinator_key", "curve_authorized_gateways", "gateways")
+
+
+def _server_keys(config: Config, section: str, key: str, authorized: str, peers: str) -> ServerKeys:
+    """The key pair named by [section] key and the directory of the peers' public keys named by
+    [section] authorized; ConfigError naming the setting that is missing or unusable."""
+    settings = getattr(config, section)
+    public, secret = load_key(config.resolve_path(getattr(settings, key)), need_secret=True,
+                              what=f"[{section}] {key}")
+    if not getattr(settings, authorized):
+        raise ConfigError(f"[{section}] {key} is set but {authorized} is not: name the directory of the "
+                          f"{peers}' public keys (.key files)")
+    directory = config.resolve_path(getattr(settings, authorized))
     if not directory.is_dir():
-        raise ConfigError(f"[tuning] curve_authorized_gateways = {directory}: not a directory")
+        raise ConfigError(f"[{section}] {authorized} = {directory}: not a directory")
     return ServerKeys(public, secret, directory)
 
 
@@ -147,13 +141,20 @@ def coordinator_client_keys(config: Config) -> ClientKeys | None:
     pair ([server] curve_gateway_key, the one its workers know); None when off."""
     if not config.tuning.curve_coordinator_key:
         return None
-    server_public, _ = load_key(config.resolve_path(config.tuning.curve_coordinator_key), need_secret=False,
-                                what="[tuning] curve_coordinator_key")
-    if not config.server.curve_gateway_key:
-        raise ConfigError("[tuning] curve_coordinator_key is set but [server] curve_gateway_key is not: the gateway "
-                          "authenticates to the coordinator with its own key pair (`reame keys generate`)")
-    public, secret = load_key(config.resolve_path(config.server.curve_gateway_key), need_secret=True,
-                              what="[server] curve_gateway_key")
+    return _client_keys(config, "[tuning] curve_coordinator_key", config.tuning.curve_coordinator_key,
+                        "[server] curve_gateway_key", config.server.curve_gateway_key,
+                        "[server] curve_gateway_key is not: the gateway authenticates to the coordinator with its "
+                        "own key pair (`reame keys generate`)")
+
+
+def _client_keys(config: Config, server_what: str, server_path: str, own_what: str, own_path: str,
+                 missing: str) -> ClientKeys:
+    """The server's public key (server_path) and this side's pair (own_path), each named by its
+    setting in errors; `missing` ends the error when own_path is not set."""
+    server_public, _ = load_key(config.resolve_path(server_path), need_secret=False, what=server_what)
+    if not own_path:
+        raise ConfigError(f"{server_what} is set but {missing}")
+    public, secret = load_key(config.resolve_path(own_path), need_secret=True, what=own_what)
     return ClientKeys(server_public, public, secret)
 
 
