@@ -19,10 +19,11 @@ from pathlib import Path
 
 from aiohttp import web
 
-from shared.config import Config, adaptive_flag, add_adaptive_flag, is_loopback, load_config, model_flag, override
+from shared.command_line import add_common_flags, load_with_common_flags, run_process
+from shared.config import Config, is_loopback, override
 from shared.zmq_keys import (check_coordinator_transport, check_transport, coordinator_client_keys, insecure_endpoints,
                              server_keys)
-from shared.errors import ConfigError, ReameError
+from shared.errors import ConfigError
 from shared.logs import setup_logging
 
 log = logging.getLogger("reame.gateway")
@@ -32,26 +33,20 @@ LINGER_S = 2.0
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="reame-gateway", description="Reame's OpenAI-compatible HTTP gateway.")
-    parser.add_argument("--config", help="reame.conf to read (default: ./reame.conf or $REAME_CONFIG)")
+    add_common_flags(parser)
     parser.add_argument("--host", help="address to listen on ([gateway] host)")
     parser.add_argument("--port", type=int, help="port to listen on ([gateway] port)")
-    parser.add_argument("--model", help="GGUF path or known model name ([model] model_path)")
-    parser.add_argument("--model-id", help="the name clients use for it ([model] model_id)")
+    parser.add_argument("--model-id", help="the name clients use for the model ([model] model_id)")
     parser.add_argument("--api-key", help="require this bearer token ([gateway] api_key; or $REAME_API_KEY)")
-    parser.add_argument("--state-dir", help="runtime directory for the worker socket ([server] state_dir)")
-    add_adaptive_flag(parser)
     return parser
 
 
 def configure(args: argparse.Namespace) -> Config:
     """reame.conf, then $REAME_API_KEY, then flags."""
-    config = load_config(args.config)
-    config = override(config, "model", model_path=model_flag(args.model), model_id=args.model_id)
+    config = load_with_common_flags(args)
+    config = override(config, "model", model_id=args.model_id)
     config = override(config, "gateway", host=args.host, port=args.port,
                       api_key=args.api_key or os.environ.get("REAME_API_KEY") or None)
-    state_dir = str(Path(args.state_dir).expanduser().resolve()) if args.state_dir else None
-    config = override(config, "server", state_dir=state_dir)
-    config = override(config, "tuning", adaptive=adaptive_flag(args.adaptive))
     check_exposure(config)
     return config
 
@@ -123,16 +118,13 @@ async def serve(config: Config, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
+
+    def start() -> None:
         config = configure(args)
         setup_logging(config.logging.level, "gateway")
         asyncio.run(serve(config, model_path(config)))
-    except ReameError as exc:
-        print(f"reame-gateway: error: {exc.message}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 130
-    return 0
+
+    return run_process("reame-gateway", start)
 
 
 if __name__ == "__main__":

@@ -32,8 +32,9 @@ from gateway.errors import ConflictError, ModelNotFoundError, PayloadTooLargeErr
 from gateway.model_backends import Backend, estimate_bytes
 from gateway.model_loader import ModelLoader
 from gateway.model_residency import Residency
+from shared.command_line import run_process
 from shared.config import Config, load_config, model_flag, override
-from shared.errors import ConfigError, InvalidRequestError, ReameError
+from shared.errors import ConfigError, InvalidRequestError
 from shared.logs import setup_logging
 from shared.model_registry import ModelEntry, ModelRepository, default_keep_alive, memory_budget, repository_for
 
@@ -269,7 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int)
     parser.add_argument("--state-dir", help="runtime directory; each model's is under it ([server] state_dir)")
     args = parser.parse_args(argv)
-    try:
+
+    def start() -> None:
         config = load_config(args.config)
         config = override(config, "gateway", host=args.host, port=args.port,
                           api_key=os.environ.get("REAME_API_KEY") or None)
@@ -277,12 +279,8 @@ def main(argv: list[str] | None = None) -> int:
         setup_logging(config.logging.level, "front")
         repository = repository_for(config, [model_flag(m) for m in args.model])
         asyncio.run(serve(config, repository))
-    except ReameError as exc:
-        print(f"reame-front: error: {exc.message}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 130
-    return 0
+
+    return run_process("reame-front", start)
 
 
 if __name__ == "__main__":
