@@ -1,5 +1,5 @@
 """Grammar compiles in processes that can be killed: a bounded pool, a share of it per tenant, and a
-time limit that counts the compile's own CPU time, not its wait for a process (issue 41, item 4).
+time limit that counts the compile's own CPU time, not its wait for a process.
 
 Before, compiles ran on threads with a wall-clock limit: seven slow schemas filled the threads, a
 small valid schema then waited past the limit in their queue and was refused as "too complex",

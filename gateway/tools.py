@@ -154,7 +154,7 @@ def call_constraint(request: ToolRequest, family: Family) -> Constraint | None:
         return None
     key = "parameters" if family == "llama3" else "arguments"
     # Numbers get bounded digits as response_format's do: unbounded, greedy decoding may write
-    # digits until max_tokens (issue 41, item 10).
+    # digits until max_tokens (shared.grammar.INTEGER_DIGITS).
     schema = {"anyOf": [{"type": "object",
                          "properties": {"name": {"const": t.name}, key: bounded_numbers(t.parameters)},
                          "required": ["name", key], "additionalProperties": False} for t in forced],

@@ -526,7 +526,7 @@ def constrained_share(capacity: int) -> int:
     slots, at least one. Every constrained row costs the worker's step loop its grammar's token
     taking (an ambiguous grammar: 15 ms a token at 200 tokens, growing) and the mask thread its
     masks, so one tenant's n = 8 of them took every slot of a worker of 8 and another tenant's
-    token gap p99 from 39 to 253 ms (bench/abuse.py grammar_stall, issue 41, item 3); its other
+    token gap p99 from 39 to 253 ms (bench/abuse.py grammar_stall); its other
     jobs wait in the queue instead, and its free-text jobs are not held by them."""
     return max(1, capacity // 4)
 

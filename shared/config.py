@@ -201,8 +201,8 @@ class Config:
     @property
     def tuning_path(self) -> Path:
         """Where this deployment keeps what it learned: [tuning] state_path, else <[server] state_dir>/tuning.
-        Never a directory of the user's shared by unrelated servers (issue 37: one server's frozen
-        placement, learned under a passing CPU hog, was resumed by every server of that user)."""
+        Never a directory of the user's shared by unrelated servers (one server's frozen placement,
+        learned under a passing CPU hog, was once resumed by every server of that user)."""
         if self.tuning.state_path:
             return self.resolve_path(self.tuning.state_path)
         return self.resolve_path(self.server.state_dir) / "tuning"

@@ -29,8 +29,8 @@ LIMITS = dict(max_items_in_row=2000, initial_lexer_fuel=1_000_000, step_lexer_fu
               step_max_items=50_000, max_lexer_states=250_000, max_grammar_size=500_000)
 
 # Digits a JSON number may have, as llama.cpp's json-schema-to-grammar caps them: without a cap
-# a small model under greedy decoding may write `"population": 1111...` until max_tokens (issue
-# 41, item 10). llguidance has no option for it, so each integer or number a schema types gets
+# a small model under greedy decoding may write `"population": 1111...` until max_tokens.
+# llguidance has no option for it, so each integer or number a schema types gets
 # bounds (minimum/maximum) and, for numbers, a multipleOf of 1e-10 (llguidance refuses finer
 # steps), unless the schema bounds that side itself. Exponents are not written then.
 INTEGER_DIGITS = 16

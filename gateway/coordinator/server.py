@@ -197,7 +197,7 @@ class CoordinatorServer:
             return AdminReply(call.call_id, error=type(exc).__name__, message=exc.message)
         except Exception:  # a bug answers as an error, never as silence (the gateway would wait)
             # Its text (paths, values, keys) stays in this log: the reply travels to the gateway,
-            # whose logs and callers are not the coordinator's operator's (issue 41, item 7).
+            # whose logs and callers are not the coordinator's operator's.
             log.exception("coordinator: %s (call %s) failed", call.action, call.call_id)
             return AdminReply(call.call_id, error="InternalError",
                               message=f"the coordinator failed to answer {call.action!r} (call {call.call_id}); "

@@ -1,9 +1,9 @@
 """The strategy on disk (Config.tuning_path/strategy.json), so a restarted gateway resumes it, and
 what a saved one pins, in words (the start-up announcement and `reame strategy show`).
 
-Learned state belongs to one deployment (its state directory, or `[tuning] state_path`). Versions
-before issue 37 kept it in ~/.cache/reame/tuning, shared by every server of a user: a strategy
-found there is never read, only named in a warning (LEGACY_DIRECTORY)."""
+Learned state belongs to one deployment (its state directory, or `[tuning] state_path`). Older
+versions kept it in ~/.cache/reame/tuning, shared by every server of a user: a strategy found
+there is never read, only named in a warning (LEGACY_DIRECTORY)."""
 from __future__ import annotations
 
 import json
@@ -18,7 +18,7 @@ from shared.private_state import make_private
 log = logging.getLogger("reame.coordinator")
 
 FILE_NAME = "strategy.json"
-LEGACY_DIRECTORY = Path("~/.cache/reame/tuning")  # the per-user default before issue 37
+LEGACY_DIRECTORY = Path("~/.cache/reame/tuning")  # the per-user default of older versions
 
 
 class StrategyStore:

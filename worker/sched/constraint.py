@@ -11,8 +11,8 @@ after the token that completed it; while it is complete but could go on (a JSON 
 request's end-of-generation tokens are allowed too, so the model may end it there.
 
 A mask may take long: with an ambiguous grammar llguidance's work per mask grows with the output,
-and its fuel limits do not stop it (issue 41, item 3: 8 such rows took another tenant's token gap
-from 12 to 351 ms, the step waiting for their masks). So a step never waits for a late mask while
+and its fuel limits do not stop it (bench/abuse.py grammar_stall: 8 such rows took another
+tenant's token gap from 12 to 351 ms, the step waiting for their masks). So a step never waits for a late mask while
 it holds any other row (worker.sched.generation defers that row instead); the helper thread takes
 the request with the least mask time so far first, so a cheap grammar is not queued behind a
 costly one; and a request whose masks have taken more than MASK_BUDGET_S in all, or MASK_LIMIT_S

@@ -30,7 +30,7 @@ Rollback. For `rollback_steps` steps after a promotion the new incumbent's time 
 compared with the old one's before the switch; `rollback` (10%) worse beyond the jitter: undone,
 and the arm banned for `ban_s`. Each promotion and rollback is one INFO line with before/after.
 
-Budget (issue 37, item 2: exploring must not cost where there is nothing to gain). A *round* ends
+Budget (exploring must not cost where there is nothing to gain). A *round* ends
 when every live candidate of a bucket has lost to the incumbent since its last change; each round
 without a win halves that bucket's exploration (share, busy-time floor) and doubles the pauses of
 its losers, down to 1/2**MAX_DECAY. Exploration returns to full when the profile drifts: the
@@ -496,8 +496,8 @@ class KernelTuner:
     def verify(self, timer: Callable[[], float] = time.perf_counter) -> None:
         """Re-time, before trusting it, each adopted choice of fewer threads than the engine has
         against the same variant on every thread: fewer threads win while a neighbour holds a core
-        and lose once it has gone (issue 37: a table learned under a 45 s hog kept later servers
-        on one thread). The saved choice stays only if it still wins by min_gain. A few matmul
+        and lose once it has gone (a table learned under a 45 s CPU hog kept later servers on one
+        thread). The saved choice stays only if it still wins by min_gain. A few matmul
         timings per such bucket (CALIBRATION_ROWS); the online A/B goes on either way."""
         if not self.settings.enabled:
             return
