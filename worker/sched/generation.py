@@ -122,7 +122,8 @@ class BatchGenerator:
         self._top_logits: dict[str, int] = {}  # requests that want raw logits reported (golden tests, CLI)
         self._warm: set[str] = set()  # requests that only fill the prefix caches
         # Finished warm requests whose blocks the store has not committed yet: (ticket, deadline,
-        # finished at, event). Their finish is held back, never the step loop (issue 17, item 9).
+        # finished at, event). Their finish is held back, never the step loop (it once flushed the
+        # store inside a step, up to 30 s).
         self._warming: list[tuple[int, float, float, FinishEvent]] = []
         self.hold_until: float | None = None  # when to step again though nothing is ready to run
         self.preemptions = 0  # sequences sent back to recompute because KV blocks ran out
@@ -314,7 +315,7 @@ class BatchGenerator:
 
         A late row costs the others nothing: they sample now, and the late one feeds its last
         token again next step (one more row of the step) instead of holding every stream of the
-        worker for its mask (issue 41, item 3). The step waits only when it holds nobody else (all
+        worker for its mask (bench/abuse.py grammar_stall). The step waits only when it holds nobody else (all
         its rows are late constrained rows and no request waits to be admitted), and then at most
         LONE_MASK_WAIT_S, until the first mask is done: computing the same rows again and again
         would only take the CPU the masks need, while arrivals still join within that time."""
