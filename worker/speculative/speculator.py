@@ -48,7 +48,7 @@ MARGIN = 1.25
 # A request class is a prompt prefix of 16, 32, ... CLASS_DEPTHS * 16 tokens: a request starts
 # from the record of the longest one with CLASS_EVIDENCE drafts behind it. The first 16 tokens
 # alone are the chat template's and its default system prompt, shared by every chat request
-# (stop 17: all of them fell into one class); a longer prefix names the system prompt, the
+# (classed by them alone, all of them fell into one class); a longer prefix names the system prompt, the
 # document or the instruction, and the shorter ones still serve a prompt seen for the first time.
 CLASS_BLOCK = 16
 CLASS_DEPTHS = 8
