@@ -73,14 +73,6 @@ class ArchiveStore:
                                                       log=log, max_pending_ops=MAX_PENDING)
         self._thread = self._queue.thread
 
-    @property
-    def writes_enabled(self) -> bool:
-        return self._env.writes_enabled
-
-    @property
-    def dropped(self) -> int:
-        return self._queue.dropped
-
     # ---- the request path -------------------------------------------------------------------------
 
     def get(self, context: tuple[int, ...], namespace: bytes = b"") -> Counts | None:
@@ -127,7 +119,7 @@ class ArchiveStore:
             return self._lru.totals(txn).bytes_used, txn.stat(self._ngrams)["entries"]
         bytes_used, entries = self._env.read(read)
         return {"bytes_used": bytes_used, "entries": entries, "writes": self.writes,
-                "evictions": self.evictions, "corrupt": self.corrupt, "dropped": self.dropped}
+                "evictions": self.evictions, "corrupt": self.corrupt, "dropped": self._queue.dropped}
 
     def close(self, timeout: float = 10.0) -> None:
         """Write what is queued (up to timeout), stop the thread, close the environment."""
