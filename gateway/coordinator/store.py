@@ -1,23 +1,27 @@
 """The strategy on disk (Config.tuning_path/strategy.json), so a restarted gateway resumes it, and
-what a saved one pins, in words (the start-up announcement and `reame strategy show`).
+what a saved one pins, in words (the start-up announcement and `reame strategy show`). Saved in
+learned state's format (shared.saved_state); a strategy.json of an older version (the plain
+document, no format fields) is still read, once, and saved in the format from then on.
 
 Learned state belongs to one deployment (its state directory, or `[tuning] state_path`). Older
 versions kept it in ~/.cache/reame/tuning, shared by every server of a user: a strategy found
 there is never read, only named in a warning (LEGACY_DIRECTORY)."""
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
 from pathlib import Path
 from typing import Any
 
+from shared import saved_state
 from shared.private_state import make_private
 
 log = logging.getLogger("reame.coordinator")
 
 FILE_NAME = "strategy.json"
+KIND = "reame.strategy"
+VERSION = 1
 LEGACY_DIRECTORY = Path("~/.cache/reame/tuning")  # the per-user default of older versions
 
 
@@ -37,22 +41,25 @@ class StrategyStore:
         if not self.path.exists():
             return None
         try:
-            doc = json.loads(self.path.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as exc:
+            data = self.path.read_bytes()
+        except OSError as exc:
             log.warning("coordinator: cannot read %s (%s); starting from the defaults", self.path, exc)
             return None
-        return doc if isinstance(doc, dict) else None
+        doc = saved_state.decode(data, KIND, VERSION)
+        if doc is None:
+            doc = saved_state.parse(data)
+            if doc is None or "format" in doc:  # damaged, or of a version this one does not know
+                log.warning("coordinator: %s is damaged or of another version; starting from the defaults",
+                            self.path)
+                return None
+        return doc
 
     def save(self, doc: dict[str, Any]) -> None:
         """Write atomically (a crash leaves the old file or the new one, never half of one)."""
         if self.path is None:
             return
         try:
-            self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            tmp = self.path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(doc, indent=1), encoding="utf-8")
-            tmp.chmod(0o600)
-            os.replace(tmp, self.path)
+            saved_state.write_file(self.path, saved_state.encode(KIND, VERSION, doc, indent=1))
         except OSError as exc:  # losing the file costs a restart its resume, never the serving
             log.warning("coordinator: cannot save the strategy to %s: %s", self.path, exc)
 

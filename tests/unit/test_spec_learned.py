@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 
+from shared import saved_state
 from worker.speculative import learned
 from worker.speculative.archive import NgramArchive
 from worker.speculative.archive_store import ArchiveStore
@@ -88,7 +89,8 @@ def test_a_damaged_or_foreign_save_is_ignored_with_a_warning(tmp_path, caplog):
     flipped = blob[:-3] + bytes([blob[-3] ^ 1]) + blob[-2:]
     assert learned.decode(flipped) is None
     assert learned.decode(blob[:4]) is None and learned.decode(None) is None
-    assert learned.decode(b"SL\x01" + blob[3:]) is None  # another version (1: classes keyed by 16 tokens)
+    older = saved_state.encode(learned.KIND, learned.VERSION - 1, saved_state.decode(blob, learned.KIND, learned.VERSION))
+    assert learned.decode(older) is None  # another version (2: its own binary header)
 
     store = _store(tmp_path)
     store.save_state(lambda: flipped)

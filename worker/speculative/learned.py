@@ -7,20 +7,20 @@ started at the prior's 2-token drafts, and the cost fit started from a default. 
 JSON workload the first requests after a restart ran at the speed of a cold start
 (bench/speculative.py, json-restart).
 
-Encoded as magic b"SL", version, CRC32 of the body, then the body as JSON; a blob that fails any
-check decodes to None (the worker then starts fresh, with a warning).
+Saved as learned state is (shared.saved_state: JSON, its kind and version, a CRC); a blob that
+fails any check decodes to None (the worker then starts fresh, with a warning).
 """
 from __future__ import annotations
 
-import json
-import struct
-import zlib
 from dataclasses import dataclass, field
 
-MAGIC = b"SL"
-VERSION = 2  # 2: class records keyed by a prompt-prefix key, with their draft count
+from shared import saved_state
+
+KIND = "reame.speculator"
+# 3: saved in shared.saved_state's format (2 had a binary header of its own); 2: class records
+# keyed by a prompt-prefix key, with their draft count
+VERSION = 3
 MAX_CLASSES = 4000  # most recently used class records kept across a restart (~40 bytes each)
-_HEADER = struct.Struct("<2sBI")  # magic, version, crc32 of the body
 
 
 @dataclass
@@ -36,22 +36,16 @@ class LearnedState:
 
 
 def encode(state: LearnedState) -> bytes:
-    body = json.dumps({"classes": state.classes[-MAX_CLASSES:], "gate": state.gate, "cost": list(state.cost),
-                       "agreement": state.agreement},
-                      separators=(",", ":")).encode()
-    return _HEADER.pack(MAGIC, VERSION, zlib.crc32(body)) + body
+    return saved_state.encode(KIND, VERSION, {"classes": state.classes[-MAX_CLASSES:], "gate": state.gate,
+                                              "cost": list(state.cost), "agreement": state.agreement})
 
 
 def decode(blob: bytes | None) -> LearnedState | None:
     """The state in a blob, or None when it is absent, of another version, or damaged."""
-    if blob is None or len(blob) < _HEADER.size:
-        return None
-    magic, version, crc = _HEADER.unpack_from(blob)
-    body = blob[_HEADER.size:]
-    if magic != MAGIC or version != VERSION or zlib.crc32(body) != crc:
+    raw = saved_state.decode(blob, KIND, VERSION)
+    if raw is None:
         return None
     try:
-        raw = json.loads(body)
         classes = [(int(key), float(a), float(r), int(n)) for key, a, r, n in raw["classes"]]
         gate = [([float(v) for v in plain], [float(v) for v in drafted]) for plain, drafted in raw["gate"]]
         n, x, y, xx, xy = (float(v) for v in raw["cost"])

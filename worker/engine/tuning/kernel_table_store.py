@@ -1,7 +1,7 @@
 """The learned kernel table on disk, and the worker's KernelTuner built from reame.conf.
 
-One JSON file per (host CPU model and flags, model file, Reame version and engine code, numerics,
-threads) under the deployment's tuning directory (`[tuning] state_path`, else <[server]
+One file per (host CPU model and flags, model file, Reame version and engine code, numerics,
+threads), in learned state's format (shared.saved_state), under the deployment's tuning directory (`[tuning] state_path`, else <[server]
 state_dir>/tuning): a restarted worker on the same host and model starts on what it learned,
 skipping calibration; any other combination starts fresh (a table measured for another CPU or
 another build of the kernels says nothing about this one).
@@ -11,12 +11,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import platform
 import time
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
+from shared import saved_state
 from shared.config import Config
 from shared.private_state import make_private
 from worker.engine.tuning.kernel_tuner import FixedKernels, KernelTuner, TunerSettings
@@ -24,6 +24,8 @@ from worker.engine.tuning.kernel_tuner import FixedKernels, KernelTuner, TunerSe
 log = logging.getLogger("reame.kernel_tuner")
 
 FILE_PREFIX = "kernels-"
+KIND = "reame.kernel_table"
+VERSION = 1
 
 
 def host_signature(cpuinfo: str | None = None) -> dict[str, str]:
@@ -65,13 +67,17 @@ class KernelTableStore:
         ConfigError when the directory belongs to another user (start-up is refused)."""
         try:
             make_private(self.directory, "[tuning] state_path", log)
-            saved = json.loads(self.path.read_text(encoding="utf-8"))
+            data = self.path.read_bytes()
         except FileNotFoundError:
             return None
-        except (OSError, ValueError) as exc:
+        except OSError as exc:
             log.warning("kernel table %s unreadable (%s): starting fresh", self.path, exc)
             return None
-        if not isinstance(saved, dict) or saved.get("key") != self.parts or not isinstance(saved.get("choices"), dict):
+        saved = saved_state.decode(data, KIND, VERSION)
+        if saved is None:
+            log.warning("kernel table %s damaged or of another version: starting fresh", self.path)
+            return None
+        if saved.get("key") != self.parts or not isinstance(saved.get("choices"), dict):
             return None
         return saved["choices"]
 
@@ -79,11 +85,7 @@ class KernelTableStore:
         """Write atomically (a reader never sees half a file); a failure is a warning, never fatal."""
         record = {"key": self.parts, "choices": {k: list(v) for k, v in choices.items()}, "saved_at": time.time()}
         try:
-            self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-            tmp = self.path.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_text(json.dumps(record, indent=1, sort_keys=True), encoding="utf-8")
-            tmp.chmod(0o600)
-            os.replace(tmp, self.path)
+            saved_state.write_file(self.path, saved_state.encode(KIND, VERSION, record, indent=1))
         except OSError as exc:
             log.warning("kernel table not saved to %s: %s", self.path, exc)
 
@@ -93,9 +95,11 @@ def saved_tables(directory: Path) -> list[tuple[Path, dict]]:
     out = []
     for path in sorted(Path(directory).glob(f"{FILE_PREFIX}*.json")):
         try:
-            out.append((path, json.loads(path.read_text(encoding="utf-8"))))
-        except (OSError, ValueError) as exc:
+            record = saved_state.decode(path.read_bytes(), KIND, VERSION)
+        except OSError as exc:
             out.append((path, {"error": str(exc)}))
+            continue
+        out.append((path, record if record is not None else {"error": "damaged, or not a kernel table of this version"}))
     return out
 
 
