@@ -1,6 +1,6 @@
 """One daemon thread that applies a store's writes behind the request path, in submission order.
 
-`submit` never blocks: past `max_pending_bytes` of payload or `max_pending_ops` operations queued,
+`enqueue` never blocks: past `max_pending_bytes` of payload or `max_pending_ops` operations queued,
 an operation is dropped (counted in `dropped`): a cache may forget, a request must not stall.
 The thread takes the head operation and the ones after it that `joins` lets into the same
 batch, and hands the batch to `apply` (one transaction, one commit). It runs at the lowest CPU
@@ -47,7 +47,7 @@ class WriteBehind(Generic[Op]):
     def thread(self) -> threading.Thread:
         return self._thread
 
-    def submit(self, op: Op, size: int = 0) -> bool:
+    def enqueue(self, op: Op, size: int = 0) -> bool:
         """Queues op (size: its payload bytes); False when closed, or full (counted in `dropped`)."""
         with self._cond:
             if self._closing:
@@ -63,13 +63,13 @@ class WriteBehind(Generic[Op]):
         return True
 
     def flush(self, timeout: float) -> bool:
-        """True when everything submitted before this call has been applied (or refused)."""
+        """True when everything enqueued before this call has been applied (or refused)."""
         with self._cond:
             target = self._submitted
             return self._cond.wait_for(lambda: self._finished >= target, timeout)
 
     def ticket(self) -> int:
-        """A mark after everything submitted so far: `reached(ticket)` tells, without waiting,
+        """A mark after everything enqueued so far: `reached(ticket)` tells, without waiting,
         whether all of it has been applied (or refused)."""
         with self._cond:
             return self._submitted

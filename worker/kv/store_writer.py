@@ -22,57 +22,34 @@ log = logging.getLogger("reame.kvstore")
 _MAX_BATCH_BYTES = 8 << 20
 
 
-class StoreWriter:
+class StoreWriter(WriteBehind[tuple]):
+    """flush, ticket, reached and close are WriteBehind's; close leaves the store open (its owner closes it)."""
+
     def __init__(self, store: KVStore, max_pending_bytes: int = 256 << 20):
         self.store = store
         # ("put", key, token_ids, payload) | ("touch", keys) | ("delete", key)
-        self._queue: WriteBehind[tuple] = WriteBehind(self._apply, name="reame-kvstore-writer", what="prefix store",
-                                                      log=log, joins=_joins, max_pending_bytes=max_pending_bytes)
-        self._thread = self._queue.thread
-
-    @property
-    def dropped(self) -> int:
-        return self._queue.dropped
-
-    @property
-    def pending_bytes(self) -> int:
-        return self._queue.pending_bytes
+        super().__init__(self._write, name="reame-kvstore-writer", what="prefix store", log=log, joins=_joins,
+                         max_pending_bytes=max_pending_bytes)
 
     def submit(self, key: bytes, token_ids: list[int], payload: bytes) -> bool:
         """Queues one block for writing; False when closed or (counted in `dropped`) the queue is full."""
         check_key(key)
         if not isinstance(payload, bytes):
             payload = bytes(payload)  # the caller's KV block may be reused before the write runs
-        return self._queue.submit(("put", key, list(token_ids), payload), len(payload))
+        return self.enqueue(("put", key, list(token_ids), payload), len(payload))
 
     def touch(self, keys: list[bytes]) -> None:
         keys = list(keys)
         for key in keys:
             check_key(key)
         if keys:
-            self._queue.submit(("touch", keys))
+            self.enqueue(("touch", keys))
 
     def delete(self, key: bytes) -> None:
         check_key(key)
-        self._queue.submit(("delete", key))
+        self.enqueue(("delete", key))
 
-    def flush(self, timeout: float) -> bool:
-        """True when everything submitted before this call has been written (or refused)."""
-        return self._queue.flush(timeout)
-
-    def ticket(self) -> int:
-        """A mark after everything submitted so far (see `reached`)."""
-        return self._queue.ticket()
-
-    def reached(self, ticket: int) -> bool:
-        """Whether everything submitted before ticket has been written (or refused), without waiting."""
-        return self._queue.reached(ticket)
-
-    def close(self, timeout: float = 10.0) -> None:
-        """Flushes, then stops the thread. The store itself stays open: its owner closes it."""
-        self._queue.close(timeout)
-
-    def _apply(self, batch: list[tuple]) -> None:
+    def _write(self, batch: list[tuple]) -> None:
         kind = batch[0][0]
         if kind == "put":
             self.store.put_many([(key, token_ids, payload) for _, key, token_ids, payload in batch])

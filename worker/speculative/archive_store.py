@@ -130,7 +130,7 @@ class ArchiveStore:
 
     def _submit(self, op: tuple) -> None:
         if self._env.writes_enabled:
-            self._queue.submit(op)
+            self._queue.enqueue(op)
 
     def _apply(self, batch: list[tuple]) -> None:
         if not self._env.writes_enabled:
