@@ -18,35 +18,41 @@ import signal
 import socket
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Callable
 
 from shared import zmq_keys
-from shared.config import Config, adaptive_flag, add_adaptive_flag, load_config, model_flag, override
-from shared.errors import ConfigError, ReameError
+from shared.command_line import add_common_flags, load_with_common_flags, run_process
+from shared.config import Config, override
+from shared.errors import ConfigError
 from shared.logs import setup_logging
 from worker.numa import list_nodes, node_cpus, parse_cpulist
+
+if TYPE_CHECKING:  # imported when the worker is built, after pin() (module docstring)
+    import zmq
+
+    from shared.protocol import Profile, Register
+    from worker.profiler import ProfileCollector
+    from worker.pulse import Pulse
+    from worker.refusal_watch import RefusalWatch
+    from worker.sched.generation import BatchGenerator
+    from worker.service import WorkerService
 
 log = logging.getLogger("reame.worker")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="reame-worker", description="A Reame engine worker for one NUMA node.")
-    parser.add_argument("--config", help="reame.conf to read (default: ./reame.conf or $REAME_CONFIG)")
+    add_common_flags(parser)
     parser.add_argument("--numa-node", type=int, default=0, help="NUMA node whose CPUs this worker runs on (default 0)")
-    parser.add_argument("--model", help="GGUF path or known model name ([model] model_path)")
     parser.add_argument("--cpus", help="use only these CPUs of the node, e.g. 0-3,8 (reame serve splits nodes so)")
-    parser.add_argument("--state-dir", help="runtime directory for the worker socket ([server] state_dir)")
     parser.add_argument("--store-path", help="the host's prefix store ([prefix_cache] store_path; \"\" = RAM only)")
-    add_adaptive_flag(parser)
     return parser
 
 
 def configure(args: argparse.Namespace) -> Config:
-    config = load_config(args.config)
-    config = override(config, "model", model_path=model_flag(args.model))
-    state_dir = str(Path(args.state_dir).expanduser().resolve()) if args.state_dir else None
-    config = override(config, "server", state_dir=state_dir)
-    config = override(config, "tuning", adaptive=adaptive_flag(args.adaptive))
+    config = load_with_common_flags(args)
     config = override(config, "prefix_cache", store_path=args.store_path)
     zmq_keys.check_transport(config)
     zmq_keys.client_keys(config)  # the key files are checked before the model loads
@@ -129,119 +135,171 @@ def _warm(engine) -> None:
     log.info("warmed up in %.1fs", time.perf_counter() - started)
 
 
-def serve(config: Config, node: int, cpus: list[int], engine, path: Path) -> None:
-    import zmq
-
-    from shared.protocol import Error, Register, encode
+def build_worker(config: Config, node: int, cpus: list[int], engine, path: Path) -> Worker:
+    """Every part of a serving worker, each built whole from the config and the loaded engine, in
+    the order each needs the ones before it."""
+    from worker.engine.tuning.kernel_table_store import build_kernel_tuner
+    from worker.engine.tuning.kernel_tuner import FixedKernels, kernel_profile
     from worker.kv.block_manager import BlockManager
     from worker.kv.prefix_setup import build_prefix_cache
     from worker.placement import Placement
     from worker.profiler import ProfileCollector
     from worker.pulse import Pulse
-    from worker.refusal_watch import RefusalWatch
     from worker.sched.constraint import Constraints
     from worker.sched.generation import BatchGenerator
-    from worker.engine.tuning.kernel_table_store import build_kernel_tuner
-    from worker.engine.tuning.kernel_tuner import FixedKernels, kernel_profile
     from worker.sched.tuning_state import SchedulerKnobs, TuningState
     from worker.service import WorkerService
     from worker.speculative.setup import build_speculator
 
     knobs = SchedulerKnobs.from_config(config)
-    host = socket.gethostname()
-    worker_id = f"{host}/node{node}/{os.getpid()}"
-    info = Register(worker_id=worker_id, numa_node=node, cpus=cpus, model_name=engine.model_name,
-                    model_path=str(path), arch=engine.arch, n_ctx=engine.n_ctx, vocab_size=engine.vocab_size,
-                    capacity=knobs.max_batch_size, host=host, pid=os.getpid())
-    context = zmq.Context()
-    keys = zmq_keys.client_keys(config)
-    if keys is not None:
-        zmq_keys.secure_clients(context, keys)  # the pulse's socket too
-        log.info("worker %s: CURVE key %s", worker_id, keys.public.decode())
-    sock = context.socket(zmq.DEALER)
-    # A token no one else knows in the routing id (gateway.workers): were this connection lost, no
-    # other could take up its routing id and be sent this worker's requests meanwhile.
-    sock.setsockopt(zmq.IDENTITY, f"{worker_id}@{secrets.token_hex(16)}".encode())
-    sock.setsockopt(zmq.LINGER, 2000)  # long enough for the goodbye to reach the gateway
-    # A refused key is otherwise silent here: the worker would just never be registered.
-    watch = RefusalWatch(sock, config.endpoint, keys.public) if keys is not None else None
-    if watch is not None:
-        watch.start()
-    sock.connect(config.endpoint)
+    info = _registration(node, cpus, engine, path, capacity=knobs.max_batch_size)
+    link = GatewayLink.connect(config, info.worker_id)
     blocks = BlockManager.for_pool(engine.kv)
     prefix = build_prefix_cache(config, engine, blocks)
     # The grammar token table is built at the first constrained request (~0.3 s for 49k tokens).
     constraints = Constraints.from_gguf(str(path), engine.vocab_size, knobs.max_batch_size)
     speculator, archive_store = build_speculator(config, engine.gguf.fingerprint())
     tuning = TuningState(knobs)
+    kernel_tuner = build_kernel_tuner(config, engine)  # on this thread, the steps' own: numba's threads are per thread
     generator = BatchGenerator(engine, tuning, prefix=prefix, blocks=blocks, constraints=constraints,
-                               speculator=speculator)
-    generator.kernel_tuner = build_kernel_tuner(config, engine)  # this thread runs the steps: numba threads are per thread
+                               speculator=speculator, kernel_tuner=kernel_tuner)
     log.info("batching: %s (adaptive %s)", ", ".join(f"{k}={v}" for k, v in knobs.as_dict().items()),
              "on" if config.tuning.adaptive else "off")
     # Profiles are sent with adaptivity off too (the report and the dashboard show them); only the
     # coordinator's decisions are off then.
     placement = Placement(node, cpus, numa_nodes=len(list_nodes()))
-    profiler = ProfileCollector(worker_id, cpus, placement=placement)
-    profiler.add_source("kernels", lambda: kernel_profile(generator.kernel_tuner.snapshot()))
+    profiler = ProfileCollector(info.worker_id, cpus, placement=placement)
+    profiler.add_source("kernels", lambda: kernel_profile(kernel_tuner.snapshot()))
     if speculator is not None:
         profiler.add_source("speculative", speculator.stats)
     # One owner for the thread count: the kernel tuner times every thread count per rows bucket
     # when it runs; the coordinator's threads knob applies only to a worker without one.
-    tuner_owns_threads = not isinstance(generator.kernel_tuner, FixedKernels)
-    service = WorkerService(generator, sock, info, drain_timeout=config.worker.drain_timeout, tuning=tuning,
+    tuner_owns_threads = not isinstance(kernel_tuner, FixedKernels)
+    service = WorkerService(generator, link.socket, info, drain_timeout=config.worker.drain_timeout, tuning=tuning,
                             profiler=profiler, adaptive=config.tuning.adaptive,
                             set_threads=None if tuner_owns_threads else _set_threads,
                             threads=config.engine.threads, placement=placement)
-    service.on_freeze(generator.kernel_tuner.freeze)  # a frozen strategy freezes the kernel table too
+    service.on_freeze(kernel_tuner.freeze)  # a frozen strategy freezes the kernel table too
     if tuner_owns_threads:
-        service.on_cpus(generator.kernel_tuner.limit_threads)  # no more threads than the CPUs it is placed on
+        service.on_cpus(kernel_tuner.limit_threads)  # no more threads than the CPUs it is placed on
+    pulse = Pulse(link.context, config.endpoint, service, config.server.heartbeat_interval,
+                  counters=generator.heartbeat_counters,
+                  profile=_profile_window(generator, profiler, service, tuner_owns_threads),
+                  profile_interval=config.tuning.profile_interval)
+    return Worker(info.worker_id, config.endpoint, link, generator, archive_store, service, pulse)
 
-    def profile():
+
+@dataclass
+class Worker:
+    """A serving worker's parts (build_worker); `run` serves until drained, then closes them."""
+    worker_id: str
+    endpoint: str
+    link: GatewayLink
+    generator: BatchGenerator  # its prefix cache, grammars, speculator and kernel tuner with it
+    archive_store: object | None  # the speculator's n-gram archive on disk, closed after a last save
+    service: WorkerService
+    pulse: Pulse
+
+    def run(self) -> None:
+        """SIGTERM (or Ctrl-C) drains: requests under way finish, then the worker leaves. A second
+        one stops at once."""
+        from shared.protocol import Error, encode
+
+        def on_signal(signum, _frame) -> None:
+            if self.service.drain_requested:
+                self.service.request_stop()
+            else:
+                self.service.request_drain()
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+        log.info("worker %s: registering with %s", self.worker_id, self.endpoint)
+        self.pulse.start()
+        try:
+            self.service.run()
+        except Exception as exc:
+            # Tell the gateway before dying, so it moves this worker's requests at once.
+            log.exception("worker %s: serve loop failed", self.worker_id)
+            self.link.socket.send(encode(Error("", type(exc).__name__, f"worker failed: {exc}", fatal=True)))
+            raise
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        self.pulse.stop()
+        generator = self.generator
+        generator.constraints.close()
+        if generator.prefix is not None:
+            generator.prefix.close()
+        if self.archive_store is not None:
+            generator.speculator.save()  # what it learned since the last periodic save
+            self.archive_store.close()
+        self.link.close()
+
+
+@dataclass
+class GatewayLink:
+    """The worker's side of ZeroMQ: one context (the pulse's socket shares it and its CURVE keys),
+    the DEALER socket jobs and tokens travel on, and the watch that logs a refused key."""
+    context: zmq.Context
+    socket: zmq.Socket
+    watch: RefusalWatch | None
+
+    @classmethod
+    def connect(cls, config: Config, worker_id: str) -> GatewayLink:
+        import zmq
+
+        from worker.refusal_watch import RefusalWatch
+
+        context = zmq.Context()
+        keys = zmq_keys.client_keys(config)
+        if keys is not None:
+            zmq_keys.secure_clients(context, keys)  # the pulse's socket too
+            log.info("worker %s: CURVE key %s", worker_id, keys.public.decode())
+        elif zmq_keys.is_tcp(config.endpoint):
+            log.warning("worker %s: connecting over %s without CURVE (insecure_tcp = true): whoever reaches it "
+                        "could pose as the gateway and send this worker its requests", worker_id, config.endpoint)
+        sock = context.socket(zmq.DEALER)
+        # A token no one else knows in the routing id (gateway.workers): were this connection lost, no
+        # other could take up its routing id and be sent this worker's requests meanwhile.
+        sock.setsockopt(zmq.IDENTITY, f"{worker_id}@{secrets.token_hex(16)}".encode())
+        sock.setsockopt(zmq.LINGER, 2000)  # long enough for the goodbye to reach the gateway
+        # A refused key is otherwise silent here: the worker would just never be registered.
+        watch = RefusalWatch(sock, config.endpoint, keys.public) if keys is not None else None
+        if watch is not None:
+            watch.start()
+        sock.connect(config.endpoint)
+        return cls(context, sock, watch)
+
+    def close(self) -> None:
+        if self.watch is not None:
+            self.watch.stop()
+        self.socket.close()
+        self.context.term()
+
+
+def _registration(node: int, cpus: list[int], engine, path: Path, capacity: int) -> Register:
+    """What the worker tells the gateway about itself when it registers."""
+    from shared.protocol import Register
+
+    host = socket.gethostname()
+    return Register(worker_id=f"{host}/node{node}/{os.getpid()}", numa_node=node, cpus=cpus,
+                    model_name=engine.model_name, model_path=str(path), arch=engine.arch, n_ctx=engine.n_ctx,
+                    vocab_size=engine.vocab_size, capacity=capacity, host=host, pid=os.getpid())
+
+
+def _profile_window(generator: BatchGenerator, profiler: ProfileCollector, service: WorkerService,
+                    tuner_owns_threads: bool) -> Callable[[], Profile]:
+    """The pulse's profile: the generator's counters over the last window, on the threads that ran it."""
+    def profile() -> Profile:
         counters = generator.heartbeat_counters()
-        counters["kv_block_tokens"] = engine.kv.block_size
-        threads = engine.threads if tuner_owns_threads else service.threads
-        window = profiler.profile(tuning.version, counters, generator.preemptions, threads)
+        counters["kv_block_tokens"] = generator.engine.kv.block_size
+        threads = generator.engine.threads if tuner_owns_threads else service.threads
+        window = profiler.profile(service.tuning.version, counters, generator.preemptions, threads)
         if tuner_owns_threads:  # a neighbour arriving or leaving is a drift: the tuner explores again
             generator.kernel_tuner.note_neighbours(window.cpu_others)
         return window
-
-    pulse = Pulse(context, config.endpoint, service, config.server.heartbeat_interval,
-                  counters=generator.heartbeat_counters, profile=profile,
-                  profile_interval=config.tuning.profile_interval)
-
-    def on_signal(signum, _frame) -> None:
-        if service.drain_requested:
-            service.request_stop()
-        else:
-            service.request_drain()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    if zmq_keys.is_tcp(config.endpoint) and keys is None:
-        log.warning("worker %s: connecting over %s without CURVE (insecure_tcp = true): whoever reaches it "
-                    "could pose as the gateway and send this worker its requests", worker_id, config.endpoint)
-    log.info("worker %s: registering with %s", worker_id, config.endpoint)
-    pulse.start()
-    try:
-        service.run()
-    except Exception as exc:
-        # Tell the gateway before dying, so it moves this worker's requests at once.
-        log.exception("worker %s: serve loop failed", worker_id)
-        sock.send(encode(Error("", type(exc).__name__, f"worker failed: {exc}", fatal=True)))
-        raise
-    finally:
-        pulse.stop()
-        if watch is not None:
-            watch.stop()
-        constraints.close()
-        if prefix is not None:
-            prefix.close()
-        if archive_store is not None:
-            speculator.save()  # what it learned since the last periodic save
-            archive_store.close()
-        sock.close()
-        context.term()
+    return profile
 
 
 def _set_threads(wanted: int) -> int:
@@ -256,20 +314,17 @@ def _set_threads(wanted: int) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
+
+    def start() -> None:
         config = configure(args)
         setup_logging(config.logging.level, f"worker[{args.numa_node}]")
         cpus = choose_cpus(args.numa_node, args.cpus)
         config = pin(cpus, config)
         log.info("NUMA node %d: pinned to CPUs %s", args.numa_node, ",".join(map(str, cpus)))
         engine, path = load(config)
-        serve(config, args.numa_node, cpus, engine, path)
-    except ReameError as exc:
-        print(f"reame-worker: error: {exc.message}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 130
-    return 0
+        build_worker(config, args.numa_node, cpus, engine, path).run()
+
+    return run_process("reame-worker", start)
 
 
 if __name__ == "__main__":

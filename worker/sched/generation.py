@@ -23,7 +23,7 @@ from worker.kv.block_manager import BlockManager
 from worker.kv.prefix_cache import PrefixCache
 from worker.kv.sequence import Sequence
 from worker.sched.constraint import Constraints, GrammarConstraint
-from worker.engine.tuning.kernel_tuner import FixedKernels
+from worker.engine.tuning.kernel_tuner import FixedKernels, KernelTuner
 from worker.sched.sampler import Sampler
 from worker.sched.scheduler import ScheduledBatch, ScheduledChunk, Scheduler
 from worker.sched.tuning_state import TuningState
@@ -90,7 +90,9 @@ class BatchGenerator:
     prefix cache's own when one is given, so the two agree on every block).
     constraints: builds and steps the grammars of requests with `params.grammar`; without it such
     requests are refused.
-    speculator: drafts tokens for decoding sequences (worker.spec); None: no speculation.
+    speculator: drafts tokens for decoding sequences (worker.speculative); None: no speculation.
+    kernel_tuner: picks the op table and threads of each step (the worker's, from
+    kernel_table_store.build_kernel_tuner); None: the engine's as loaded, never changed.
 
     Verification: a drafted chunk's rows each return logits (the engine gets one 1-token chunk
     per row: rows are independent, so the logits are exactly those of decoding the same tokens
@@ -104,7 +106,7 @@ class BatchGenerator:
     def __init__(self, engine: BatchEngine, tuning: TuningState | None = None,
                  clock: Callable[[], float] = time.monotonic, prefix: PrefixCache | None = None,
                  blocks: BlockManager | None = None, constraints: Constraints | None = None,
-                 speculator: Speculator | None = None):
+                 speculator: Speculator | None = None, kernel_tuner: KernelTuner | FixedKernels | None = None):
         self.engine = engine
         self.prefix = prefix
         if blocks is None:
@@ -128,7 +130,7 @@ class BatchGenerator:
         self.hold_until: float | None = None  # when to step again though nothing is ready to run
         self.preemptions = 0  # sequences sent back to recompute because KV blocks ran out
         self.last_step = StepStats()
-        self.kernel_tuner = FixedKernels()  # the worker sets a KernelTuner (kernel_table_store.build_kernel_tuner)
+        self.kernel_tuner = kernel_tuner if kernel_tuner is not None else FixedKernels()
 
     # ---- requests ------------------------------------------------------------------------------
 
