@@ -89,7 +89,8 @@ def test_a_damaged_or_foreign_save_is_ignored_with_a_warning(tmp_path, caplog):
     flipped = blob[:-3] + bytes([blob[-3] ^ 1]) + blob[-2:]
     assert learned.decode(flipped) is None
     assert learned.decode(blob[:4]) is None and learned.decode(None) is None
-    older = saved_state.encode(learned.KIND, learned.VERSION - 1, saved_state.decode(blob, learned.KIND, learned.VERSION))
+    fields = saved_state.decode(blob, learned.KIND, learned.VERSION)
+    older = saved_state.encode(learned.KIND, learned.VERSION - 1, fields)
     assert learned.decode(older) is None  # another version (2: its own binary header)
 
     store = _store(tmp_path)

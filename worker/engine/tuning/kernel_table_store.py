@@ -1,10 +1,11 @@
 """The learned kernel table on disk, and the worker's KernelTuner built from reame.conf.
 
 One file per (host CPU model and flags, model file, Reame version and engine code, numerics,
-threads), in learned state's format (shared.saved_state), under the deployment's tuning directory (`[tuning] state_path`, else <[server]
-state_dir>/tuning): a restarted worker on the same host and model starts on what it learned,
-skipping calibration; any other combination starts fresh (a table measured for another CPU or
-another build of the kernels says nothing about this one).
+threads), in learned state's format (shared.saved_state), under the deployment's tuning
+directory (`[tuning] state_path`, else <[server] state_dir>/tuning): a restarted worker on the
+same host and model starts on what it learned, skipping calibration; any other combination
+starts fresh (a table measured for another CPU or another build of the kernels says nothing
+about this one).
 """
 from __future__ import annotations
 
@@ -99,7 +100,8 @@ def saved_tables(directory: Path) -> list[tuple[Path, dict]]:
         except OSError as exc:
             out.append((path, {"error": str(exc)}))
             continue
-        out.append((path, record if record is not None else {"error": "damaged, or not a kernel table of this version"}))
+        damaged = {"error": "damaged, or not a kernel table of this version"}
+        out.append((path, record if record is not None else damaged))
     return out
 
 
