@@ -42,13 +42,19 @@ from typing import Annotated, Any, Callable, Literal, NamedTuple, Union, get_arg
 
 import orjson
 
+from shared.errors import ConfigError
+from shared.knobs import Knobs
 from shared.sampling import SamplingParams
 
-COORDINATOR_PROTOCOL_VERSION = 1  # gateway ↔ standalone coordinator (Attach, Attached, Advice, AdminCall, AdminReply)
+# gateway ↔ standalone coordinator (Attach, Attached, Advice, AdminCall, AdminReply); 2: Advice's
+# Strategy carries its knobs whole (Strategy.knobs)
+COORDINATOR_PROTOCOL_VERSION = 2
 # 2: Generate.warm, Finished.prefix_tokens, Heartbeat counters; 3: params.grammar; 4: Profile, Strategy;
 # 5: Generate.speculative, spec_* counters; 6: CPU placement (Strategy.cpus, bind_memory; Profile.cpus_in_use,
-# cpu_others_each, numa_nodes, memory_bound); 7: Heartbeat.read_request, read_ms (liveness from the data path)
-PROTOCOL_VERSION = 7
+# cpu_others_each, numa_nodes, memory_bound); 7: Heartbeat.read_request, read_ms (liveness from the data path);
+# 8: Strategy.knobs (shared.knobs.Knobs) instead of one field per knob, and no Strategy.threads (the
+# worker's kernel tuner decides the thread count)
+PROTOCOL_VERSION = 8
 
 
 class Range(NamedTuple):
@@ -240,20 +246,13 @@ class Profile:
 
 @dataclass(frozen=True)
 class Strategy:
-    """Gateway (tuning coordinator) → worker: the scheduler knobs from the next step on.
+    """Gateway (tuning coordinator) → worker: the scheduler knobs and placement from the next step on.
 
     A version not newer than the one in force is ignored, so late or repeated ones are harmless."""
     version: Positive
     reason: str
-    max_batch_size: Positive
-    token_budget: Positive
-    prefill_chunk: Positive
-    attention_chunk: Positive
-    batching_window_ms: float
+    knobs: Knobs  # declared, with their bounds, in shared.knobs
     frozen: bool = False  # an operator froze the strategy: whatever else learns (kernels) stops too
-    threads: Count = 0  # threads of the engine's parallel kernels (0: as the worker started)
-    cpus: list[Count] = field(default_factory=list)  # the CPUs of its node it runs on ([]: all it started with)
-    bind_memory: bool = False  # bind its memory (and move what it has) to its NUMA node
 
 
 @dataclass(frozen=True)
@@ -494,7 +493,10 @@ def _dataclass_decoder(cls: type) -> Callable[[Any], Any]:
                     raise exc.within(f".{name}") from None
             elif required:
                 raise _Invalid(f"missing field {name}")
-        return cls(**values)
+        try:
+            return cls(**values)
+        except ConfigError as exc:  # a dataclass that checks its own bounds (shared.knobs)
+            raise _Invalid(exc.message) from None
     return build
 
 

@@ -22,7 +22,7 @@ from shared.sampling import SamplingParams
 from worker.placement import Placement
 from worker.profiler import ProfileCollector
 from worker.sched.generation import Event, FinishEvent, TokenEvent
-from worker.sched.tuning_state import SchedulerKnobs, TuningState
+from worker.sched.tuning_state import TuningState
 
 log = logging.getLogger("reame.worker")
 
@@ -50,22 +50,18 @@ class WorkerService:
     def __init__(self, generator: GeneratorLike, socket: zmq.Socket, info: Register, *, drain_timeout: float = 120.0,
                  clock: Callable[[], float] = time.monotonic, tuning: TuningState | None = None,
                  profiler: ProfileCollector | None = None, adaptive: bool = True,
-                 set_threads: Callable[[int], int] | None = None, threads: int = 0,
-                 placement: Placement | None = None):
+                 placement: Placement | None = None, set_threads: object = None, threads: int = 0):
         """tuning: where a coordinator's Strategy lands (None: Strategies are ignored); adaptive
         False ignores them too ([tuning] adaptive = false: the knobs stay as reame.conf says).
-        set_threads(n): use n threads in the engine's parallel kernels from the next step on;
-        returns the number now in use (`threads`, the one at start). placement: where a Strategy's
-        CPU set and memory binding land (None: they are ignored)."""
+        placement: where a Strategy's CPU set and memory binding land (None: they are ignored);
+        the thread count follows it through on_cpus' listeners (the kernel tuner decides it)."""
         self.generator = generator
         self.tuning = tuning
         self._started = tuning.current() if tuning is not None else None  # what the engine was sized for
         self.profiler = profiler
         self.adaptive = adaptive
         self.frozen = False  # an operator froze the strategy: nothing here may learn until unfrozen
-        self.set_threads = set_threads
-        self.threads = threads
-        self._started_threads = threads
+        self.threads = threads  # TRANSITIONAL: worker.main still passes set_threads and threads; unused
         self.placement = placement
         self._cpu_listeners: list[Callable[[int], None]] = []
         self._freeze_listeners: list[Callable[[bool], None]] = []
@@ -100,8 +96,8 @@ class WorkerService:
 
     def on_cpus(self, listener: Callable[[int], None]) -> None:
         """Call listener(n) when a Strategy's placement changes how many CPUs the worker runs on
-        (the kernel tuner, which owns the thread count, keeps it within them). Called from the
-        serve loop, between steps."""
+        (the kernel tuner, the one decider of the thread count, keeps it within them). Called
+        from the serve loop, between steps."""
         self._cpu_listeners.append(listener)
 
     def load(self) -> tuple[int, int]:
@@ -213,16 +209,9 @@ class WorkerService:
             return
         if self._started is None:  # a TuningState given after construction: still its start values
             self._started = self.tuning.current()
-        started = self._started
+        knobs = strategy.knobs.scheduler  # within shared.knobs' bounds: Knobs checks them when built
         try:
-            knobs = SchedulerKnobs(max_batch_size=strategy.max_batch_size, token_budget=strategy.token_budget,
-                                   prefill_chunk=strategy.prefill_chunk, attention_chunk=strategy.attention_chunk,
-                                   batching_window_ms=strategy.batching_window_ms)
-            # The engine sized its window-KV pool for these at start-up.
-            if knobs.prefill_chunk > started.prefill_chunk or knobs.max_batch_size > 2 * started.max_batch_size:
-                raise ConfigError(f"prefill_chunk {knobs.prefill_chunk} (at most {started.prefill_chunk}) or "
-                                  f"max_batch_size {knobs.max_batch_size} (at most {2 * started.max_batch_size}) "
-                                  "beyond what the engine was sized for")
+            knobs.check_fits(self._started, "strategy")
             adopted = self.tuning.apply(knobs, strategy.version, strategy.reason)
         except ConfigError as exc:
             log.warning("worker %s: refused strategy %d: %s", self.info.worker_id, strategy.version, exc.message)
@@ -231,16 +220,8 @@ class WorkerService:
             return
         if self.placement is not None:
             self._place(strategy)
-        if self.set_threads is not None:
-            # 0: as the worker started (a revert to the defaults restores it); never more threads
-            # than CPUs to run them on.
-            wanted = strategy.threads or self._started_threads
-            if self.placement is not None:
-                wanted = min(wanted, len(self.placement.in_use))
-            if wanted and wanted != self.threads:
-                self.threads = self.set_threads(wanted)
-        log.info("worker %s: strategy %d (%s): %s, threads=%d", self.info.worker_id, strategy.version,
-                 strategy.reason, ", ".join(f"{k}={v}" for k, v in knobs.as_dict().items()), self.threads)
+        log.info("worker %s: strategy %d (%s): %s", self.info.worker_id, strategy.version,
+                 strategy.reason, ", ".join(f"{k}={v}" for k, v in knobs.as_dict().items()))
         if strategy.frozen != self.frozen:
             self.frozen = strategy.frozen
             for listener in self._freeze_listeners:
@@ -255,7 +236,7 @@ class WorkerService:
         placement = self.placement
         before, was_bound = list(placement.in_use), placement.bound
         try:
-            changed = placement.apply(strategy.cpus, strategy.bind_memory)
+            changed = placement.apply(list(strategy.knobs.cpus), strategy.knobs.bind_memory)
         except ConfigError as exc:
             log.warning("worker %s: strategy %d: placement unchanged (CPUs %s): %s", self.info.worker_id,
                         strategy.version, _cpus(placement.in_use), exc.message)

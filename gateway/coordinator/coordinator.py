@@ -19,7 +19,7 @@ A worker's life under the coordinator:
 No decision while a change is being measured, while frozen, or with adaptivity off.
 
 No decision outlives its cause. A placement chosen because other processes loaded the worker's
-CPUs (CONDITIONAL: fewer CPUs, fewer threads) records that cause; once the cause has been gone for
+CPUs (CONDITIONAL: fewer CPUs) records that cause; once the cause has been gone for
 CONFIRM profiles the placement is released, frozen or not (a freeze pins what was learned about
 the traffic, not a neighbour that has left: one 45 s hog, then a freeze, kept every later server
 on one of two CPUs for hours). A restored strategy never resumes such a placement: its worker
@@ -42,11 +42,11 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from gateway.coordinator.knobs import Knobs
 from gateway.coordinator.policy import (BUSY_NEIGHBOURS, METRICS, QUIET_NEIGHBOURS, THROUGHPUT, Proposal,
                                         others_by_cpu, propose)
 from gateway.coordinator.store import age
 from shared.errors import ConfigError
+from shared.knobs import Knobs
 from shared.protocol import Profile, Strategy
 
 log = logging.getLogger("reame.coordinator")
@@ -59,7 +59,7 @@ TABU_S = 600.0
 MAX_TABU_S = 8 * TABU_S
 MIX_DRIFT = 0.7  # |log| change (2x) of a request-mix figure that makes a rested policy worth a new trial
 HISTORY = 500  # decisions kept (and persisted)
-CONDITIONAL = ("busy CPUs", "neighbours")  # policies whose choice holds only while other processes load the CPUs
+CONDITIONAL = ("busy CPUs",)  # policies whose choice holds only while other processes load the CPUs
 RESUME_CHECK = "resume check"
 RETEST = "re-test"  # learned knobs against the defaults, once the traffic they were chosen for has changed
 
@@ -111,8 +111,8 @@ class _Slot:
     blocked: dict[str, float] = field(default_factory=dict)  # policy → monotonic time it may fire again
     reverts: dict[str, int] = field(default_factory=dict)  # policy → its reverts on this worker
     blocked_mix: dict[str, tuple] = field(default_factory=dict)  # policy → the mix its last revert saw
-    # Why the placement (cpus, threads) is narrowed: {"policy", "reason", "cpus": the loaded CPUs,
-    # "at": wall seconds}; None: it is not narrowed, or an operator pinned it.
+    # Why the placement (cpus) is narrowed: {"policy", "reason", "cpus": the loaded CPUs, "at":
+    # wall seconds}; None: it is not narrowed, or an operator pinned it.
     cause: dict | None = None
     calm: int = 0  # consecutive profiles in which the cause was gone
     resume_check: bool = False  # resumed knobs not yet compared with the defaults
@@ -146,7 +146,7 @@ class Coordinator:
         slot = self._slot(worker_id, cpus)
         if not self.adaptive or slot.version == 0:
             return None
-        return slot.knobs.strategy(slot.version, "resumed", self.frozen)
+        return Strategy(slot.version, "resumed", slot.knobs, self.frozen)
 
     def observe(self, profile: Profile, now: float) -> list[Outgoing]:
         """Take one profile; return the strategies to send (none, mostly)."""
@@ -157,7 +157,7 @@ class Coordinator:
             return []
         if profile.knobs_version < slot.version:
             # The worker restarted, or a Strategy was lost: send what it should run.
-            return [Outgoing(slot.worker_id, slot.knobs.strategy(slot.version, "resent", self.frozen))]
+            return [Outgoing(slot.worker_id, Strategy(slot.version, "resent", slot.knobs, self.frozen))]
         if slot.trial is None and slot.cause is not None and profile.knobs_version == slot.version:
             released = self._release_if_gone(slot, profile)
             if released is not None:
@@ -210,7 +210,7 @@ class Coordinator:
             slot.resume_check = False  # the operator has looked at these knobs
             self._record(Decision(self.version, name, self.wall(), kind, "operator", f"strategy {kind}",
                                   slot.knobs.as_dict(), slot.knobs.as_dict()))
-            out.append(Outgoing(slot.worker_id, slot.knobs.strategy(slot.version, kind, frozen)))
+            out.append(Outgoing(slot.worker_id, Strategy(slot.version, kind, slot.knobs, frozen)))
         log.info("coordinator: strategy %s (%d workers told)", "frozen" if frozen else "unfrozen", len(out))
         return out
 
@@ -297,7 +297,7 @@ class Coordinator:
             slot.cause, slot.resume_check = None, False  # an operator's placement has no cause to outlive
             self._record(decision)
             if slot.worker_id:
-                out.append(Outgoing(slot.worker_id, knobs.strategy(slot.version, "imported", frozen)))
+                out.append(Outgoing(slot.worker_id, Strategy(slot.version, "imported", knobs, frozen)))
         if not self.frozen:
             self.frozen_at = self.wall()
         self.frozen = frozen
@@ -316,7 +316,7 @@ class Coordinator:
                  proposal.knobs.describe(slot.knobs), proposal.policy, proposal.reason, proposal.goal)
         slot.knobs, slot.version = proposal.knobs, self.version
         self._record(decision)
-        return Outgoing(slot.worker_id, slot.knobs.strategy(slot.version, f"{proposal.policy}: {proposal.reason}"))
+        return Outgoing(slot.worker_id, Strategy(slot.version, f"{proposal.policy}: {proposal.reason}", slot.knobs))
 
     def _measure(self, slot: _Slot, profile: Profile, now: float) -> list[Outgoing]:
         trial = slot.trial
@@ -370,7 +370,7 @@ class Coordinator:
         if decision.policy == RETEST:
             slot.chosen_for = _mix(trial.after)  # the learned knobs still win on this traffic
         self._record(revert)
-        return [Outgoing(slot.worker_id, slot.knobs.strategy(slot.version, f"revert: {revert.reason}"))]
+        return [Outgoing(slot.worker_id, Strategy(slot.version, f"revert: {revert.reason}", slot.knobs))]
 
     def _drifted(self, slot: _Slot, policy: str, profile: Profile) -> bool:
         """Whether a resting policy may be tried again before its rest ends: the profile moved from
@@ -408,18 +408,13 @@ class Coordinator:
         """The slot's cause once `proposal` is applied: recorded when a CONDITIONAL policy narrows
         the placement, dropped once the placement is the defaults' again."""
         new, old = proposal.knobs, slot.knobs
-        if new.cpus == () and new.threads == self.defaults.threads:
+        if new.cpus == ():
             return None
         if profile is None or proposal.policy not in CONDITIONAL:
             return slot.cause
-        cause = dict(slot.cause or {"cpus": [], "aggregate": False})
-        if proposal.policy == "busy CPUs":
-            removed = set(old.cpus or profile.cpus) - set(new.cpus or profile.cpus)
-            cause["cpus"] = sorted(set(cause["cpus"]) | removed)
-        elif new.threads and (not old.threads or new.threads < old.threads):
-            cause["aggregate"] = True
-        else:
-            return slot.cause
+        cause = dict(slot.cause or {"cpus": []})
+        removed = set(old.cpus or profile.cpus) - set(new.cpus or profile.cpus)
+        cause["cpus"] = sorted(set(cause["cpus"]) | removed)
         cause.update(policy=proposal.policy, reason=proposal.reason, at=self.wall())
         return cause
 
@@ -428,13 +423,13 @@ class Coordinator:
         the default profile_interval); not measured (the measurement was made under the cause)."""
         cause = slot.cause
         others = others_by_cpu(profile)
-        loaded = cause["cpus"] if others and not cause.get("aggregate") else []
+        loaded = cause["cpus"] if others else []
         now_load = max(others.get(c, 1.0) for c in loaded) if loaded else profile.cpu_others
         slot.calm = slot.calm + 1 if now_load <= QUIET_NEIGHBOURS else 0
         if slot.calm < CONFIRM:
             return None
         slot.calm, slot.cause = 0, None
-        knobs = slot.knobs.with_(cpus=(), threads=self.defaults.threads)
+        knobs = slot.knobs.with_(cpus=())
         where = f"CPU {','.join(map(str, loaded))}" if loaded else "this worker's CPUs"
         self.version += 1
         name = self._name_of(slot)
@@ -447,11 +442,11 @@ class Coordinator:
                  " (the strategy stays frozen otherwise)" if self.frozen else "")
         slot.knobs, slot.version = knobs, self.version
         self._record(decision)
-        return Outgoing(slot.worker_id, knobs.strategy(slot.version, f"release: {reason}", self.frozen))
+        return Outgoing(slot.worker_id, Strategy(slot.version, f"release: {reason}", knobs, self.frozen))
 
     def _defaults_at(self, knobs: Knobs) -> Knobs:
         """The shipped scheduler knobs at `knobs`' placement (placement has its own rules)."""
-        return self.defaults.with_(threads=knobs.threads, cpus=knobs.cpus, bind_memory=knobs.bind_memory)
+        return self.defaults.with_(cpus=knobs.cpus, bind_memory=knobs.bind_memory)
 
     def _check_resumed(self, slot: _Slot) -> list[Outgoing]:
         """Once MEASURE profiles with traffic ran the resumed knobs: try the defaults against them."""
@@ -469,7 +464,7 @@ class Coordinator:
         load: that load is not trusted across a restart, the policies re-test it live. A placement
         an operator imported stays. Strategies saved before causes were recorded: the slot's
         history says which policy chose it."""
-        if not knobs.cpus and knobs.threads == self.defaults.threads:
+        if not knobs.cpus:
             return knobs
         if not isinstance(cause, dict):
             chosen_by = next((d for d in reversed(self.history) if d.slot == name
@@ -479,11 +474,10 @@ class Coordinator:
             cause = {"policy": chosen_by.policy, "reason": chosen_by.reason, "at": chosen_by.at}
         at = cause.get("at")
         since = age(self.wall() - at) if isinstance(at, (int, float)) else "some time"
-        log.warning("coordinator: %s: the saved placement (cpus %s, threads %s) is not resumed: %s chose it %s ago "
+        log.warning("coordinator: %s: the saved placement (cpus %s) is not resumed: %s chose it %s ago "
                     "because %s; the worker starts on all its CPUs and the policies re-test that live",
-                    name[:80], ",".join(map(str, knobs.cpus)) or "all", knobs.threads or "all",
-                    cause.get("policy"), since, cause.get("reason"))
-        return knobs.with_(cpus=(), threads=self.defaults.threads)
+                    name[:80], ",".join(map(str, knobs.cpus)), cause.get("policy"), since, cause.get("reason"))
+        return knobs.with_(cpus=())
 
     # ---- bookkeeping ---------------------------------------------------------------------------
 

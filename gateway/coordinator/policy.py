@@ -9,11 +9,10 @@ which its effect is judged afterwards (coordinator.py reverts a change whose goa
   window so lone arrivals meet company.
 - long generations: long outputs with a full batch → smaller batches, for the tail latency of
   each token.
-- neighbours: other processes take much of the worker's CPUs → one thread fewer (a parallel
-  kernel waits for its slowest thread, and a thread whose CPU is taken stalls all of them); back
-  to every CPU once they are quiet again.
 - busy CPUs: other processes take most of one CPU the worker runs on → run on its node's other
-  CPUs only (one thread per CPU left); quiet CPUs: such a CPU is quiet again → take it back.
+  CPUs only; quiet CPUs: such a CPU is quiet again → take it back. The thread count is not
+  chosen here: the worker's kernel tuner times each count on live steps and decides it, never
+  above the CPUs this placement leaves (a neighbour on every CPU shows there as slower steps).
 - memory binding: on a host of several NUMA nodes, bind the worker's memory to its node (pages
   moved there); kept only if tokens per busy second do not drop.
 - long prompts: prompts feeding more than a chunk (after prefix hits) while decoders wait in the same steps → smaller
@@ -27,8 +26,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
-from gateway.coordinator.knobs import (MAX_BATCH_GROWTH, MAX_WINDOW_MS, MIN_BATCH, MIN_PREFILL_CHUNK, MIN_WINDOW_MS,
-                                      Knobs)
+from shared.knobs import MAX_WINDOW_MS, MIN_BATCH, MIN_PREFILL_CHUNK, MIN_WINDOW_MS, Knobs, batch_ceiling
 from shared.protocol import Profile
 
 
@@ -51,8 +49,8 @@ METRICS = {m.name: m for m in (
 )}
 THROUGHPUT, STEP_MS, PREFILL_STEP_MS, QUEUE_WAIT = METRICS
 
-# Bounds of what the policies may choose are knobs.py's (MIN_BATCH, MIN/MAX_WINDOW_MS,
-# MIN_PREFILL_CHUNK; the batch: MAX_BATCH_GROWTH times reame.conf's): an import keeps to them too.
+# Bounds of what the policies may choose are shared.knobs' (MIN_BATCH, MIN/MAX_WINDOW_MS,
+# MIN_PREFILL_CHUNK; the batch: batch_ceiling of reame.conf's): an import keeps to them too.
 
 # When a policy fires (measured per profile window).
 SHORT_OUTPUT_TOKENS = 96  # a generation this short (p50) is a short request
@@ -77,7 +75,7 @@ def propose(profile: Profile, knobs: Knobs, defaults: Knobs) -> list[Proposal]:
     """Every policy that fires on this profile, most urgent first (memory before the rest)."""
     if profile.steps == 0 and profile.arrivals == 0:
         return []  # an idle window says nothing about traffic
-    found = [p for rule in (_memory, _busy_cpus, _quiet_cpus, _memory_binding, _neighbours, _bursts, _short_requests,
+    found = [p for rule in (_memory, _busy_cpus, _quiet_cpus, _memory_binding, _bursts, _short_requests,
                             _long_generations, _long_prompts)
              if (p := rule(profile, knobs, defaults)) is not None and p.knobs != knobs]
     return found
@@ -118,8 +116,7 @@ def _busy_cpus(profile: Profile, knobs: Knobs, defaults: Knobs) -> Proposal | No
     if others.get(worst, 0.0) < BUSY_NEIGHBOURS:
         return None
     keep = tuple(c for c in in_use if c != worst)
-    threads = min(knobs.threads, len(keep)) if knobs.threads else 0
-    return Proposal("busy CPUs", knobs.with_(cpus=keep, threads=threads), THROUGHPUT,
+    return Proposal("busy CPUs", knobs.with_(cpus=keep), THROUGHPUT,
                     f"other processes used {100 * others[worst]:.0f}% of CPU {worst}: every parallel kernel "
                     f"waits for its thread there, so run on CPUs {_cpu_list(keep)} only")
 
@@ -149,21 +146,6 @@ def _cpu_list(cpus) -> str:
     return ",".join(map(str, cpus))
 
 
-def _neighbours(profile: Profile, knobs: Knobs, defaults: Knobs) -> Proposal | None:
-    if not profile.cpus or profile.steps == 0:
-        return None
-    everyone = len(knobs.cpus or profile.cpus)
-    threads = profile.threads or knobs.threads or everyone
-    if profile.cpu_others >= BUSY_NEIGHBOURS and threads > 1:
-        return Proposal("neighbours", knobs.with_(threads=threads - 1), THROUGHPUT,
-                        f"other processes used {100 * profile.cpu_others:.0f}% of this worker's {everyone} CPUs "
-                        f"(steal {100 * profile.cpu_steal:.0f}%): fewer threads wait less for a descheduled one")
-    if profile.cpu_others <= QUIET_NEIGHBOURS and threads < everyone:
-        return Proposal("neighbours", knobs.with_(threads=everyone), THROUGHPUT,
-                        f"other processes used only {100 * profile.cpu_others:.0f}% of this worker's CPUs")
-    return None
-
-
 def _bursts(profile: Profile, knobs: Knobs, defaults: Knobs) -> Proposal | None:
     if (profile.arrivals < MIN_ARRIVALS_FOR_BURSTS or profile.burstiness < BURSTY
             or knobs.batching_window_ms <= MIN_WINDOW_MS):
@@ -182,7 +164,7 @@ def _short_requests(profile: Profile, knobs: Knobs, defaults: Knobs) -> Proposal
     if rate < BUSY_ARRIVALS_PER_S or profile.finished == 0 or profile.output_tokens_p50 > SHORT_OUTPUT_TOKENS or not full:
         return None
     cap = memory_cap(profile)
-    limit = min(defaults.max_batch_size * MAX_BATCH_GROWTH, cap if cap is not None else 1 << 30)
+    limit = min(batch_ceiling(defaults.max_batch_size), cap if cap is not None else 1 << 30)
     size = min(limit, knobs.max_batch_size * 2)
     changes = {"max_batch_size": size, "token_budget": max(knobs.token_budget, size + knobs.prefill_chunk)}
     if profile.burstiness < BURSTY:  # bursts want the opposite; _bursts has it

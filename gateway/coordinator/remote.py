@@ -110,7 +110,7 @@ class RemoteTuning:
         # runs the strategy (its profile's version), as with the in-process coordinator.
         relayed = self.relayed.get(profile.worker_id)
         if relayed is not None and profile.knobs_version == relayed.version:
-            self.pool.set_capacity(profile.worker_id, relayed.max_batch_size)
+            self.pool.set_capacity(profile.worker_id, relayed.knobs.max_batch_size)
 
     # ---- operator controls ---------------------------------------------------------------------
 

@@ -14,11 +14,11 @@ import time
 from typing import Any, Callable
 
 from gateway.coordinator.coordinator import Coordinator, Outgoing, slot_of
-from gateway.coordinator.knobs import Knobs
 from gateway.coordinator.report import AdaptiveReport
 from gateway.coordinator.store import StrategyStore, describe, legacy_strategy
 from shared.config import Config
 from shared.errors import ConfigError
+from shared.knobs import Knobs
 from shared.protocol import Profile, Register
 
 log = logging.getLogger("reame.coordinator")

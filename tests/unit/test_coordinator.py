@@ -8,10 +8,10 @@ import pytest
 
 from gateway.coordinator import policy
 from gateway.coordinator.coordinator import CONFIRM, MEASURE, Coordinator, slot_of
-from gateway.coordinator.knobs import Knobs
 from gateway.coordinator.store import StrategyStore
 from shared.config import Config
 from shared.errors import ConfigError
+from shared.knobs import Knobs
 from shared.protocol import Profile
 
 DEFAULTS = Knobs.from_config(Config())  # 8 sequences, budget 512, chunk 512, attention 512, window 2 ms
@@ -102,7 +102,7 @@ def test_one_odd_window_changes_nothing():
     assert feed(coordinator, 1) == []  # the streak is broken
     assert feed(coordinator, CONFIRM - 1, **SHORT) == []
     [out] = feed(coordinator, 1, **SHORT)
-    assert out.worker_id == WORKER and out.strategy.max_batch_size == 16 and out.strategy.version == 1
+    assert out.worker_id == WORKER and out.strategy.knobs.max_batch_size == 16 and out.strategy.version == 1
     assert coordinator.history[-1].kind == "change" and coordinator.history[-1].outcome == "measuring"
 
 
@@ -128,7 +128,7 @@ def test_a_change_that_hurts_is_reverted_and_not_tried_again():
     coordinator = Coordinator(DEFAULTS)
     feed(coordinator, CONFIRM, **SHORT)
     [revert] = feed(coordinator, MEASURE + 1, **{**SHORT, "output_tokens": 1000})  # a third fewer tokens
-    assert revert.strategy.max_batch_size == DEFAULTS.max_batch_size and revert.strategy.version == 2
+    assert revert.strategy.knobs.max_batch_size == DEFAULTS.max_batch_size and revert.strategy.version == 2
     change, undo = coordinator.history
     assert change.outcome == "reverted" and undo.kind == "revert" and undo.after == DEFAULTS.as_dict()
     assert change.effect["change"] == pytest.approx((1000 + 1000) / (1000 + 1500) - 1, abs=1e-3)
@@ -149,7 +149,7 @@ def test_frozen_means_no_change_and_workers_are_told():
     coordinator = Coordinator(DEFAULTS)
     feed(coordinator, 1)  # the worker is known
     [told] = coordinator.set_frozen(True)
-    assert told.strategy.frozen and told.strategy.max_batch_size == DEFAULTS.max_batch_size
+    assert told.strategy.frozen and told.strategy.knobs.max_batch_size == DEFAULTS.max_batch_size
     assert feed(coordinator, 20, **SHORT) == [] and feed(coordinator, 20, **LONG_GEN) == []
     assert all(d.kind == "freeze" for d in coordinator.history)
     [thawed] = coordinator.set_frozen(False)
@@ -175,7 +175,7 @@ def test_a_restarted_coordinator_resumes_the_persisted_strategy(tmp_path):
     second = Coordinator(DEFAULTS)
     second.restore(StrategyStore(tmp_path).load())
     strategy = second.strategy_for("host/node0/999", [0, 1])  # the worker restarted too: a new pid
-    assert strategy is not None and strategy.version == 1 and strategy.max_batch_size == 16
+    assert strategy is not None and strategy.version == 1 and strategy.knobs.max_batch_size == 16
     assert [d.outcome for d in second.history] == ["kept"]
     # A worker still running v1 is left alone; one that runs less is sent v1 again.
     assert second.observe(profile(worker_id="host/node0/999", knobs_version=1), 0.0) == []
@@ -191,7 +191,7 @@ def test_import_pins_a_strategy_frozen():
     feed(coordinator, 1)
     pinned = DEFAULTS.with_(max_batch_size=4, batching_window_ms=1.0)
     [out] = coordinator.import_strategy({"workers": {"*": {"knobs": pinned.as_dict()}}})
-    assert out.strategy.frozen and out.strategy.max_batch_size == 4 and coordinator.frozen
+    assert out.strategy.frozen and out.strategy.knobs.max_batch_size == 4 and coordinator.frozen
     assert feed(coordinator, 10, **SHORT) == []
     with pytest.raises(ConfigError, match="max_batch_size"):
         coordinator.import_strategy({"workers": {"*": {"knobs": {**pinned.as_dict(), "max_batch_size": 0}}}})
@@ -209,13 +209,13 @@ def test_slots_outlive_process_ids():
     assert dataclasses.replace(DEFAULTS).describe(DEFAULTS.with_(max_batch_size=4)) == "max_batch_size 4→8"
 
 
-def test_busy_neighbours_get_one_thread_fewer_and_quiet_ones_every_cpu_back():
-    [fewer] = policy.propose(profile(cpu_others=0.7, threads=2), DEFAULTS, DEFAULTS)
-    assert fewer.policy == "neighbours" and fewer.knobs.threads == 1 and fewer.goal == policy.THROUGHPUT
-    assert policy.propose(profile(cpu_others=0.7, threads=1), DEFAULTS.with_(threads=1), DEFAULTS) == []
-    [back] = policy.propose(profile(cpu_others=0.05, threads=1), DEFAULTS.with_(threads=1), DEFAULTS)
-    assert back.knobs.threads == 2  # the worker's CPUs
-    assert policy.propose(profile(cpu_others=0.3, threads=1), DEFAULTS.with_(threads=1), DEFAULTS) == []  # between: stay
+def test_the_thread_count_is_the_kernel_tuners_alone():
+    """Busy or quiet neighbours on every CPU: the worker's kernel tuner times the thread counts and
+    decides; the coordinator proposes none (a worker with a tuner dropped it, while the coordinator
+    recorded and measured it as if it ran)."""
+    assert "threads" not in {f.name for f in dataclasses.fields(Knobs)}
+    assert policy.propose(profile(cpu_others=0.7, threads=2), DEFAULTS, DEFAULTS) == []
+    assert policy.propose(profile(cpu_others=0.05, threads=1), DEFAULTS, DEFAULTS) == []
 
 
 # ---- placement: the CPU set and memory binding ----------------------------------------------------
@@ -224,7 +224,7 @@ def test_a_neighbour_on_one_cpu_moves_the_worker_off_it_and_a_quiet_one_brings_i
     [off] = policy.propose(profile(cpu_others=0.4, cpu_others_each=[0.02, 0.8], threads=2), DEFAULTS, DEFAULTS)
     assert off.policy == "busy CPUs" and off.knobs.cpus == (0,) and off.goal == policy.THROUGHPUT
     assert "CPU 1" in off.reason
-    pinned = DEFAULTS.with_(threads=2, cpus=(0,))
+    pinned = DEFAULTS.with_(cpus=(0,))
     assert policy.propose(profile(cpu_others=0.02, cpu_others_each=[0.02, 0.8], cpus_in_use=[0], threads=1),
                           pinned, DEFAULTS) == []  # still busy there: stay off it
     assert policy.propose(profile(cpu_others=0.02, cpu_others_each=[0.02, 0.3], cpus_in_use=[0], threads=1),
@@ -234,12 +234,6 @@ def test_a_neighbour_on_one_cpu_moves_the_worker_off_it_and_a_quiet_one_brings_i
     assert back.policy == "quiet CPUs" and back.knobs.cpus == ()  # () = every CPU it started with
     assert policy.propose(profile(cpus=[0], cpu_others=0.9, cpu_others_each=[0.9], threads=1),
                           DEFAULTS, DEFAULTS) == []  # one CPU: nowhere to go
-
-
-def test_a_thread_count_shrinks_with_the_cpu_set():
-    [off] = policy.propose(profile(cpu_others=0.4, cpu_others_each=[0.02, 0.8], threads=2),
-                           DEFAULTS.with_(threads=2), DEFAULTS)
-    assert off.knobs.cpus == (0,) and off.knobs.threads == 1
 
 
 def test_memory_binds_to_the_node_only_on_a_host_of_several_nodes():
@@ -253,9 +247,9 @@ def test_a_cpu_set_that_costs_throughput_is_reverted_and_one_that_helps_is_kept(
     busy = dict(cpu_others_each=[0.02, 0.8], cpu_others=0.4)
     hurt = Coordinator(DEFAULTS)
     [move] = feed(hurt, CONFIRM, **busy)
-    assert move.strategy.cpus == [0] and move.strategy.version == 1
+    assert move.strategy.knobs.cpus == (0,) and move.strategy.version == 1
     [revert] = feed(hurt, MEASURE + 1, **{**busy, "output_tokens": 700})  # fewer tokens per busy second
-    assert revert.strategy.cpus == [] and hurt.history[0].outcome == "reverted"
+    assert revert.strategy.knobs.cpus == () and hurt.history[0].outcome == "reverted"
     assert feed(hurt, 20, start=100, **busy) == []  # not tried again while the evidence is the same
 
     helped = Coordinator(DEFAULTS)
@@ -264,7 +258,7 @@ def test_a_cpu_set_that_costs_throughput_is_reverted_and_one_that_helps_is_kept(
     assert helped.history[0].outcome == "kept" and helped.slots[slot_of(WORKER, [0, 1])].knobs.cpus == (0,)
     restored = Coordinator(DEFAULTS)
     restored.restore(helped.export())  # a CPU set chosen because of a neighbour is re-tested, not resumed
-    assert restored.strategy_for(WORKER, [0, 1]).cpus == []
+    assert restored.strategy_for(WORKER, [0, 1]).knobs.cpus == ()
 
 
 def test_adaptive_off_never_moves_a_worker():
@@ -295,7 +289,7 @@ def test_an_import_names_known_slots_only_within_the_policies_bounds():
     # What the policies themselves may reach is still accepted.
     edge = DEFAULTS.with_(max_batch_size=2, token_budget=66, prefill_chunk=64, batching_window_ms=8.0)
     [out] = coordinator.import_strategy({"workers": {known: {"knobs": edge.as_dict()}}})
-    assert out.strategy.token_budget == 66 and coordinator.frozen
+    assert out.strategy.knobs.token_budget == 66 and coordinator.frozen
 
 
 def test_a_saved_strategy_with_knobs_out_of_bounds_resumes_without_them(tmp_path, caplog):

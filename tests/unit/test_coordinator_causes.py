@@ -7,8 +7,8 @@ from __future__ import annotations
 import logging
 
 from gateway.coordinator.coordinator import CONFIRM, MEASURE, RESUME_CHECK, Coordinator, slot_of
-from gateway.coordinator.knobs import Knobs
 from shared.config import Config
+from shared.knobs import Knobs
 from shared.protocol import Profile
 
 DEFAULTS = Knobs.from_config(Config())
@@ -55,7 +55,7 @@ def hogged(clock: Clock) -> Coordinator:
     """A coordinator that moved the worker off CPU 1 for a hog there, and kept the move (it helped)."""
     coordinator = Coordinator(DEFAULTS, wall=clock)
     [move] = feed(coordinator, clock, CONFIRM, **HOG)
-    assert move.strategy.cpus == [0]
+    assert move.strategy.knobs.cpus == (0,)
     assert feed(coordinator, clock, MEASURE + 1, **HOG, output_tokens=2500) == []
     assert coordinator.history[-1].outcome == "kept" and knobs(coordinator).cpus == (0,)
     assert coordinator.slots[SLOT].cause["cpus"] == [1]
@@ -67,11 +67,10 @@ def test_a_hog_that_comes_and_goes_gives_the_cpu_back_within_a_minute():
     coordinator = hogged(clock)
     assert feed(coordinator, clock, 6, **HOG) == []  # still there: stay off it
     sent = feed(coordinator, clock, 12, **GONE)  # one minute of profiles without it
-    assert [o.strategy.cpus for o in sent] == [[]]
+    assert [o.strategy.knobs.cpus for o in sent] == [()]
     release = coordinator.history[-1]
     assert release.kind == "release" and release.policy == "busy CPUs" and "cause is gone" in release.reason
     assert knobs(coordinator).cpus == () and coordinator.slots[SLOT].cause is None
-    assert sent[0].strategy.threads == DEFAULTS.threads  # every thread back, the kernel tuner re-times them
 
 
 def test_a_frozen_strategy_still_releases_a_placement_whose_cause_is_gone():
@@ -80,7 +79,7 @@ def test_a_frozen_strategy_still_releases_a_placement_whose_cause_is_gone():
     coordinator.set_frozen(True)  # the operator freezes while the hog runs
     assert feed(coordinator, clock, 4, **HOG) == []
     [released] = feed(coordinator, clock, CONFIRM, **GONE)
-    assert released.strategy.cpus == [] and released.strategy.frozen  # released, and the rest stays frozen
+    assert released.strategy.knobs.cpus == () and released.strategy.frozen  # released, and the rest stays frozen
     assert coordinator.frozen
     # Frozen: nothing else is learned from the traffic.
     assert feed(coordinator, clock, 20, arrivals=40, output_tokens_p50=32, batch_size_mean=7.5) == []
@@ -99,17 +98,17 @@ def test_a_restart_without_the_hog_ends_on_both_cpus(caplog):
     second = Coordinator(DEFAULTS, wall=clock)
     with caplog.at_level(logging.WARNING, "reame.coordinator"):
         second.restore(saved)
-    assert "saved placement (cpus 0, threads all) is not resumed: busy CPUs chose it 6.0 h ago" in caplog.text
+    assert "saved placement (cpus 0) is not resumed: busy CPUs chose it 6.0 h ago" in caplog.text
     resumed = second.strategy_for("host/node0/999", [0, 1])  # the worker restarted too: a new pid
-    assert resumed.cpus == [] and resumed.frozen
+    assert resumed.knobs.cpus == () and resumed.frozen
     assert feed(second, clock, 30, worker="host/node0/999", **GONE) == []
     assert knobs(second).cpus == ()
     # And if the hog is back after the restart, the policies find it again (frozen: no new move).
     thawed = Coordinator(DEFAULTS, wall=clock)
     thawed.restore({**saved, "frozen": False})
-    assert thawed.strategy_for(WORKER, [0, 1]).cpus == []
+    assert thawed.strategy_for(WORKER, [0, 1]).knobs.cpus == ()
     sent = feed(thawed, clock, CONFIRM + MEASURE, **HOG)
-    assert [o.strategy.cpus for o in sent if o.strategy.cpus] == [[0]]
+    assert [o.strategy.knobs.cpus for o in sent if o.strategy.knobs.cpus] == [(0,)]
 
 
 def test_a_strategy_saved_before_causes_were_recorded_is_judged_by_its_history():
@@ -118,7 +117,7 @@ def test_a_strategy_saved_before_causes_were_recorded_is_judged_by_its_history()
     del saved["workers"][SLOT]["cause"]
     restored = Coordinator(DEFAULTS, wall=clock)
     restored.restore(saved)
-    assert restored.strategy_for(WORKER, [0, 1]).cpus == []
+    assert restored.strategy_for(WORKER, [0, 1]).knobs.cpus == ()
 
 
 def test_an_imported_placement_has_no_cause_and_survives_a_restart():
@@ -129,7 +128,7 @@ def test_an_imported_placement_has_no_cause_and_survives_a_restart():
     assert feed(coordinator, clock, 10, **GONE) == []  # an operator's choice: nothing to release
     restored = Coordinator(DEFAULTS, wall=clock)
     restored.restore(coordinator.export())
-    assert restored.strategy_for(WORKER, [0, 1]).cpus == [0]
+    assert restored.strategy_for(WORKER, [0, 1]).knobs.cpus == (0,)
 
 
 def test_a_change_reverted_for_costing_throughput_leaves_no_cause():
@@ -137,7 +136,7 @@ def test_a_change_reverted_for_costing_throughput_leaves_no_cause():
     coordinator = Coordinator(DEFAULTS, wall=clock)
     feed(coordinator, clock, CONFIRM, **HOG)
     [revert] = feed(coordinator, clock, MEASURE + 1, **HOG, output_tokens=700)
-    assert revert.strategy.cpus == [] and coordinator.slots[SLOT].cause is None
+    assert revert.strategy.knobs.cpus == () and coordinator.slots[SLOT].cause is None
 
 
 def resumed_with_larger_batches(clock: Clock) -> Coordinator:
@@ -147,7 +146,7 @@ def resumed_with_larger_batches(clock: Clock) -> Coordinator:
     saved.set_frozen(False)  # learning resumed from it, then the server stopped
     coordinator = Coordinator(DEFAULTS, wall=clock)
     coordinator.restore(saved.export())
-    assert coordinator.strategy_for(WORKER, [0, 1]).max_batch_size == 16
+    assert coordinator.strategy_for(WORKER, [0, 1]).knobs.max_batch_size == 16
     return coordinator
 
 
@@ -155,7 +154,7 @@ def test_a_resumed_strategy_no_faster_than_the_defaults_is_dropped_in_the_first_
     clock = Clock()
     coordinator = resumed_with_larger_batches(clock)
     [check] = feed(coordinator, clock, MEASURE)  # three profiles on the resumed knobs, then the defaults
-    assert check.strategy.max_batch_size == DEFAULTS.max_batch_size
+    assert check.strategy.knobs.max_batch_size == DEFAULTS.max_batch_size
     assert coordinator.history[-1].policy == RESUME_CHECK
     assert feed(coordinator, clock, MEASURE + 1) == []  # the defaults do as well: they stay
     assert coordinator.history[-1].outcome == "kept" and knobs(coordinator) == DEFAULTS
@@ -167,7 +166,7 @@ def test_a_resumed_strategy_clearly_faster_than_the_defaults_is_kept():
     coordinator = resumed_with_larger_batches(clock)
     feed(coordinator, clock, MEASURE)
     [back] = feed(coordinator, clock, MEASURE + 1, output_tokens=1000)  # the defaults: a fifth fewer tokens
-    assert back.strategy.max_batch_size == 16 and coordinator.history[-1].kind == "revert"
+    assert back.strategy.knobs.max_batch_size == 16 and coordinator.history[-1].kind == "revert"
     assert feed(coordinator, clock, 20) == []  # checked once, not again
 
 
@@ -234,7 +233,7 @@ def test_a_profile_that_drifts_from_the_reverted_one_may_try_again_at_once(caplo
     assert feed(coordinator, clock, 20, **SHORT) == []  # the same traffic: it rests
     with caplog.at_level(logging.INFO, "reame.coordinator"):
         [again] = feed(coordinator, clock, CONFIRM, **{**SHORT, "output_tokens_p50": 90, "prompt_tokens_p50": 900})
-    assert again.strategy.max_batch_size == 16
+    assert again.strategy.knobs.max_batch_size == 16
     assert "may be tried again before its rest ends: the profile drifted (prompt tokens p50 100→900" in caplog.text
 
 
@@ -246,7 +245,7 @@ AGENTIC = dict(prompt_tokens_p50=120, prompt_tokens_p95=200, prefill_tokens=1000
 def smaller_chunks_for_long_prompts(clock: Clock) -> Coordinator:
     coordinator = Coordinator(DEFAULTS, wall=clock)
     [halved] = feed(coordinator, clock, CONFIRM, **LONG_PROMPTS)
-    assert halved.strategy.prefill_chunk == DEFAULTS.prefill_chunk // 2
+    assert halved.strategy.knobs.prefill_chunk == DEFAULTS.prefill_chunk // 2
     feed(coordinator, clock, MEASURE + 1, **{**LONG_PROMPTS, "step_ms_prefill": 200})
     assert coordinator.history[-1].outcome == "kept" and knobs(coordinator).prefill_chunk == 256
     assert feed(coordinator, clock, 12, **{**LONG_PROMPTS, "decoders_waiting_on_prefill": 0.0}) == []
@@ -257,7 +256,7 @@ def test_knobs_chosen_for_a_traffic_mix_are_retested_once_the_mix_has_gone():
     clock = Clock()
     coordinator = smaller_chunks_for_long_prompts(clock)  # the same mix: nothing more happens
     [retest] = feed(coordinator, clock, MEASURE, **AGENTIC)  # short agentic turns from now on
-    assert retest.strategy.prefill_chunk == DEFAULTS.prefill_chunk
+    assert retest.strategy.knobs.prefill_chunk == DEFAULTS.prefill_chunk
     retested = coordinator.history[-1]
     assert retested.policy == "re-test" and "prompt tokens p50 1.5e+03→120" in retested.reason
     assert feed(coordinator, clock, MEASURE + 1, **AGENTIC) == []  # the defaults do as well: they stay
@@ -270,5 +269,5 @@ def test_learned_knobs_that_still_win_on_the_new_mix_stay_and_are_not_retested_a
     coordinator = smaller_chunks_for_long_prompts(clock)
     feed(coordinator, clock, MEASURE, **AGENTIC)
     [back] = feed(coordinator, clock, MEASURE + 1, **AGENTIC, output_tokens=900)  # the defaults lose 24%
-    assert back.strategy.prefill_chunk == 256 and coordinator.history[-1].kind == "revert"
+    assert back.strategy.knobs.prefill_chunk == 256 and coordinator.history[-1].kind == "revert"
     assert feed(coordinator, clock, 40, **AGENTIC) == []  # this mix is now the one they were checked on

@@ -365,6 +365,18 @@ def test_worker_tuner_off_when_kernels_fixed_or_not_adaptive(tmp_path):
         assert engine.ops is before and engine.thread_calls == []
 
 
+def test_without_a_tuner_the_placement_caps_the_threads_it_was_loaded_with(tmp_path):
+    """kernels = fixed: [engine] threads stay, but never more than the CPUs the coordinator's
+    placement leaves (the tuner, when on, is the one decider; here nothing decides)."""
+    from worker.engine.tuning.kernel_table_store import build_kernel_tuner
+    engine = FakeEngine(threads=2)
+    fixed = build_kernel_tuner(_config(tmp_path, kernels="fixed"), engine)
+    fixed.note_neighbours(0.9)  # nothing here explores, so a neighbour changes nothing
+    fixed.limit_threads(1)
+    fixed.limit_threads(4)  # the CPUs are back: the threads it was loaded with, no more
+    assert engine.thread_calls == [1, 2]
+
+
 def test_worker_tuner_calibrates_once_then_starts_on_the_saved_table(tmp_path):
     from worker.engine.tuning.kernel_table_store import build_kernel_tuner
     config = _config(tmp_path)

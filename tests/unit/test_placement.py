@@ -13,6 +13,7 @@ import textwrap
 import pytest
 
 from shared.errors import ConfigError
+from shared.knobs import Knobs
 from shared.protocol import Strategy
 from tests.fakes import FakeGenerator
 from tests.unit.test_worker_service import INFO, ScriptedSocket
@@ -82,32 +83,43 @@ def test_memory_binding_sets_and_clears_the_policy():
     assert out.stdout.split() == ["0", "2", "0", "False"]  # MPOL_DEFAULT, MPOL_BIND, MPOL_DEFAULT
 
 
-def strategy(version: int, **fields) -> Strategy:
-    return Strategy(version=version, reason="busy CPUs: test", max_batch_size=8, token_budget=512,
-                    prefill_chunk=512, attention_chunk=512, batching_window_ms=2.0, **fields)
+def strategy(version: int, **placement) -> Strategy:
+    return Strategy(version=version, reason="busy CPUs: test", knobs=Knobs(**placement))
+
+
+class ThreadsEngine:
+    """What FixedKernels needs of an engine: its thread count, and a record of each change."""
+
+    def __init__(self, threads: int):
+        self.threads, self.set = threads, []
+
+    def set_threads(self, n: int) -> None:
+        self.threads = n
+        self.set.append(n)
 
 
 @needs_two_cpus
 def test_the_serve_loop_applies_a_strategys_placement_between_steps(child, caplog):
+    from worker.engine.tuning.kernel_tuner import FixedKernels
     from worker.sched.tuning_state import SchedulerKnobs, TuningState
 
     placement = Placement(0, CPUS, pid=child.pid)
-    threads_set = []
     service = WorkerService(FakeGenerator(), ScriptedSocket(), INFO, tuning=TuningState(SchedulerKnobs()),
-                            placement=placement, set_threads=lambda n: threads_set.append(n) or n,
-                            threads=len(CPUS))
-    cpu_counts = []  # what a kernel tuner owning the threads is told (KernelTuner.limit_threads)
+                            placement=placement)
+    cpu_counts = []  # what the kernel tuner, the one decider of threads, is told (KernelTuner.limit_threads)
     service.on_cpus(cpu_counts.append)
+    engine = ThreadsEngine(len(CPUS))
+    service.on_cpus(FixedKernels(engine).limit_threads)  # without a tuner: [engine] threads, capped
     with caplog.at_level(logging.INFO, "reame.worker"):
         service._handle(strategy(1, cpus=[CPUS[0]]))
-    assert affinities(child.pid) == {frozenset([CPUS[0]])} and threads_set == [1]  # one thread per CPU left
+    assert affinities(child.pid) == {frozenset([CPUS[0]])} and engine.set == [1]  # one thread per CPU left
     assert cpu_counts == [1]
     assert any(f"runs on CPUs {CPUS[0]} (was {','.join(map(str, CPUS))})" in r.getMessage() for r in caplog.records)
     with caplog.at_level(logging.WARNING, "reame.worker"):
         service._handle(strategy(2, cpus=[4095]))
     assert placement.in_use == [CPUS[0]] and "placement unchanged" in caplog.text
     service._handle(strategy(3))  # the defaults again: every CPU, the threads it started with
-    assert affinities(child.pid) == {frozenset(CPUS)} and threads_set == [1, len(CPUS)]
+    assert affinities(child.pid) == {frozenset(CPUS)} and engine.set == [1, len(CPUS)]
     assert cpu_counts == [1, len(CPUS)]
     ignoring = WorkerService(FakeGenerator(), ScriptedSocket(), INFO, tuning=TuningState(SchedulerKnobs()),
                              placement=Placement(0, CPUS, pid=child.pid), adaptive=False)

@@ -6,6 +6,8 @@ import pytest
 
 from gateway.coordinator import policy
 from shared import protocol
+from shared.errors import ConfigError
+from shared.knobs import Knobs
 from shared.protocol import Profile, Strategy
 from tests.unit.test_worker_service import INFO, ScriptedSocket
 from tests.fakes import FakeGenerator
@@ -69,24 +71,30 @@ def test_percentiles_and_burstiness():
     assert burstiness(bursts) > policy.BURSTY
 
 
+def strategy(version: int, reason: str, frozen: bool = False, **knobs) -> Strategy:
+    """A Strategy of reame.conf's default knobs but `knobs`."""
+    return Strategy(version, reason, Knobs(**knobs), frozen)
+
+
 def test_a_strategy_applies_between_steps_and_a_stale_one_is_ignored():
     sock = ScriptedSocket()
     tuning = TuningState(SchedulerKnobs())
     service = WorkerService(FakeGenerator(), sock, INFO, tuning=tuning)
-    service._handle(Strategy(2, "short requests", 16, 528, 512, 512, 4.0))
+    service._handle(strategy(2, "short requests", max_batch_size=16, token_budget=528, batching_window_ms=4.0))
     assert tuning.version == 2 and tuning.current().max_batch_size == 16 and tuning.current().batching_window_ms == 4
-    service._handle(Strategy(1, "late", 4, 512, 512, 512, 2.0))
+    service._handle(strategy(1, "late", max_batch_size=4))
     assert tuning.current().max_batch_size == 16
-    service._handle(Strategy(3, "bad", 4, 512, 512, 512, 5000.0))  # refused by SchedulerKnobs: nothing changes
-    service._handle(Strategy(4, "too big", 8, 2048, 1024, 512, 2.0))  # a prefill chunk the engine is not sized for
-    service._handle(Strategy(5, "too many", 17, 512, 512, 512, 2.0))  # over twice the configured batch
+    with pytest.raises(ConfigError, match="batching_window_ms"):  # out of bounds: no such Strategy is made
+        strategy(3, "bad", batching_window_ms=5000.0)
+    service._handle(strategy(4, "too big", token_budget=2048, prefill_chunk=1024))  # a chunk the engine is not sized for
+    service._handle(strategy(5, "too many", max_batch_size=17))  # over twice the configured batch
     assert tuning.version == 2
 
 
 def test_with_adaptivity_off_a_worker_keeps_its_knobs():
     tuning = TuningState(SchedulerKnobs())
     service = WorkerService(FakeGenerator(), ScriptedSocket(), INFO, tuning=tuning, adaptive=False)
-    service._handle(Strategy(2, "short requests", 16, 528, 512, 512, 4.0))
+    service._handle(strategy(2, "short requests", max_batch_size=16, token_budget=528, batching_window_ms=4.0))
     assert tuning.version == 0 and tuning.current() == SchedulerKnobs()
 
 
@@ -95,16 +103,7 @@ def test_freeze_and_unfreeze_reach_the_listeners_once_each():
     service = WorkerService(FakeGenerator(), ScriptedSocket(), INFO, tuning=tuning)
     heard = []
     service.on_freeze(heard.append)
-    service._handle(Strategy(1, "freeze", 8, 512, 512, 512, 2.0, frozen=True))
-    service._handle(Strategy(1, "freeze", 8, 512, 512, 512, 2.0, frozen=True))  # repeated: ignored
-    service._handle(Strategy(2, "unfreeze", 8, 512, 512, 512, 2.0))
+    service._handle(strategy(1, "freeze", frozen=True))
+    service._handle(strategy(1, "freeze", frozen=True))  # repeated: ignored
+    service._handle(strategy(2, "unfreeze"))
     assert heard == [True, False] and not service.frozen
-
-
-def test_a_strategy_sets_the_engine_threads():
-    calls = []
-    service = WorkerService(FakeGenerator(), ScriptedSocket(), INFO, tuning=TuningState(SchedulerKnobs()),
-                            set_threads=lambda n: calls.append(n) or n, threads=2)
-    service._handle(Strategy(1, "neighbours", 8, 512, 512, 512, 2.0, threads=1))
-    service._handle(Strategy(2, "short requests", 16, 528, 512, 512, 2.0, threads=1))  # unchanged: no call
-    assert calls == [1] and service.threads == 1

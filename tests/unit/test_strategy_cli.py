@@ -16,7 +16,7 @@ def test_export_then_import_pins_the_strategy(tmp_path, capsys):
         path = tmp_path / "strategy.json"
         assert main(["strategy", "export", str(path), "--url", server.url, "--api-key", "k"]) == 0
         doc = json.loads(path.read_text())
-        assert doc["version"] == 0 and doc["frozen"] is False and doc["defaults"] == {**SchedulerKnobs().as_dict(), "threads": 0, "cpus": [], "bind_memory": False}
+        assert doc["version"] == 0 and doc["frozen"] is False and doc["defaults"] == {**SchedulerKnobs().as_dict(), "cpus": [], "bind_memory": False}
         doc["workers"] = {"*": {"knobs": {**doc["defaults"], "batching_window_ms": 0.5}}}
         path.write_text(json.dumps(doc))
         assert main(["strategy", "import", str(path), "--url", server.url, "--api-key", "k"]) == 0

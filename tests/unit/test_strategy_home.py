@@ -7,11 +7,11 @@ import json
 import logging
 
 from gateway.coordinator.coordinator import Coordinator
-from gateway.coordinator.knobs import Knobs
 from gateway.coordinator.service import TuningService
 from gateway.coordinator.store import StrategyStore
 from reame.cli import main
 from shared.config import Config, parse_config
+from shared.knobs import Knobs
 from worker.engine.tuning.kernel_table_store import table_directory
 
 DEFAULTS = Knobs.from_config(Config())

@@ -19,6 +19,7 @@ import numpy as np
 
 from shared.config import EngineSection, SchedulerSection, memory_bytes
 from shared.errors import ConfigError, ContextLengthError, InvalidRequestError, ModelLoadError
+from shared.knobs import batch_ceiling
 from worker.engine.batch import RaggedBatch, StepChunk, row_arrays, window_row_tables
 from worker.engine.dense import ReferenceDense
 from worker.engine.gguf_file import GGUFFile
@@ -147,7 +148,7 @@ def load_engine(path, kernels: str = _ENGINE.kernels, threads: int = _ENGINE.thr
                 k_dtype: str = _ENGINE.k_dtype, v_dtype: str = _ENGINE.v_dtype,
                 attention_chunk: int = _SCHEDULER.attention_chunk,
                 matmul_activations: str = _ENGINE.matmul_activations, window_kv: str = _ENGINE.window_kv,
-                window_sequences: int = 2 * _SCHEDULER.max_batch_size,
+                window_sequences: int = batch_ceiling(_SCHEDULER.max_batch_size),
                 progress: Progress | None = None) -> Engine:
     """Open a GGUF model and make it ready to generate.
 
@@ -263,4 +264,4 @@ def load_engine_from_config(config, model: str | None = None, kernels: str | Non
                        k_dtype=e.k_dtype, v_dtype=e.v_dtype,
                        attention_chunk=config.scheduler.attention_chunk,
                        matmul_activations=e.matmul_activations, window_kv=e.window_kv,
-                       window_sequences=2 * config.scheduler.max_batch_size, progress=progress)
+                       window_sequences=batch_ceiling(config.scheduler.max_batch_size), progress=progress)

@@ -6,49 +6,10 @@ so a change never lands in the middle of a batch.
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, fields
-
-from shared.config import Config, EngineSection, SchedulerSection
 from shared.errors import ConfigError
+from shared.knobs import SchedulerKnobs
 
-# A window longer than this is almost surely seconds passed as milliseconds; it would stall
-# every lone request, so refuse it rather than obey it.
-MAX_BATCHING_WINDOW_MS = 1000.0
-
-
-_SCHEDULER, _ENGINE = SchedulerSection(), EngineSection()
-
-
-@dataclass(frozen=True)
-class SchedulerKnobs:
-    """Defaults are reame.conf's (shared.config), the one source of every default."""
-    max_batch_size: int = _SCHEDULER.max_batch_size  # sequences in one step
-    token_budget: int = _SCHEDULER.token_budget  # tokens (prefill chunks + decode tokens) in one step
-    prefill_chunk: int = _ENGINE.prefill_chunk  # most prompt tokens one sequence feeds in one step
-    batching_window_ms: float = _SCHEDULER.batching_window_ms  # how long a lone arrival may wait (Scheduler)
-    attention_chunk: int = _SCHEDULER.attention_chunk  # keys per online-softmax chunk in the engine's attention
-
-    @classmethod
-    def from_config(cls, config: Config) -> "SchedulerKnobs":
-        s = config.scheduler
-        return cls(max_batch_size=s.max_batch_size, token_budget=s.token_budget,
-                   prefill_chunk=config.engine.prefill_chunk, batching_window_ms=s.batching_window_ms,
-                   attention_chunk=s.attention_chunk)
-
-    def __post_init__(self) -> None:
-        for name in ("max_batch_size", "token_budget", "prefill_chunk", "attention_chunk"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"{name} must be a positive integer, got {value!r}", param=name)
-        window = self.batching_window_ms
-        if (not isinstance(window, (int, float)) or isinstance(window, bool) or not math.isfinite(window)
-                or not 0.0 <= window <= MAX_BATCHING_WINDOW_MS):
-            raise ConfigError(f"batching_window_ms must be a number in [0, {MAX_BATCHING_WINDOW_MS:g}],"
-                              f" got {window!r}", param="batching_window_ms")
-
-    def as_dict(self) -> dict[str, float]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+__all__ = ["SchedulerKnobs", "TuningState"]  # SchedulerKnobs is declared, with its bounds, in shared.knobs
 
 
 class TuningState:

@@ -129,7 +129,7 @@ def build_kernel_tuner(config: Config, engine) -> KernelTuner | FixedKernels:
     settings = TunerSettings.from_config(config)
     if not settings.enabled:
         log.info("kernel tuner: off (kernels and threads as [engine] says)")
-        return FixedKernels()
+        return FixedKernels(engine)
     from worker.engine import SOURCE_DIGEST
     parts = {**host_signature(), "model_sha256": engine.gguf.fingerprint(), "reame": reame_version(),
              "engine_code": SOURCE_DIGEST, "numerics": engine.ops.numerics("matmul"), "threads": str(engine.threads)}

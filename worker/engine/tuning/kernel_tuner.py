@@ -592,13 +592,28 @@ class KernelTuner:
 
 
 class FixedKernels:
-    """No tuner: the engine's table and threads as loaded (the CLI, tests, `kernels = fixed` callers)."""
+    """No tuner: the engine's table and threads as loaded (the CLI, tests, `kernels = fixed` callers),
+    the threads capped by the CPUs the coordinator places the worker on (given the engine)."""
+
+    def __init__(self, engine: TunableEngine | None = None):
+        self.engine = engine
+        self.max_threads = max(1, int(engine.threads)) if engine is not None else 0
 
     def step(self, rows: int):
         return nullcontext()
 
     def freeze(self, frozen: bool) -> None:
         pass  # nothing here ever changes
+
+    def note_neighbours(self, others: float) -> None:
+        pass  # nothing here explores
+
+    def limit_threads(self, cpus: int) -> None:
+        """The worker now runs on `cpus` CPUs: no more threads than that, and back to the loaded
+        count when it has them again (two threads time-sharing one CPU wait on each other at
+        every barrier). Between steps, on the thread that runs them."""
+        if self.engine is not None:
+            self.engine.set_threads(max(1, min(int(cpus), self.max_threads)))
 
     def snapshot(self) -> dict:
         return {"enabled": False}
