@@ -11,13 +11,17 @@ CPU from the worker beside it, whose stream then stalled for seconds.
 
 Plain text: the rendered template is tokenized with special tokens parsed, so that its own turn
 markers become control tokens. A message containing `<|im_end|>\\n<|im_start|>system\\n...` must
-not open a system turn. Before rendering, each control token's text found in a client's strings
-(content, name, tool call arguments, any string or key in the message, and in the tool list a
-template prints itself) is replaced by a private-use character that occurs nowhere in the messages,
-the tools or the template; after rendering those characters
-are put back and their spans tokenized as with parse_special=False. Requests without such text
-render and tokenize exactly as before. With `[gateway] content_specials = reject` such a
-message is refused instead (400 naming the field).
+not open a system turn, nor one containing `<tool_call>...</tool_call>` (a user-defined token on
+Qwen, which llama.cpp cuts out of any text) write a call the model takes for its own. Before
+anything is added to them, each special token's text (control, user-defined or unknown) found in
+a client's strings (content, name, tool call arguments, any string or key in the message, and the
+tools' names, descriptions and schemas) is replaced by a private-use character that occurs nowhere
+in the messages, the tools or the template. Then the server's own structure is added (the tool
+list and past calls as gateway.tools writes them for the template) and the template renders; the
+characters are put back and their spans tokenized with no special token cut out. So every special
+token in the ids comes from the template or from gateway.tools. Requests without such text render
+and tokenize exactly as before. With `[gateway] content_specials = reject` such a message is
+refused instead (400 naming the field).
 """
 from __future__ import annotations
 
@@ -32,9 +36,11 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
 
+from gateway.tools import Tool, ToolRequest, native_tools, prompt_messages, with_argument_objects
 from shared.errors import ContextLengthError, InvalidRequestError, TokenizerError
 
 T = TypeVar("T")
@@ -63,15 +69,17 @@ class PromptEncoder:
         self.tokenizer = tokenizer
         self.template = template
         self.content_specials = content_specials        # "text" | "reject"
-        control = sorted(getattr(tokenizer, "control_texts", ()), key=len, reverse=True)
-        self._control = re.compile("|".join(map(re.escape, control))) if control else None
+        specials = sorted(getattr(tokenizer, "special_texts", ()), key=len, reverse=True)
+        self._specials = re.compile("|".join(map(re.escape, specials))) if specials else None
+        # Whether the template prints the tool list and past calls itself (else gateway.tools writes them).
+        self._native = native_tools(getattr(template, "source", ""))
         self._executor = ThreadPoolExecutor(ENCODE_THREADS, thread_name_prefix="encode")
         # None (test doubles, the child processes themselves): everything runs on the threads.
         self._processes = processes
 
-    async def chat_ids(self, messages: tuple[dict, ...], n_ctx: int, tools: tuple[dict, ...] = ()) -> list[int]:
-        """tools: OpenAI tool objects for a template that renders them itself (gateway.tools)."""
-        if self._processes is not None and sum(len(v) for _, v in _strings((messages, tools))) > SHORT_TEXT:
+    async def chat_ids(self, messages: tuple[dict, ...], n_ctx: int, tools: ToolRequest | None = None) -> list[int]:
+        """tools: the request's tools, shown to the model as its template wants (gateway.tools)."""
+        if self._processes is not None and sum(len(v) for _, v in _strings((messages, _listed(tools)))) > SHORT_TEXT:
             return await self._processes.run(_child_chat, messages, n_ctx, tools)
         return await self._off_loop(self.encode_chat, messages, n_ctx, tools)
 
@@ -89,24 +97,29 @@ class PromptEncoder:
 
     # ---- the work, run on the pool (and called directly by tests) --------------------------------
 
-    def encode_chat(self, messages: tuple[dict, ...], n_ctx: int = 0, tools: tuple[dict, ...] = ()) -> list[int]:
+    def encode_chat(self, messages: tuple[dict, ...], n_ctx: int = 0, tools: ToolRequest | None = None) -> list[int]:
         # Templates render every message's content: content that alone cannot fit is refused before
         # the scan and the render (seconds of CPU for a 4 MiB body), not after.
         self._check_bytes(sum(map(_utf8_size, _contents(messages))), n_ctx, "messages")
+        tools = tools if tools is not None and tools.active else None
+        # Arguments sent as JSON text are decoded before the scan: it sees the strings printed.
+        messages = with_argument_objects(tuple(messages))
         # The tool list reaches the template as it is (Qwen prints it with tojson): its names,
         # descriptions and schema keys are scanned as the messages are.
-        (messages, tools), placeholders = self._plain_messages((tuple(messages), tuple(tools)))
+        (messages, tools), placeholders = self._plain_parts(messages, tools)
+        messages = prompt_messages(messages, tools, self._native)
+        listed = _listed(tools) if self._native else ()
         try:
-            extra = {"tools": list(tools)} if tools else {}
+            extra = {"tools": list(listed)} if listed else {}
             text = self.template.render(messages, add_generation_prompt=True, **extra)
         except TokenizerError as exc:  # e.g. a template that insists on alternating roles
             raise InvalidRequestError(f"the chat template rejected these messages: {exc.message}",
                                       param="messages") from None
-        text, plain = _restore(text, placeholders)
+        text, literal = _restore(text, placeholders)
         self._check_size(text, n_ctx, "messages")
         # The template leaves BOS out when the tokenizer adds it, so specials are added here.
-        if plain:
-            return self.tokenizer.encode(text, add_special=True, parse_special=True, plain=plain)
+        if literal:
+            return self.tokenizer.encode(text, add_special=True, parse_special=True, literal=literal)
         return self.tokenizer.encode(text, add_special=True, parse_special=True)
 
     def encode_prompt(self, prompt: str, n_ctx: int = 0) -> list[int]:
@@ -132,15 +145,15 @@ class PromptEncoder:
                 f"more than {n_ctx} tokens of at most {token_bytes} bytes can hold. Please reduce the "
                 f"length of the {param}.", param=param)
 
-    def _plain_messages(self, parts: tuple[tuple[dict, ...], tuple[dict, ...]]
-                        ) -> tuple[tuple[list[dict], list[dict]], dict[str, str]]:
-        """(messages, tools) with control-token text in any string replaced by placeholders (or refused)."""
-        messages, tools = list(parts[0]), list(parts[1])
-        if self._control is None:
+    def _plain_parts(self, messages: tuple[dict, ...], tools: ToolRequest | None
+                     ) -> tuple[tuple[tuple[dict, ...], ToolRequest | None], dict[str, str]]:
+        """(messages, tools) with special-token text in any string replaced by placeholders (or refused)."""
+        if self._specials is None:
             return (messages, tools), {}
-        found: dict[str, str] = {}      # control text → where it was first seen
-        for where, value in [*_strings(messages), *_strings(tools, "tools")]:
-            for match in self._control.finditer(value):
+        listed = _listed(tools)
+        found: dict[str, str] = {}      # special text → where it was first seen
+        for where, value in [*_strings(messages), *_strings(listed, "tools")]:
+            for match in self._specials.finditer(value):
                 found.setdefault(match.group(), where)
         if not found:
             return (messages, tools), {}
@@ -149,13 +162,15 @@ class PromptEncoder:
             raise InvalidRequestError(f"'{where}' contains the special token {text!r}; this server refuses "
                                       "special-token text in messages and tools",
                                       param=where.split(".")[0])
-        placeholder_of = dict(zip(found, self._free_characters((messages, tools), len(found))))
+        placeholder_of = dict(zip(found, self._free_characters((messages, listed), len(found))))
 
-        def swap(value: str) -> str:
-            return self._control.sub(lambda m: placeholder_of[m.group()], value)
+        def swap(value: Any) -> Any:
+            return _map_strings(value, lambda text: self._specials.sub(lambda m: placeholder_of[m.group()], text))
 
-        replaced = ([_map_strings(m, swap) for m in messages], [_map_strings(t, swap) for t in tools])
-        return replaced, {p: text for text, p in placeholder_of.items()}
+        if tools is not None:
+            tools = replace(tools, choice=swap(tools.choice), tools=tuple(
+                Tool(swap(t.name), swap(t.description), swap(t.parameters)) for t in tools.tools))
+        return (tuple(swap(m) for m in messages), tools), {p: text for text, p in placeholder_of.items()}
 
     def _free_characters(self, values: object, count: int) -> list[str]:
         """`count` characters that occur in no string of `values` nor in the template's source."""
@@ -267,7 +282,7 @@ def _child_ready() -> None:
     pass
 
 
-def _child_chat(messages: tuple[dict, ...], n_ctx: int, tools: tuple[dict, ...] = ()) -> list[int]:
+def _child_chat(messages: tuple[dict, ...], n_ctx: int, tools: ToolRequest | None = None) -> list[int]:
     return _child.encode_chat(messages, n_ctx, tools)
 
 
@@ -277,6 +292,11 @@ def _child_prompt(prompt: str, n_ctx: int) -> list[int]:
 
 def _utf8_size(text: str) -> int:
     return len(text.encode("utf-8", errors="surrogatepass"))
+
+
+def _listed(tools: ToolRequest | None) -> tuple[dict, ...]:
+    """The tools as OpenAI tool objects: what a template that prints them is given."""
+    return tuple(t.as_openai() for t in tools.tools) if tools is not None else ()
 
 
 def _contents(messages: tuple[dict, ...]) -> Iterator[str]:

@@ -24,7 +24,7 @@ from gateway.metrics import CONTENT_TYPE
 from gateway.openapi import openapi_document
 from gateway.requests import CompletionRequest, parse_chat, parse_completion, parse_warm
 from gateway.state import STATE, GatewayState
-from gateway.tools import call_constraint, family_of, native_tools, prompt_messages
+from gateway.tools import call_constraint, family_of
 from gateway.warm import prefill
 from shared.errors import InvalidRequestError
 
@@ -43,7 +43,6 @@ async def chat_prompt(state: GatewayState, req: CompletionRequest) -> tuple[Comp
     request with a forced tool call's grammar as its constraint. /v1/messages and /v1/responses
     come here too, so the same conversation is the same prompt (and prefix) through every API."""
     source = getattr(state.template, "source", "")
-    native = native_tools(source)
     tools = req.tools if req.tools is not None and req.tools.active else None
     forced = call_constraint(tools, family_of(source)) if tools is not None else None
     if forced is not None:
@@ -51,9 +50,8 @@ async def chat_prompt(state: GatewayState, req: CompletionRequest) -> tuple[Comp
             raise InvalidRequestError("'response_format' and a forced 'tool_choice' cannot be combined",
                                       param="tool_choice")
         req = replace(req, constraint=forced)
-    messages = prompt_messages(req.messages, tools, native)
-    listed = tuple(t.as_openai() for t in tools.tools) if tools is not None and native else ()
-    return req, await state.prompts.chat_ids(messages, state.pool.n_ctx, listed)
+    # The encoder adds the tool list and past calls (gateway.tools) after its scan of the client's text.
+    return req, await state.prompts.chat_ids(req.messages, state.pool.n_ctx, tools)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:

@@ -175,12 +175,13 @@ def prompt_messages(messages: tuple[dict, ...], request: ToolRequest | None, nat
     calls itself (only the arguments become objects, as templates expect); otherwise the tool list
     joins the system message and past calls and results are written out in the hermes form."""
     if native:
-        return tuple(_native_message(m) for m in messages)
+        return with_argument_objects(messages)
     out: list[dict] = []
     for message in messages:
         role = message["role"]
         if role == "assistant" and message.get("tool_calls"):
-            blocks = [f"{OPEN}\n{json.dumps(_call_object(c))}\n{CLOSE}" for c in message["tool_calls"]]
+            blocks = [f"{OPEN}\n{json.dumps(_call_object(c), ensure_ascii=False)}\n{CLOSE}"
+                      for c in message["tool_calls"]]
             out.append({"role": "assistant", "content": "\n".join(filter(None, [message.get("content"), *blocks]))})
         elif role in ("tool", "function"):
             text = f"<tool_response>\n{message.get('content', '')}\n</tool_response>"
@@ -197,7 +198,9 @@ def prompt_messages(messages: tuple[dict, ...], request: ToolRequest | None, nat
 
 
 def _with_tool_list(messages: list[dict], tools: tuple[Tool, ...]) -> list[dict]:
-    listing = "\n".join(json.dumps(t.as_openai()) for t in tools)
+    # Unescaped (ensure_ascii=False), as Qwen's tojson prints it: a \u escape would hide the
+    # stand-ins gateway.prompts puts for special-token text, and the model reads the text itself.
+    listing = "\n".join(json.dumps(t.as_openai(), ensure_ascii=False) for t in tools)
     text = ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
             "You are provided with function signatures within <tools></tools> XML tags:\n"
             f"<tools>\n{listing}\n</tools>\n\n"
@@ -207,6 +210,11 @@ def _with_tool_list(messages: list[dict], tools: tuple[Tool, ...]) -> list[dict]
         first = messages[0]
         return [{**first, "role": "system", "content": f"{first['content']}\n\n{text}"}, *messages[1:]]
     return [{"role": "system", "content": text}, *messages]
+
+
+def with_argument_objects(messages: tuple[dict, ...]) -> tuple[dict, ...]:
+    """The messages with each past call's arguments (JSON text, as OpenAI sends them) as objects."""
+    return tuple(_native_message(m) for m in messages)
 
 
 def _native_message(message: dict) -> dict:

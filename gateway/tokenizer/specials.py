@@ -16,8 +16,10 @@ The cost is linear in the text. Inserting each claim into a sorted list was not:
 `<|im_start|><|im_end|>` pairs (880 KB) took 2.6 s, and 400 KB of spaces took 29 s through
 Gemma's 31 whitespace-run tokens; now 0.26 s and 0.22 s (tests/unit/test_specials.py).
 
-`plain` spans (text a client wrote inside a chat message) are scanned with them masked out for
-every pass that is not `always` cut, so a special token's text there stays plain text.
+`plain` spans (llama.cpp's parse_special=False) are scanned with them masked out for every pass
+that is not `always` cut; `literal` spans (text a client wrote inside a chat message or around a
+fill-in-the-middle cursor) for every pass, so no special token's text there, not even a
+user-defined one, becomes a special token.
 """
 from __future__ import annotations
 
@@ -53,13 +55,15 @@ class SpecialSplitter:
         self._passes = [(re.compile(_trie_pattern([t for t, _ in group])), {t: i for t, i in group},
                          group[0][1] in always) for group in groups]
 
-    def split(self, text: str, plain: Sequence[tuple[int, int]] = ()) -> list[str | int]:
-        """`plain`: disjoint (start, end) spans of `text`, in order, where only `always` ids are cut."""
+    def split(self, text: str, plain: Sequence[tuple[int, int]] = (),
+              literal: Sequence[tuple[int, int]] = ()) -> list[str | int]:
+        """`plain`: disjoint (start, end) spans of `text`, in order, where only `always` ids are cut;
+        `literal`: such spans where none is."""
         if not self._passes or not text:
             return [text] if text else []
         claims: list[tuple[int, int, int]] = []     # (start, end, id), disjoint
-        scanned = text                              # claimed spans masked
-        scanned_plain = _masked(text, plain, self._mask) if plain else text
+        scanned = _masked(text, literal, self._mask) if literal else text   # claimed spans masked
+        scanned_plain = _masked(scanned, plain, self._mask) if plain else scanned
         for finder, ids, always in self._passes:
             found = [(m.start(), m.end(), ids[m.group()])
                      for m in finder.finditer(scanned if always else scanned_plain)]

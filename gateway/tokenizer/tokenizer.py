@@ -41,6 +41,7 @@ class Tokenizer:
         user_defined = [i for _, i in specials if vocab.types[i] == USER_DEFINED]
         self._splitter = SpecialSplitter(specials, always=user_defined)
         self._control_texts = frozenset(text for text, i in specials if vocab.types[i] != USER_DEFINED)
+        self._special_texts = frozenset(text for text, _ in specials if text)
         self._max_token_bytes = max((len(p) for p in self._pieces), default=1)
         self._eot_ids = end_of_generation_ids(vocab)
         self._piece_ids = PieceCache()
@@ -60,15 +61,16 @@ class Tokenizer:
     # -- encoding --------------------------------------------------------------------------
 
     def encode(self, text: str, add_special: bool = True, parse_special: bool = True,
-               plain: Sequence[tuple[int, int]] = ()) -> list[int]:
+               literal: Sequence[tuple[int, int]] = ()) -> list[int]:
         """Token ids of `text`, as llama.cpp's llama_tokenize(add_special, parse_special).
 
-        `plain`: ordered, disjoint (start, end) spans of `text` encoded as with parse_special=False
-        (a chat message's text inside a rendered template)."""
+        `literal`: ordered, disjoint (start, end) spans of `text` (what a client wrote, inside a
+        rendered template or a fill-in-the-middle prompt) where no special token is cut out, not
+        even the user-defined ones (Qwen's <tool_call>) that parse_special=False still cuts."""
         if not isinstance(text, str):
             raise InvalidRequestError(f"text to tokenize must be a string, not {type(text).__name__}")
         vocab = self._vocab
-        pieces = self._splitter.split(text, plain if parse_special else [(0, len(text))])
+        pieces = self._splitter.split(text, () if parse_special else [(0, len(text))], literal)
         # Each fragment's ids: a special id, ids from the piece cache, or None (merged below).
         parts: list[int | tuple[int, ...] | None] = []
         words: list[str] = []
@@ -176,6 +178,11 @@ class Tokenizer:
     def control_texts(self) -> frozenset[str]:
         """Texts of the special tokens that only parse_special=True cuts out (e.g. <|im_start|>)."""
         return self._control_texts
+
+    @property
+    def special_texts(self) -> frozenset[str]:
+        """Texts of every token that parse_special=True cuts out: control, user-defined, unknown."""
+        return self._special_texts
 
     @property
     def max_token_bytes(self) -> int:

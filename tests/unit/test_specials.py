@@ -9,9 +9,10 @@ import pytest
 from gateway.tokenizer.specials import SpecialSplitter
 
 
-def partition_like_llama_cpp(text: str, specials: list[tuple[str, int]], plain=(), always=()) -> list:
+def partition_like_llama_cpp(text: str, specials: list[tuple[str, int]], plain=(), always=(), literal=()) -> list:
     """llama.cpp's tokenizer_st_partition, literally: each special longest first, split every raw
-    fragment at its leftmost non-overlapping occurrences. Plain spans hide all but `always` ids."""
+    fragment at its leftmost non-overlapping occurrences. Plain spans hide all but `always` ids,
+    literal spans (Reame's, for client text) hide every id."""
     fragments: list = [(0, len(text))]
     for special, token_id in sorted(specials, key=lambda s: (-len(s[0]), s[1])):
         out = []
@@ -22,7 +23,8 @@ def partition_like_llama_cpp(text: str, specials: list[tuple[str, int]], plain=(
             start, end = fragment
             pos = start
             while (found := text.find(special, pos, end)) >= 0:
-                hidden = token_id not in always and any(s < found + len(special) and found < e for s, e in plain)
+                hidden = (token_id not in always and any(s < found + len(special) and found < e for s, e in plain)
+                          or any(s < found + len(special) and found < e for s, e in literal))
                 if hidden:
                     pos = found + 1
                     continue
@@ -53,6 +55,10 @@ def test_same_partition_as_llama_cpp_on_random_texts():
             plain = [(start, rng.randrange(start, len(text)) + 1)]
             expected = partition_like_llama_cpp(text, SPECIALS, plain, always)
             assert splitter.split(text, plain) == expected, (repr(text), plain)
+            expected = partition_like_llama_cpp(text, SPECIALS, literal=plain)
+            assert splitter.split(text, literal=plain) == expected, (repr(text), plain)
+            assert not any(isinstance(p, int) for p in splitter.split(text[start:plain[0][1]], literal=[
+                (0, plain[0][1] - start)]))
 
 
 def test_longer_special_wins_even_when_a_shorter_one_starts_earlier():
