@@ -123,3 +123,24 @@ def test_a_namespace_reads_only_its_own_counts_and_the_shared_keys_are_unchanged
     fresh = NgramArchive(order=3, backing=_store(tmp_path))  # restarted: only the store knows
     assert fresh.propose([1, 2, 3], 1, mallory) == [] and fresh.propose([1, 2, 3], 1, alice) == [4]
     fresh.backing.close()
+
+
+def test_a_map_grown_by_another_process_is_adopted_by_reads_and_writes(tmp_path, caplog):
+    """A worker with a larger archive_budget (or a large saved state) grows the file past this
+    process's map: LMDB then refuses this process's transactions until it adopts the new size.
+    Before the store layer, reads missed, stats() raised and writes stopped for good."""
+    store = _store(tmp_path)  # 1 MiB budget: an 18 MiB map
+    store.submit({(1, 2, 3): {4: 1}})
+    assert store.flush()
+    code = ("import sys; from worker.speculative.archive_store import ArchiveStore;"
+            "s = ArchiveStore(sys.argv[1], model=bytes(range(32)), order=3, budget_bytes=64 << 20);"
+            "s.submit({(5, 6, 7): {8: 1}}); s.save_state(lambda: bytes(24 << 20)); s.close()")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, cwd=REPO_ROOT,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert store.get((5, 6, 7)) == {8: 1}
+    store.submit({(1, 2, 3): {4: 1}})
+    assert store.flush()
+    assert store.get((1, 2, 3)) == {4: 2} and store.stats()["entries"] == 2
+    assert "writes stopped" not in caplog.text
+    store.close()
