@@ -139,7 +139,7 @@ def build_worker(config: Config, node: int, cpus: list[int], engine, path: Path)
     """Every part of a serving worker, each built whole from the config and the loaded engine, in
     the order each needs the ones before it."""
     from worker.engine.tuning.kernel_table_store import build_kernel_tuner
-    from worker.engine.tuning.kernel_tuner import FixedKernels, kernel_profile
+    from worker.engine.tuning.kernel_tuner import kernel_profile
     from worker.kv.block_manager import BlockManager
     from worker.kv.prefix_setup import build_prefix_cache
     from worker.placement import Placement
@@ -172,19 +172,15 @@ def build_worker(config: Config, node: int, cpus: list[int], engine, path: Path)
     profiler.add_source("kernels", lambda: kernel_profile(kernel_tuner.snapshot()))
     if speculator is not None:
         profiler.add_source("speculative", speculator.stats)
-    # One owner for the thread count: the kernel tuner times every thread count per rows bucket
-    # when it runs; the coordinator's threads knob applies only to a worker without one.
-    tuner_owns_threads = not isinstance(kernel_tuner, FixedKernels)
     service = WorkerService(generator, link.socket, info, drain_timeout=config.worker.drain_timeout, tuning=tuning,
-                            profiler=profiler, adaptive=config.tuning.adaptive,
-                            set_threads=None if tuner_owns_threads else _set_threads,
-                            threads=config.engine.threads, placement=placement)
+                            profiler=profiler, adaptive=config.tuning.adaptive, placement=placement)
     service.on_freeze(kernel_tuner.freeze)  # a frozen strategy freezes the kernel table too
-    if tuner_owns_threads:
-        service.on_cpus(kernel_tuner.limit_threads)  # no more threads than the CPUs it is placed on
+    # The kernel tuner decides the thread count (FixedKernels: [engine] threads); the coordinator's
+    # placement only caps it: no more threads than the CPUs the worker is placed on.
+    service.on_cpus(kernel_tuner.limit_threads)
     pulse = Pulse(link.context, config.endpoint, service, config.server.heartbeat_interval,
                   counters=generator.heartbeat_counters,
-                  profile=_profile_window(generator, profiler, service, tuner_owns_threads),
+                  profile=_profile_window(generator, profiler, service),
                   profile_interval=config.tuning.profile_interval)
     return Worker(info.worker_id, config.endpoint, link, generator, archive_store, service, pulse)
 
@@ -288,28 +284,17 @@ def _registration(node: int, cpus: list[int], engine, path: Path, capacity: int)
                     vocab_size=engine.vocab_size, capacity=capacity, host=host, pid=os.getpid())
 
 
-def _profile_window(generator: BatchGenerator, profiler: ProfileCollector, service: WorkerService,
-                    tuner_owns_threads: bool) -> Callable[[], Profile]:
+def _profile_window(generator: BatchGenerator, profiler: ProfileCollector,
+                    service: WorkerService) -> Callable[[], Profile]:
     """The pulse's profile: the generator's counters over the last window, on the threads that ran it."""
     def profile() -> Profile:
         counters = generator.heartbeat_counters()
         counters["kv_block_tokens"] = generator.engine.kv.block_size
-        threads = generator.engine.threads if tuner_owns_threads else service.threads
-        window = profiler.profile(service.tuning.version, counters, generator.preemptions, threads)
-        if tuner_owns_threads:  # a neighbour arriving or leaving is a drift: the tuner explores again
-            generator.kernel_tuner.note_neighbours(window.cpu_others)
+        window = profiler.profile(service.tuning.version, counters, generator.preemptions, generator.engine.threads)
+        # A neighbour arriving or leaving is a drift: the kernel tuner explores again.
+        generator.kernel_tuner.note_neighbours(window.cpu_others)
         return window
     return profile
-
-
-def _set_threads(wanted: int) -> int:
-    """Threads of the engine's parallel (numba) kernels launched from this thread, the serve loop's;
-    at most the pool numba started with (NUMBA_NUM_THREADS, set in pin())."""
-    import numba
-
-    threads = max(1, min(wanted, numba.config.NUMBA_NUM_THREADS))
-    numba.set_num_threads(threads)
-    return threads
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -50,7 +50,7 @@ class WorkerService:
     def __init__(self, generator: GeneratorLike, socket: zmq.Socket, info: Register, *, drain_timeout: float = 120.0,
                  clock: Callable[[], float] = time.monotonic, tuning: TuningState | None = None,
                  profiler: ProfileCollector | None = None, adaptive: bool = True,
-                 placement: Placement | None = None, set_threads: object = None, threads: int = 0):
+                 placement: Placement | None = None):
         """tuning: where a coordinator's Strategy lands (None: Strategies are ignored); adaptive
         False ignores them too ([tuning] adaptive = false: the knobs stay as reame.conf says).
         placement: where a Strategy's CPU set and memory binding land (None: they are ignored);
@@ -61,7 +61,6 @@ class WorkerService:
         self.profiler = profiler
         self.adaptive = adaptive
         self.frozen = False  # an operator froze the strategy: nothing here may learn until unfrozen
-        self.threads = threads  # TRANSITIONAL: worker.main still passes set_threads and threads; unused
         self.placement = placement
         self._cpu_listeners: list[Callable[[int], None]] = []
         self._freeze_listeners: list[Callable[[bool], None]] = []

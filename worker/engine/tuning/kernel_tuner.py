@@ -613,7 +613,10 @@ class FixedKernels:
         count when it has them again (two threads time-sharing one CPU wait on each other at
         every barrier). Between steps, on the thread that runs them."""
         if self.engine is not None:
-            self.engine.set_threads(max(1, min(int(cpus), self.max_threads)))
+            threads = max(1, min(int(cpus), self.max_threads))
+            self.engine.set_threads(threads)
+            log.info("threads: %d of the %d it loaded with: the worker now runs on %d CPU%s", threads,
+                     self.max_threads, cpus, "s" if cpus != 1 else "")
 
     def snapshot(self) -> dict:
         return {"enabled": False}
