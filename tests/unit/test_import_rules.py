@@ -30,7 +30,7 @@ MAY_IMPORT: dict[str, tuple[str, ...]] = {
 MAY_NOT_IMPORT: dict[str, tuple[str, ...]] = {"worker.engine": ("worker.engine.tuning",)}
 PROJECT = ("shared", "gateway", "worker", "reame")
 # Third-party packages a layer must never load: the gateway stays free of the engine's compiler,
-# the worker of the HTTP stack (STYLE.md, habit 10).
+# the worker of the HTTP stack (JSON, templates and HTTP errors are the gateway's alone).
 FORBIDDEN = {"gateway": ("numba",), "worker": ("aiohttp",), "shared": ("numba", "aiohttp")}
 
 
