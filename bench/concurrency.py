@@ -393,8 +393,8 @@ def find_peer(path: str) -> str:
     found = shutil.which(path)
     if found is None:
         why = "is not executable" if Path(path).is_file() else "does not exist (and is not on PATH)"
-        raise SystemExit(f"--peer {path}: {why}. Build llama.cpp's llama-server (docs/benchmarks.md says how its runs were built), "
-                         "or leave --peer out.")
+        raise SystemExit(f"--peer {path}: {why}. Build llama.cpp's llama-server (docs/benchmarks.md says how "
+                         "its runs were built), or leave --peer out.")
     return found
 
 
