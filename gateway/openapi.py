@@ -1,8 +1,9 @@
 """The gateway's OpenAPI 3.1 document, served at /openapi.json: every route, what it accepts and answers.
 
-Written as data, next to the code it describes: the limits come from shared.sampling.LIMITS and
-gateway.requests (the same ones the validation uses) and from the config (`max_n`, whether a key is required), so the
-document describes this server as configured. tests/unit/test_openapi.py checks that every route
+Written as data, next to the code it describes. The request bodies come from the tables the
+validation reads them with (gateway.requests, gateway.infill: field, type and limits declared once)
+and from the config (`max_n`, whether a key is required), so the document describes this server
+as configured. tests/unit/test_openapi.py checks that every route
 is here; tests/e2e/test_openapi_fuzz.py fuzzes the live server against it.
 
 Every optional request field also accepts null (the validation treats null as "not given").
@@ -11,24 +12,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from gateway.infill import INFILL
 from gateway.openapi_apis import agent_api_paths
-from gateway.requests import (
-    MAX_CACHE_SALT,
-    MAX_LOGPROBS_COMPLETION,
-    MAX_STOP_CHARS,
-    MAX_STOPS,
-    MAX_TOKEN_ID_DIGITS,
-    MAX_TOP_LOGPROBS_CHAT,
-    ROLES,
-)
-from gateway.structured import MAX_GRAMMAR_CHARS
-from gateway.tools import MAX_TOOLS
+from gateway.request_fields import Bounds, Fields, properties
+from gateway.requests import CHAT, COMPLETION, WARM, chat_message_schema
 from shared.config import Config
-from shared.sampling import LIMITS
 
 Schema = dict[str, Any]
-CACHE_SALT: Schema = {"type": ["string", "null"], "minLength": 1, "maxLength": MAX_CACHE_SALT,
-                      "description": "only requests with the same salt (and API key) share cached prompt prefixes"}
 
 
 def openapi_document(config: Config, vocab_size: int | None = None) -> Schema:
@@ -207,92 +197,26 @@ def _ref(name: str) -> Schema:
 
 # ---- schemas ------------------------------------------------------------------------------------
 
-def _opt(kind: str | list[str], **constraints: Any) -> Schema:
-    """An optional field of `kind` that may also be null."""
-    kinds = [kind] if isinstance(kind, str) else list(kind)
-    return {"type": [*kinds, "null"], **constraints}
+def _request(fields: Fields, bounds: Bounds, required: tuple[str, ...] = ()) -> Schema:
+    schema: Schema = {"type": "object", "properties": properties(fields, bounds)}
+    if required:
+        schema["required"] = list(required)
+    return schema
 
 
-def _limited(kind: str, name: str, **extra: Any) -> Schema:
-    """An optional number whose bounds are its row of shared.sampling.LIMITS (the validation's own)."""
-    return _opt(kind, **LIMITS[name].schema(), **extra)
-
-
-def _sampling(max_n: int) -> Schema:
-    """Fields both completion requests share (gateway.requests._common)."""
-    stop_string = {"type": "string", "maxLength": MAX_STOP_CHARS}
-    return {
-        "model": _opt("string", description="Optional: this server serves one model"),
-        "temperature": _limited("number", "temperature"),
-        "top_p": _limited("number", "top_p"),
-        "top_k": _limited("integer", "top_k", description="0 or -1: off"),
-        "min_p": _limited("number", "min_p"),
-        "presence_penalty": _limited("number", "presence_penalty"),
-        "frequency_penalty": _limited("number", "frequency_penalty"),
-        "repetition_penalty": _limited("number", "repetition_penalty"),
-        "logit_bias": _opt("object", propertyNames={"pattern": f"^[0-9]{{1,{MAX_TOKEN_ID_DIGITS}}}$"},
-                           additionalProperties={"type": "number", **LIMITS["logit_bias"].schema()},
-                           description="token id → bias; ids must be in the vocabulary (else 400)"),
-        "seed": _limited("integer", "seed"),
-        "n": _opt("integer", minimum=1, maximum=max_n),
-        "stop": {"anyOf": [stop_string, {"type": "array", "maxItems": MAX_STOPS, "items": stop_string},
-                           {"type": "null"}],
-                 "description": f"up to {MAX_STOPS} strings of at most {MAX_STOP_CHARS} characters each; "
-                                "generation ends before the first one that appears"},
-        "stream": _opt("boolean"),
-        "stream_options": _opt("object", properties={"include_usage": _opt("boolean")}),
-        "user": _opt("string"),
-        "cache_salt": CACHE_SALT,
-        "speculative": _opt("boolean", description="false: no speculative decoding for this request, and its "
-                                                   "completion teaches no drafts (the output is the same either way)"),
-        "max_tokens": _limited("integer", "max_tokens",
-                               description="prompt + max_tokens must fit the context (else 400)"),
-        "response_format": {"anyOf": [
-            {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["text", "json_object"]}}},
-            {"type": "object", "required": ["type", "json_schema"], "properties": {
-                "type": {"const": "json_schema"},
-                "json_schema": {"type": "object", "required": ["name"], "properties": {
-                    "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"},
-                    "schema": {"type": "object"}, "strict": _opt("boolean"), "description": {"type": "string"}}}}},
-            {"type": "null"}],
-            "description": "the output follows the JSON schema; one the engine cannot enforce is a 400 naming "
-                           "response_format.json_schema.schema"},
-        "grammar": {"anyOf": [
-            {"type": "string", "pattern": "\\S", "maxLength": MAX_GRAMMAR_CHARS},
-            {"type": "object", "required": ["type", "value"], "properties": {
-                "type": {"enum": ["lark", "regex"]},
-                "value": {"type": "string", "pattern": "\\S", "maxLength": MAX_GRAMMAR_CHARS}}},
-            {"type": "null"}],
-            "description": "Reame extension: the output follows this Lark (or llama.cpp GBNF) grammar or regex; "
-                           "not together with response_format"},
-    }
-
-
-def _tools() -> Schema:
-    """Chat only: OpenAI function tools (gateway.tools)."""
-    function = {"type": "object", "required": ["name"], "properties": {
-        "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"},
-        "description": {"type": "string"}, "parameters": {"type": "object"}}}
-    return {
-        "tools": _opt("array", maxItems=MAX_TOOLS, items={"type": "object", "required": ["function"], "properties": {
-            "type": {"const": "function"}, "function": function}}),
-        "tool_choice": {"anyOf": [
-            {"enum": ["auto", "none", "required"]},
-            {"type": "object", "required": ["function"], "properties": {
-                "type": {"const": "function"},
-                "function": {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}}}},
-            {"type": "null"}], "description": "a named function must be in tools (else 400); "
-                                              "'required' and a name need tools"},
-        "parallel_tool_calls": _opt("boolean"),
-    }
+def _warm_request(bounds: Bounds) -> Schema:
+    """Exactly one of `messages` and `prompt`; a null one counts as not given."""
+    fields = properties(WARM, bounds)
+    messages, prompt = fields.pop("messages"), fields.pop("prompt")
+    return {"type": "object", "properties": fields, "oneOf": [
+        {"required": ["messages"], "properties": {"messages": messages, "prompt": {"type": "null"}}},
+        {"required": ["prompt"], "properties": {"prompt": prompt, "messages": {"type": "null"}}},
+    ]}
 
 
 def _schemas(max_n: int, vocab_size: int | None) -> Schema:
+    bounds = Bounds(max_n, vocab_size)
     token = {"type": "integer", "minimum": 0}
-    token_id = token if vocab_size is None else {**token, "maximum": vocab_size - 1}
-    text_part = {"type": "object", "required": ["type", "text"],
-                 "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
-    content = [{"type": "string"}, {"type": "array", "items": text_part}]
     usage = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"], "properties": {
         "prompt_tokens": token, "completion_tokens": token, "total_tokens": token,
         "prompt_tokens_details": {"type": "object", "properties": {"cached_tokens": token}}}}
@@ -302,58 +226,11 @@ def _schemas(max_n: int, vocab_size: int | None) -> Schema:
         "function": {"type": "object", "required": ["name", "arguments"], "properties": {
             "name": {"type": "string"}, "arguments": {"type": "string", "description": "JSON text"}}}}}
     return {
-        "ChatMessage": {"anyOf": [
-            # An assistant turn may carry only tool calls, so its content may be missing or null.
-            {"type": "object", "required": ["role"], "properties": {
-                "role": {"const": "assistant"}, "content": {"anyOf": [*content, {"type": "null"}]},
-                "tool_calls": {"type": ["array", "null"], "items": {"type": "object"}}}},
-            {"type": "object", "required": ["role", "content"], "properties": {
-                "role": {"enum": sorted(ROLES - {"assistant"})}, "content": {"anyOf": content}}},
-        ]},
-        "ChatCompletionRequest": {"type": "object", "required": ["messages"], "properties": {
-            "messages": {"type": "array", "minItems": 1, "items": _ref("ChatMessage")},
-            **_sampling(max_n),
-            **_tools(),
-            "max_completion_tokens": _limited("integer", "max_tokens", description="takes precedence over max_tokens"),
-            "logprobs": _opt("boolean"),
-            "top_logprobs": _opt("integer", minimum=0, maximum=MAX_TOP_LOGPROBS_CHAT,
-                                 description="requires logprobs: true (else 400)"),
-        }},
-        "CompletionRequest": {"type": "object", "required": ["prompt"], "properties": {
-            "prompt": {"anyOf": [
-                {"type": "string", "minLength": 1},
-                {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}},
-                {"type": "array", "minItems": 1, "items": token_id},
-                {"type": "array", "minItems": 1, "items": {"type": "array", "minItems": 1, "items": token_id}},
-            ], "description": "text, texts, token ids, or lists of token ids (one choice set per prompt)"},
-            **_sampling(max_n),
-            "logprobs": _opt("integer", minimum=0, maximum=MAX_LOGPROBS_COMPLETION),
-            "suffix": _opt("string", description="fill in the middle: text after the completion (one text prompt "
-                                                 "only; a model without FIM tokens answers 400)"),
-        }},
-        "InfillRequest": {"type": "object", "properties": {
-            "input_prefix": _opt("string", description="code before the cursor"),
-            "input_suffix": _opt("string", description="code after the cursor"),
-            "prompt": _opt("string", description="text appended to input_prefix (llama.cpp's meaning)"),
-            "input_extra": {"type": ["array", "null"], "maxItems": 64, "items": {
-                "type": "object", "required": ["text"], "properties": {
-                    "filename": {"type": "string"}, "text": {"type": "string"}}},
-                "description": "other files of the project, as repository context"},
-            "n_predict": _limited("integer", "max_tokens", description="llama.cpp's name for max_tokens"),
-            **_sampling(max_n),
-        }},
-        # Exactly one of `messages` and `prompt`; a null one counts as not given.
-        "WarmRequest": {"type": "object", "properties": {"model": _opt("string"), "cache_salt": CACHE_SALT},
-                        "oneOf": [
-            {"required": ["messages"], "properties": {
-                "messages": {"type": "array", "minItems": 1, "items": _ref("ChatMessage")},
-                "prompt": {"type": "null"}}},
-            {"required": ["prompt"], "properties": {
-                "prompt": {"anyOf": [{"type": "string", "minLength": 1},
-                                     {"type": "array", "minItems": 1, "items": token_id}],
-                           "description": "text or token ids"},
-                "messages": {"type": "null"}}},
-        ]},
+        "ChatMessage": chat_message_schema(),
+        "ChatCompletionRequest": _request(CHAT, bounds, required=("messages",)),
+        "CompletionRequest": _request(COMPLETION, bounds, required=("prompt",)),
+        "InfillRequest": _request(INFILL, bounds),
+        "WarmRequest": _warm_request(bounds),
         "PrefixWarm": {"type": "object", "required": ["object", "model", "prompt_tokens", "cached_tokens",
                                                       "reused_tokens"], "properties": {
             "object": {"const": "prefix.warm"}, "model": {"type": "string"},

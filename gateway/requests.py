@@ -5,17 +5,35 @@ Pure functions (no I/O, no tokenizer): the checks here are about shapes, types a
 Checks that need the model (context length, token ids in range) happen once the prompt is
 tokenized. Unknown fields are ignored, as OpenAI's own server does for forward compatibility; in a
 message they are dropped, so that they never reach the chat template.
+
+Each request's fields are one table at the end of this file (gateway.request_fields): the parsers
+read the body through it and gateway.openapi describes the request from it, so /openapi.json
+lists exactly the fields read here, with the same limits.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
-from gateway.structured import Constraint, constraint_of
-from gateway.tools import ToolRequest, parse_tools
+from gateway.request_fields import (
+    Bounds,
+    Field,
+    Fields,
+    Schema,
+    flag,
+    integer,
+    limited,
+    optional,
+    read_bool,
+    read_fields,
+    read_int,
+    read_object,
+    text,
+)
+from gateway.structured import MAX_GRAMMAR_CHARS, Constraint, constraint_of
+from gateway.tools import MAX_TOOLS, ToolRequest, parse_tools
 from shared.errors import InvalidRequestError
-from shared.sampling import LIMITS, MAX_LOGPROBS, SamplingParams, check
+from shared.sampling import LIMITS, MAX_LOGPROBS, SamplingParams
 
 MAX_STOPS = 16
 MAX_CACHE_SALT = 256
@@ -85,127 +103,49 @@ def translated_tools(value: Any, function: Callable[[dict, str], dict]) -> list[
 
 
 def parse_chat(body: Any, *, max_n: int) -> CompletionRequest:
-    body = _object(body)
-    messages = _messages(body.get("messages"))
-    logprobs = _bool(body, "logprobs", False)
-    top = _int(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS_CHAT)
-    if top and not logprobs:
+    body = read_object(body)
+    values = read_fields(CHAT, body, Bounds(max_n))
+    if values["top_logprobs"] and not values["logprobs"]:
         raise InvalidRequestError("'top_logprobs' requires 'logprobs' to be true", param="top_logprobs")
-    max_tokens = _int(body, "max_completion_tokens", None, LIMITS["max_tokens"].low, None)
+    max_tokens = values["max_completion_tokens"]
     if max_tokens is None:
-        max_tokens = _limited_int(body, "max_tokens", None)
-    return _common(body, max_n, chat=True, messages=messages, tools=parse_tools(body),
-                   prompts=(), max_tokens=max_tokens, logprobs=logprobs, top_logprobs=top)
+        max_tokens = values["max_tokens"]
+    return completion_request(body, values, chat=True, messages=values["messages"], tools=parse_tools(body),
+                              prompts=(), max_tokens=max_tokens, logprobs=values["logprobs"],
+                              top_logprobs=values["top_logprobs"])
 
 
 def parse_completion(body: Any, *, max_n: int) -> CompletionRequest:
-    body = _object(body)
-    logprobs = _int(body, "logprobs", None, 0, MAX_LOGPROBS_COMPLETION)
-    return _common(body, max_n, chat=False, messages=(), prompts=_prompts(body.get("prompt")),
-                   max_tokens=_limited_int(body, "max_tokens", None),
-                   logprobs=logprobs is not None, top_logprobs=logprobs or 0)
+    body = read_object(body)
+    values = read_fields(COMPLETION, body, Bounds(max_n))
+    logprobs = values["logprobs"]
+    return completion_request(body, values, chat=False, messages=(), prompts=values["prompt"],
+                              max_tokens=values["max_tokens"], logprobs=logprobs is not None,
+                              top_logprobs=logprobs or 0)
 
 
 def parse_warm(body: Any) -> WarmRequest:
-    body = _object(body)
-    model = _model(body)
+    body = read_object(body)
+    values = read_fields(WARM, body, Bounds(max_n=1))
     messages, prompt = body.get("messages"), body.get("prompt")
     if (messages is None) == (prompt is None):
         raise InvalidRequestError("give exactly one of 'messages' (a chat) and 'prompt' (text or token ids)",
                                   param="messages" if messages is None else "prompt")
     if messages is not None:
-        return WarmRequest(model, _messages(messages), None, _cache_salt(body))
-    return WarmRequest(model, (), _one_prompt(prompt), _cache_salt(body))
+        return WarmRequest(values["model"], _messages(messages), None, values["cache_salt"])
+    return WarmRequest(values["model"], (), _one_prompt(prompt), values["cache_salt"])
 
 
-def _common(body: dict, max_n: int, **fields: Any) -> CompletionRequest:
-    model = _model(body)
-    stream = _bool(body, "stream", False)
-    options = body.get("stream_options")
-    if options is not None and not isinstance(options, dict):
-        raise InvalidRequestError("'stream_options' must be an object", param="stream_options")
-    include_usage = _bool(options or {}, "include_usage", False, label="stream_options.include_usage")
-    user = body.get("user")
-    if user is not None and not isinstance(user, str):
-        raise InvalidRequestError("'user' must be a string", param="user")
+def completion_request(body: dict, values: dict[str, Any], **fields: Any) -> CompletionRequest:
+    """The request from the values of SAMPLING's fields (read_fields) and what its route reads its own way."""
     sampling = SamplingParams(
-        temperature=_number(body, "temperature", 1.0),
-        top_p=_number(body, "top_p", 1.0),
-        top_k=max(_limited_int(body, "top_k", 0), 0),  # -1 is llama.cpp's "off"
-        min_p=_number(body, "min_p", 0.0),
-        presence_penalty=_number(body, "presence_penalty", 0.0),
-        frequency_penalty=_number(body, "frequency_penalty", 0.0),
-        repetition_penalty=_number(body, "repetition_penalty", 1.0),
-        logit_bias=_logit_bias(body.get("logit_bias")),
-        seed=_limited_int(body, "seed", None),
-    )
-    return CompletionRequest(model=model, sampling=sampling, stop=_stops(body.get("stop")),
-                             n=_int(body, "n", 1, 1, max_n), stream=stream, include_usage=include_usage,
-                             user=user, cache_salt=_cache_salt(body), constraint=constraint_of(body),
-                             speculative=_bool(body, "speculative", True), **fields)
-
-
-# ---- field readers: each names the field in its error -------------------------------------------
-
-def _model(body: dict) -> str | None:
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise InvalidRequestError("'model' must be a string", param="model")
-    return model
-
-
-def _object(body: Any) -> dict:
-    if not isinstance(body, dict):
-        raise InvalidRequestError("the request body must be a JSON object")
-    return body
-
-
-def _bool(body: dict, name: str, default: bool, *, label: str | None = None) -> bool:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        label = label or name
-        raise InvalidRequestError(f"'{label}' must be a boolean", param=label)
-    return value
-
-
-def _int(body: dict, name: str, default: int | None, low: int | None, high: int | None) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return default
-    # 5.0 is 5; but orjson reads an integer beyond 64 bits as a float, and above 2**53 a float is
-    # no longer the integer that was sent (-2**63 - 1 would become -2**63 and pass the range check).
-    if isinstance(value, float) and value.is_integer() and abs(value) <= 2 ** 53:
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidRequestError(f"'{name}' must be an integer", param=name)
-    if (low is not None and value < low) or (high is not None and value > high):
-        raise InvalidRequestError(f"'{name}' is {value}; it must be {_range(low, high)}", param=name)
-    return value
-
-
-def _number(body: dict, name: str, default: float) -> float:
-    """A sampling number within its row of shared.sampling.LIMITS."""
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise InvalidRequestError(f"'{name}' must be a number", param=name)
-    check(name, value)
-    return float(value)
-
-
-def _limited_int(body: dict, name: str, default: int | None) -> int | None:
-    """An integer within its row of shared.sampling.LIMITS."""
-    limit = LIMITS[name]
-    return _int(body, name, default, limit.low, limit.high)
-
-
-def _range(low: int | None, high: int | None) -> str:
-    if high is None:
-        return f"at least {low}"
-    return f"between {low} and {high}"
+        temperature=values["temperature"], top_p=values["top_p"], top_k=values["top_k"], min_p=values["min_p"],
+        presence_penalty=values["presence_penalty"], frequency_penalty=values["frequency_penalty"],
+        repetition_penalty=values["repetition_penalty"], logit_bias=values["logit_bias"], seed=values["seed"])
+    return CompletionRequest(model=values["model"], sampling=sampling, stop=values["stop"], n=values["n"],
+                             stream=values["stream"], include_usage=values["stream_options"], user=values["user"],
+                             cache_salt=values["cache_salt"], constraint=constraint_of(body),
+                             speculative=values["speculative"], **fields)
 
 
 def _stops(value: Any) -> tuple[str, ...]:
@@ -325,3 +265,177 @@ def _is_token(value: Any) -> bool:
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+# ---- the fields of each request, read by the parsers above and described by gateway.openapi ------
+
+def _of(reader: Callable[[Any], Any]) -> Callable[[dict, str, Bounds], Any]:
+    """A reader of the field's value alone."""
+    return lambda body, name, bounds: reader(body.get(name))
+
+
+def _stream_options(body: dict, name: str, bounds: Bounds) -> bool:
+    """stream_options.include_usage."""
+    options = body.get(name)
+    if options is not None and not isinstance(options, dict):
+        raise InvalidRequestError("'stream_options' must be an object", param="stream_options")
+    return read_bool(options or {}, "include_usage", False, label="stream_options.include_usage")
+
+
+def _top_k(body: dict, name: str, bounds: Bounds) -> int:
+    limit = LIMITS[name]
+    return max(read_int(body, name, 0, limit.low, limit.high), 0)  # -1 is llama.cpp's "off"
+
+
+def _token_id(bounds: Bounds) -> Schema:
+    token = {"type": "integer", "minimum": 0}
+    return token if bounds.vocab_size is None else {**token, "maximum": bounds.vocab_size - 1}
+
+
+def _stop_schema(name: str, bounds: Bounds) -> Schema:
+    stop = {"type": "string", "maxLength": MAX_STOP_CHARS}
+    return {"anyOf": [stop, {"type": "array", "maxItems": MAX_STOPS, "items": stop}, {"type": "null"}],
+            "description": f"up to {MAX_STOPS} strings of at most {MAX_STOP_CHARS} characters each; "
+                           "generation ends before the first one that appears"}
+
+
+def _response_format_schema(name: str, bounds: Bounds) -> Schema:
+    return {"anyOf": [
+        {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["text", "json_object"]}}},
+        {"type": "object", "required": ["type", "json_schema"], "properties": {
+            "type": {"const": "json_schema"},
+            "json_schema": {"type": "object", "required": ["name"], "properties": {
+                "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"},
+                "schema": {"type": "object"}, "strict": optional("boolean"), "description": {"type": "string"}}}}},
+        {"type": "null"}],
+        "description": "the output follows the JSON schema; one the engine cannot enforce is a 400 naming "
+                       "response_format.json_schema.schema"}
+
+
+def _grammar_schema(name: str, bounds: Bounds) -> Schema:
+    return {"anyOf": [
+        {"type": "string", "pattern": "\\S", "maxLength": MAX_GRAMMAR_CHARS},
+        {"type": "object", "required": ["type", "value"], "properties": {
+            "type": {"enum": ["lark", "regex"]},
+            "value": {"type": "string", "pattern": "\\S", "maxLength": MAX_GRAMMAR_CHARS}}},
+        {"type": "null"}],
+        "description": "Reame extension: the output follows this Lark (or llama.cpp GBNF) grammar or regex; "
+                       "not together with response_format"}
+
+
+def _tools_schema(name: str, bounds: Bounds) -> Schema:
+    function = {"type": "object", "required": ["name"], "properties": {
+        "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"},
+        "description": {"type": "string"}, "parameters": {"type": "object"}}}
+    return optional("array", maxItems=MAX_TOOLS, items={"type": "object", "required": ["function"], "properties": {
+        "type": {"const": "function"}, "function": function}})
+
+
+def _tool_choice_schema(name: str, bounds: Bounds) -> Schema:
+    return {"anyOf": [
+        {"enum": ["auto", "none", "required"]},
+        {"type": "object", "required": ["function"], "properties": {
+            "type": {"const": "function"},
+            "function": {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}}}},
+        {"type": "null"}], "description": "a named function must be in tools (else 400); "
+                                          "'required' and a name need tools"}
+
+
+def chat_message_schema() -> Schema:
+    """One message as `_message` takes it (components/schemas/ChatMessage in the document)."""
+    text_part = {"type": "object", "required": ["type", "text"],
+                 "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
+    content = [{"type": "string"}, {"type": "array", "items": text_part}]
+    return {"anyOf": [
+        # An assistant turn may carry only tool calls, so its content may be missing or null.
+        {"type": "object", "required": ["role"], "properties": {
+            "role": {"const": "assistant"}, "content": {"anyOf": [*content, {"type": "null"}]},
+            "tool_calls": {"type": ["array", "null"], "items": {"type": "object"}}}},
+        {"type": "object", "required": ["role", "content"], "properties": {
+            "role": {"enum": sorted(ROLES - {"assistant"})}, "content": {"anyOf": content}}},
+    ]}
+
+
+def _messages_schema(name: str, bounds: Bounds) -> Schema:
+    return {"type": "array", "minItems": 1, "items": {"$ref": "#/components/schemas/ChatMessage"}}
+
+
+def _prompts_schema(name: str, bounds: Bounds) -> Schema:
+    token_id = _token_id(bounds)
+    return {"anyOf": [
+        {"type": "string", "minLength": 1},
+        {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}},
+        {"type": "array", "minItems": 1, "items": token_id},
+        {"type": "array", "minItems": 1, "items": {"type": "array", "minItems": 1, "items": token_id}},
+    ], "description": "text, texts, token ids, or lists of token ids (one choice set per prompt)"}
+
+
+def _one_prompt_schema(name: str, bounds: Bounds) -> Schema:
+    return {"anyOf": [{"type": "string", "minLength": 1}, {"type": "array", "minItems": 1, "items": _token_id(bounds)}],
+            "description": "text or token ids"}
+
+
+MODEL = text("Optional: this server serves one model")
+CACHE_SALT = Field(lambda name, b: optional("string", minLength=1, maxLength=MAX_CACHE_SALT, description=(
+                       "only requests with the same salt (and API key) share cached prompt prefixes")),
+                   lambda body, name, b: _cache_salt(body))
+# Both completion APIs (and /infill); response_format and grammar are read by gateway.structured.constraint_of.
+SAMPLING: Fields = {
+    "model": MODEL,
+    "temperature": limited("number", 1.0),
+    "top_p": limited("number", 1.0),
+    "top_k": Field(limited("integer", 0, "0 or -1: off").schema, _top_k),
+    "min_p": limited("number", 0.0),
+    "presence_penalty": limited("number", 0.0),
+    "frequency_penalty": limited("number", 0.0),
+    "repetition_penalty": limited("number", 1.0),
+    "logit_bias": Field(lambda name, b: optional(
+        "object", propertyNames={"pattern": f"^[0-9]{{1,{MAX_TOKEN_ID_DIGITS}}}$"},
+        additionalProperties={"type": "number", **LIMITS["logit_bias"].schema()},
+        description="token id → bias; ids must be in the vocabulary (else 400)"), _of(_logit_bias)),
+    "seed": limited("integer", None),
+    "n": integer(1, 1, lambda bounds: bounds.max_n),
+    "stop": Field(_stop_schema, _of(_stops)),
+    "stream": flag(False),
+    "stream_options": Field(lambda name, b: optional("object", properties={"include_usage": optional("boolean")}),
+                            _stream_options),
+    "user": text(),
+    "cache_salt": CACHE_SALT,
+    "speculative": flag(True, "false: no speculative decoding for this request, and its completion teaches no "
+                              "drafts (the output is the same either way)"),
+    "max_tokens": limited("integer", None, "prompt + max_tokens must fit the context (else 400)"),
+    "response_format": Field(_response_format_schema),
+    "grammar": Field(_grammar_schema),
+}
+# Chat only, read by gateway.tools.parse_tools: OpenAI function tools.
+TOOLS: Fields = {
+    "tools": Field(_tools_schema),
+    "tool_choice": Field(_tool_choice_schema),
+    "parallel_tool_calls": Field(lambda name, b: optional("boolean")),
+}
+CHAT: Fields = {
+    "messages": Field(_messages_schema, _of(_messages)),
+    **SAMPLING,
+    **TOOLS,
+    "max_completion_tokens": limited("integer", None, "takes precedence over max_tokens", row="max_tokens"),
+    "logprobs": flag(False),
+    "top_logprobs": integer(0, 0, MAX_TOP_LOGPROBS_CHAT, "requires logprobs: true (else 400)"),
+}
+COMPLETION_LOGPROBS = integer(None, 0, MAX_LOGPROBS_COMPLETION)
+COMPLETION: Fields = {
+    "prompt": Field(_prompts_schema, _of(_prompts)),
+    **SAMPLING,
+    "logprobs": COMPLETION_LOGPROBS,
+    # Read by gateway.infill.completion_infill.
+    "suffix": Field(lambda name, b: optional("string", description=(
+        "fill in the middle: text after the completion (one text prompt only; a model without FIM tokens "
+        "answers 400)"))),
+    "echo": flag(False, "not supported: ignored, and a 400 together with suffix"),
+}
+# /v1/warm: exactly one of messages and prompt (parse_warm reads them; the document says oneOf).
+WARM: Fields = {
+    "model": MODEL,
+    "messages": Field(_messages_schema),
+    "prompt": Field(_one_prompt_schema),
+    "cache_salt": CACHE_SALT,
+}

@@ -10,8 +10,9 @@ import requests
 import schemathesis
 
 from gateway.app import build_app
+from gateway.infill import completion_infill, parse_infill
 from gateway.openapi import openapi_document
-from gateway.requests import parse_warm
+from gateway.requests import parse_chat, parse_completion, parse_warm
 from gateway.state import build_state
 from shared.errors import InvalidRequestError
 from tests.fakes import FakeDecoder, FakeServer, FakeTemplate, FakeTokenizer, fake_config
@@ -82,3 +83,99 @@ def test_warm_schema_accepts_exactly_what_the_handler_parses(tmp_path, body):
     except InvalidRequestError:
         parsed = False
     assert validator.is_valid(body) == parsed
+
+
+# ---- the request schemas and the parsers: one table, so neither has a field the other lacks ------
+
+class ReadLog(dict):
+    """A body that notes every key the parser looks up (nested objects are plain dicts)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.read: set[str] = set()
+
+    def get(self, key, default=None):
+        self.read.add(key)
+        return super().get(key, default)
+
+    def __getitem__(self, key):
+        self.read.add(key)
+        return super().__getitem__(key)
+
+    def __contains__(self, key):
+        self.read.add(key)
+        return super().__contains__(key)
+
+
+def _parse_completion(body):
+    return completion_infill(body, parse_completion(body, max_n=4))
+
+
+PARSERS = {  # schema → the whole parse of that route's body, as gateway.routes runs it
+    "ChatCompletionRequest": lambda body: parse_chat(body, max_n=4),
+    "CompletionRequest": _parse_completion,
+    "InfillRequest": lambda body: parse_infill(body, max_n=4),
+    "WarmRequest": parse_warm,
+}
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+# A body that sets every field (a valid value each), so that every branch that reads a field runs.
+EVERY_FIELD = {
+    "model": "m", "temperature": 0.5, "top_p": 0.9, "top_k": 5, "min_p": 0.1, "presence_penalty": 0.1,
+    "frequency_penalty": 0.1, "repetition_penalty": 1.1, "logit_bias": {"3": 1}, "seed": 1, "n": 2, "stop": ["x"],
+    "stream": True, "stream_options": {"include_usage": True}, "user": "u", "cache_salt": "s", "speculative": False,
+    "max_tokens": 3, "response_format": {"type": "json_object"},
+}
+BODIES = {
+    "ChatCompletionRequest": {**EVERY_FIELD, "messages": HI, "tools": [TOOL], "tool_choice": "auto",
+                              "parallel_tool_calls": False, "max_completion_tokens": 2, "logprobs": True,
+                              "top_logprobs": 2},
+    "CompletionRequest": {**EVERY_FIELD, "prompt": "def f():", "logprobs": 2, "suffix": "\n", "echo": False},
+    "InfillRequest": {**EVERY_FIELD, "input_prefix": "a", "input_suffix": "b", "prompt": "c", "n_predict": 2,
+                      "input_extra": [{"filename": "x.py", "text": "y"}], "logprobs": 1},
+    "WarmRequest": {"model": "m", "messages": HI, "cache_salt": "s"},
+}
+
+MINIMAL = {"ChatCompletionRequest": {"messages": HI}, "CompletionRequest": {"prompt": "x"}, "InfillRequest": {},
+           "WarmRequest": {"prompt": [3]}}
+
+
+def _documented(schemas: dict, name: str) -> set[str]:
+    schema = schemas[name]
+    return set(schema["properties"]).union(*(set(branch["properties"]) for branch in schema.get("oneOf", [])))
+
+
+@pytest.mark.parametrize("name", sorted(PARSERS))
+def test_every_field_a_parser_reads_is_in_the_document(tmp_path, name):
+    """gateway.requests reads bodies through the tables gateway.openapi describes; a field read
+    around them (a new body.get in a parser, gateway.tools or gateway.structured) fails here."""
+    schemas = openapi_document(fake_config(tmp_path))["components"]["schemas"]
+    for body in (BODIES[name], MINIMAL[name]):
+        logged = ReadLog(body)
+        PARSERS[name](logged)
+        assert logged.read - _documented(schemas, name) == set()
+        assert set(body) <= logged.read  # every field given was looked at
+
+
+BAD_VALUES = ({"x": 1}, [{"x": 1}], "x", "", 1.5, -1, True, 10 ** 9, [])
+
+
+@pytest.mark.parametrize("name", sorted(PARSERS))
+def test_every_documented_field_is_checked_by_its_parser(tmp_path, name):
+    """A value the document refuses for a field, the parser refuses too (a 400): no field is in the
+    document but not read, or read more loosely than it says."""
+    schemas = openapi_document(fake_config(tmp_path))["components"]["schemas"]
+    validator = jsonschema_rs.Draft202012Validator({"$ref": f"#/components/schemas/{name}",
+                                                    "components": {"schemas": schemas}})
+    base = BODIES[name]
+    assert validator.is_valid(base)
+    tried = 0
+    for field in sorted(_documented(schemas, name)):
+        for value in BAD_VALUES:
+            body = {**base, field: value}
+            if validator.is_valid(body):
+                continue
+            tried += 1
+            with pytest.raises(InvalidRequestError):
+                PARSERS[name](body)
+                pytest.fail(f"{name}: {field} = {value!r} parsed, but the document refuses it")
+    assert tried >= len(_documented(schemas, name))
