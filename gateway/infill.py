@@ -11,8 +11,10 @@ authors specify, with llama.cpp's names where the format leaves one open:
 
 (the repository part only with `input_extra`, and only where the vocabulary has those tokens). The
 FIM tokens come from `tokenizer.ggml.fim_*_token_id` where the GGUF has them, else from their text
-in the vocabulary (llama.cpp's list). Client text is tokenized with special-token text left as
-text: code that contains `<|fim_middle|>` cannot move the cursor. A model without prefix, suffix
+in the vocabulary (llama.cpp's list). Client text (code, file names) is tokenized with every
+special token's text left as text, user-defined ones such as Qwen's `<tool_call>` too (llama.cpp's
+parse_special=False still cuts those out): code that contains `<|fim_middle|>` cannot move the
+cursor, and only this builder writes markers. A model without prefix, suffix
 and middle tokens (SmolLM2, Gemma 3) cannot do this: a 400 says so.
 """
 from __future__ import annotations
@@ -20,8 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.request_fields import Bounds, Field, Fields, limited, optional, read_fields, read_object, read_text
-from gateway.requests import COMPLETION_LOGPROBS, SAMPLING, CompletionRequest, completion_request
+from gateway.requests import CompletionRequest, parse_completion
 from shared.errors import ContextLengthError, InvalidRequestError
 
 # Token texts per part, as llama.cpp looks for them when the GGUF names no id.
@@ -76,14 +77,27 @@ class Infill:
 def parse_infill(body: Any, *, max_n: int) -> tuple[CompletionRequest, Infill]:
     """POST /infill: llama.cpp's fields, and every sampling field /v1/completions takes (`n_predict`
     is llama.cpp's name for max_tokens)."""
-    body = read_object(body)
-    values = read_fields(INFILL, body, Bounds(max_n))
-    max_tokens = values["max_tokens"] if values["max_tokens"] is not None else values["n_predict"]
-    logprobs = values["logprobs"]
-    req = completion_request(body, values, chat=False, messages=(), prompts=("-",),  # built from the parts
-                             max_tokens=max_tokens, logprobs=logprobs is not None, top_logprobs=logprobs or 0)
-    fill = Infill(values["input_prefix"] + values["prompt"], values["input_suffix"], values["input_extra"])
-    return req, fill
+    if not isinstance(body, dict):
+        raise InvalidRequestError("the request body must be a JSON object")
+    prefix, suffix = _text(body, "input_prefix"), _text(body, "input_suffix")
+    prompt = _text(body, "prompt")
+    extra = body.get("input_extra") or []
+    if not isinstance(extra, list) or len(extra) > MAX_EXTRA:
+        raise InvalidRequestError(f"'input_extra' must be an array of at most {MAX_EXTRA} "
+                                  "{\"filename\", \"text\"} objects", param="input_extra")
+    files = []
+    for i, chunk in enumerate(extra):
+        name = chunk.get("filename", "tmp") if isinstance(chunk, dict) else None
+        text = chunk.get("text") if isinstance(chunk, dict) else None
+        if not isinstance(name, str) or not isinstance(text, str):
+            raise InvalidRequestError(f"'input_extra[{i}]' must be an object with string 'filename' and 'text'",
+                                      param=f"input_extra[{i}]")
+        files.append((name, text))
+    fields = {k: v for k, v in body.items() if k not in ("prompt", "suffix", "echo")}
+    if fields.get("max_tokens") is None and body.get("n_predict") is not None:
+        fields["max_tokens"] = body["n_predict"]
+    req = parse_completion({**fields, "prompt": "-"}, max_n=max_n)   # the prompt is built from the parts
+    return req, Infill(prefix + prompt, suffix, tuple(files))
 
 
 def completion_infill(body: dict, req: CompletionRequest) -> Infill | None:
@@ -122,7 +136,8 @@ def check_size(tokenizer: Any, infill: Infill, n_ctx: int, param: str) -> None:
 def infill_ids(tokenizer: Any, tokens: FimTokens, infill: Infill) -> list[int]:
     """The prompt's token ids (see the module's docstring), BOS before <|fim_prefix|> where the model adds one."""
     def text(value: str) -> list[int]:
-        return tokenizer.encode(value, add_special=False, parse_special=False) if value else []
+        # Literal: parse_special=False would still cut out user-defined tokens (Qwen's <tool_call>).
+        return tokenizer.encode(value, add_special=False, literal=[(0, len(value))]) if value else []
 
     ids: list[int] = []
     if infill.extra:
@@ -139,41 +154,10 @@ def infill_ids(tokenizer: Any, tokens: FimTokens, infill: Infill) -> list[int]:
     return ids + [tokens.pre, *text(infill.prefix), tokens.suf, *text(infill.suffix), tokens.mid]
 
 
-def _text(body: dict, name: str, bounds: Bounds) -> str:
-    return read_text(body, name) or ""
-
-
-def _extra(body: dict, name: str, bounds: Bounds) -> tuple[tuple[str, str], ...]:
-    extra = body.get(name)
-    if extra is None:
-        return ()
-    if not isinstance(extra, list) or len(extra) > MAX_EXTRA:
-        raise InvalidRequestError(f"'input_extra' must be an array of at most {MAX_EXTRA} "
-                                  "{\"filename\", \"text\"} objects", param="input_extra")
-    files = []
-    for i, chunk in enumerate(extra):
-        name = chunk.get("filename", "tmp") if isinstance(chunk, dict) else None
-        text = chunk.get("text") if isinstance(chunk, dict) else None
-        if not isinstance(name, str) or not isinstance(text, str):
-            raise InvalidRequestError(f"'input_extra[{i}]' must be an object with string 'filename' and 'text'",
-                                      param=f"input_extra[{i}]")
-        files.append((name, text))
-    return tuple(files)
-
-
-def _string(description: str) -> Field:
-    return Field(lambda name, b: optional("string", description=description), _text)
-
-
-INFILL: Fields = {
-    "input_prefix": _string("code before the cursor"),
-    "input_suffix": _string("code after the cursor"),
-    "prompt": _string("text appended to input_prefix (llama.cpp's meaning)"),
-    "input_extra": Field(lambda name, b: {"type": ["array", "null"], "maxItems": MAX_EXTRA, "items": {
-        "type": "object", "required": ["text"],
-        "properties": {"filename": {"type": "string"}, "text": {"type": "string"}}},
-        "description": "other files of the project, as repository context"}, _extra),
-    "n_predict": limited("integer", None, "llama.cpp's name for max_tokens", row="max_tokens"),
-    **SAMPLING,
-    "logprobs": COMPLETION_LOGPROBS,
-}
+def _text(body: dict, name: str) -> str:
+    value = body.get(name, "")
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise InvalidRequestError(f"'{name}' must be a string", param=name)
+    return value
