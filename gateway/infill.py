@@ -22,7 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.requests import CompletionRequest, parse_completion
+from gateway.request_fields import Bounds, Field, Fields, limited, optional, read_fields, read_object, read_text
+from gateway.requests import COMPLETION_LOGPROBS, SAMPLING, CompletionRequest, completion_request
 from shared.errors import ContextLengthError, InvalidRequestError
 
 # Token texts per part, as llama.cpp looks for them when the GGUF names no id.
@@ -77,27 +78,14 @@ class Infill:
 def parse_infill(body: Any, *, max_n: int) -> tuple[CompletionRequest, Infill]:
     """POST /infill: llama.cpp's fields, and every sampling field /v1/completions takes (`n_predict`
     is llama.cpp's name for max_tokens)."""
-    if not isinstance(body, dict):
-        raise InvalidRequestError("the request body must be a JSON object")
-    prefix, suffix = _text(body, "input_prefix"), _text(body, "input_suffix")
-    prompt = _text(body, "prompt")
-    extra = body.get("input_extra") or []
-    if not isinstance(extra, list) or len(extra) > MAX_EXTRA:
-        raise InvalidRequestError(f"'input_extra' must be an array of at most {MAX_EXTRA} "
-                                  "{\"filename\", \"text\"} objects", param="input_extra")
-    files = []
-    for i, chunk in enumerate(extra):
-        name = chunk.get("filename", "tmp") if isinstance(chunk, dict) else None
-        text = chunk.get("text") if isinstance(chunk, dict) else None
-        if not isinstance(name, str) or not isinstance(text, str):
-            raise InvalidRequestError(f"'input_extra[{i}]' must be an object with string 'filename' and 'text'",
-                                      param=f"input_extra[{i}]")
-        files.append((name, text))
-    fields = {k: v for k, v in body.items() if k not in ("prompt", "suffix", "echo")}
-    if fields.get("max_tokens") is None and body.get("n_predict") is not None:
-        fields["max_tokens"] = body["n_predict"]
-    req = parse_completion({**fields, "prompt": "-"}, max_n=max_n)   # the prompt is built from the parts
-    return req, Infill(prefix + prompt, suffix, tuple(files))
+    body = read_object(body)
+    values = read_fields(INFILL, body, Bounds(max_n))
+    max_tokens = values["max_tokens"] if values["max_tokens"] is not None else values["n_predict"]
+    logprobs = values["logprobs"]
+    req = completion_request(body, values, chat=False, messages=(), prompts=("-",),  # built from the parts
+                             max_tokens=max_tokens, logprobs=logprobs is not None, top_logprobs=logprobs or 0)
+    fill = Infill(values["input_prefix"] + values["prompt"], values["input_suffix"], values["input_extra"])
+    return req, fill
 
 
 def completion_infill(body: dict, req: CompletionRequest) -> Infill | None:
@@ -154,10 +142,41 @@ def infill_ids(tokenizer: Any, tokens: FimTokens, infill: Infill) -> list[int]:
     return ids + [tokens.pre, *text(infill.prefix), tokens.suf, *text(infill.suffix), tokens.mid]
 
 
-def _text(body: dict, name: str) -> str:
-    value = body.get(name, "")
-    if value is None:
-        return ""
-    if not isinstance(value, str):
-        raise InvalidRequestError(f"'{name}' must be a string", param=name)
-    return value
+def _text(body: dict, name: str, bounds: Bounds) -> str:
+    return read_text(body, name) or ""
+
+
+def _extra(body: dict, name: str, bounds: Bounds) -> tuple[tuple[str, str], ...]:
+    extra = body.get(name)
+    if extra is None:
+        return ()
+    if not isinstance(extra, list) or len(extra) > MAX_EXTRA:
+        raise InvalidRequestError(f"'input_extra' must be an array of at most {MAX_EXTRA} "
+                                  "{\"filename\", \"text\"} objects", param="input_extra")
+    files = []
+    for i, chunk in enumerate(extra):
+        name = chunk.get("filename", "tmp") if isinstance(chunk, dict) else None
+        text = chunk.get("text") if isinstance(chunk, dict) else None
+        if not isinstance(name, str) or not isinstance(text, str):
+            raise InvalidRequestError(f"'input_extra[{i}]' must be an object with string 'filename' and 'text'",
+                                      param=f"input_extra[{i}]")
+        files.append((name, text))
+    return tuple(files)
+
+
+def _string(description: str) -> Field:
+    return Field(lambda name, b: optional("string", description=description), _text)
+
+
+INFILL: Fields = {
+    "input_prefix": _string("code before the cursor"),
+    "input_suffix": _string("code after the cursor"),
+    "prompt": _string("text appended to input_prefix (llama.cpp's meaning)"),
+    "input_extra": Field(lambda name, b: {"type": ["array", "null"], "maxItems": MAX_EXTRA, "items": {
+        "type": "object", "required": ["text"],
+        "properties": {"filename": {"type": "string"}, "text": {"type": "string"}}},
+        "description": "other files of the project, as repository context"}, _extra),
+    "n_predict": limited("integer", None, "llama.cpp's name for max_tokens", row="max_tokens"),
+    **SAMPLING,
+    "logprobs": COMPLETION_LOGPROBS,
+}
