@@ -14,7 +14,7 @@ import json
 import re
 from typing import Any
 
-from gateway.requests import CompletionRequest, parse_chat, translated_tools
+from gateway.requests import CompletionRequest, message_list, parse_chat, translated_tools
 from shared.errors import InvalidRequestError
 
 ROLES = ("user", "assistant")
@@ -114,10 +114,8 @@ def _system(value: Any) -> str | None:
 
 
 def _messages(value: Any) -> list[dict]:
-    if not isinstance(value, list) or not value:
-        raise InvalidRequestError("'messages' must be a non-empty array", param="messages")
     out: list[dict] = []
-    for i, message in enumerate(value):
+    for i, message in enumerate(message_list(value)):
         where = f"messages[{i}]"
         if not isinstance(message, dict):
             raise InvalidRequestError(f"'{where}' must be an object", param=where)

@@ -96,9 +96,8 @@ def _max_tokens(state: GatewayState, req: CompletionRequest, ids: list[int], par
 
 
 def check_fits(state: GatewayState, ids: list[int], wanted: int, param: str) -> None:
-    """The prompt is not empty and, with `wanted` tokens after it, fits the workers' context."""
-    if not ids:
-        raise InvalidRequestError("the prompt is empty", param=param)
+    """The prompt, with `wanted` tokens after it, fits the workers' context. (An empty prompt is the
+    worker's to refuse, as for every caller of the engine: worker.engine.Engine.validate.)"""
     n_ctx = state.pool.n_ctx
     if wanted < 1 or len(ids) + wanted > n_ctx:
         wanted = max(wanted, 1)

@@ -192,10 +192,15 @@ def _logit_bias(value: Any) -> dict[int, float]:
     return bias
 
 
-def _messages(value: Any) -> tuple[dict, ...]:
+def message_list(value: Any) -> list:
+    """`messages` of any API (this one, Anthropic's): a conversation needs at least one message."""
     if not isinstance(value, list) or not value:
         raise InvalidRequestError("'messages' must be a non-empty array", param="messages")
-    return tuple(_message(m, i) for i, m in enumerate(value))
+    return value
+
+
+def _messages(value: Any) -> tuple[dict, ...]:
+    return tuple(_message(m, i) for i, m in enumerate(message_list(value)))
 
 
 def _message(message: Any, index: int) -> dict:

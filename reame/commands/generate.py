@@ -32,9 +32,7 @@ def parse_ids(text: str) -> list[int]:
         ids = [int(part) for part in text.replace(" ", "").split(",") if part != ""]
     except ValueError:
         raise InvalidRequestError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
-    if not ids:
-        raise InvalidRequestError("--prompt-ids is empty")
-    return ids
+    return ids  # none at all: the engine refuses an empty prompt, with the server's message
 
 
 def run(args: argparse.Namespace) -> int:

@@ -56,6 +56,7 @@ def test_bad_input_before_loading(args, needle):
 
 @pytest.mark.parametrize("args, needle", [
     (["--prompt-ids", "1,100000"], "token id 100000 is outside the vocabulary"),
+    (["--prompt-ids", ""], "the prompt is empty"),  # the engine's check, the one every request meets
     (["--prompt-ids", ",".join(["1"] * 60), "--max-tokens", "10"], "context is 64 tokens"),
 ])
 def test_bad_input_for_the_model(tiny_model, args, needle):
