@@ -2,7 +2,8 @@
 perplexity).
 
 Each subcommand lives in `reame/commands/<name>.py` with `add_parser(subparsers)` that
-registers it and sets `handler`. Errors from Reame become one clear line and exit code 1.
+registers it and sets `handler`. Errors from Reame become one clear line and exit code 1
+(shared.command_line.run_process, as for reame-gateway and reame-worker).
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import importlib
 import sys
 
 from shared import blas_env
-from shared.errors import ReameError
+from shared.command_line import run_process
 
 blas_env.prefer_native_blas()  # before anything imports numpy
 
@@ -25,26 +26,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for name in COMMANDS:
-        try:
-            module = importlib.import_module(f"reame.commands.{name}")
-        except ModuleNotFoundError as exc:
-            if exc.name != f"reame.commands.{name}":
-                raise
-            continue  # a command whose module has not landed yet
-        module.add_parser(sub)
+        importlib.import_module(f"reame.commands.{name}").add_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        return int(args.handler(args) or 0)
-    except ReameError as exc:
-        print(f"reame: error: {exc.message}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 130
+    args = build_parser().parse_args(argv)
+    return run_process("reame", lambda: args.handler(args))
 
 
 if __name__ == "__main__":

@@ -28,14 +28,13 @@ def load_with_common_flags(args: argparse.Namespace) -> Config:
     return override(config, "tuning", adaptive=adaptive_flag(args.adaptive))
 
 
-def run_process(prog: str, body: Callable[[], object]) -> int:
-    """A process's exit status: 0 when body returns; a ReameError (a bad key, a missing model) is
+def run_process(prog: str, body: Callable[[], int | None]) -> int:
+    """A process's exit status: body's (None: 0); a ReameError (a bad key, a missing model) is
     one line on stderr and status 1, never a traceback; Ctrl-C is 130."""
     try:
-        body()
+        return int(body() or 0)
     except ReameError as exc:
         print(f"{prog}: error: {exc.message}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
-    return 0

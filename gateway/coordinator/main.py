@@ -17,7 +17,6 @@ import sys
 
 from shared.config import Config, adaptive_flag, add_adaptive_flag, load_config, override
 from shared.zmq_keys import is_tcp
-from shared.errors import ReameError
 from shared.logs import setup_logging
 
 log = logging.getLogger("reame.coordinator")
@@ -70,13 +69,7 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        return run(args)
-    except ReameError as exc:
-        print(f"reame-coordinator: error: {exc.message}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 130
+    return run_process("reame-coordinator", lambda: run(args))
 
 
 if __name__ == "__main__":

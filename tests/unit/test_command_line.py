@@ -21,6 +21,7 @@ def test_ctrl_c_is_status_130_and_a_clean_run_0():
 
     assert run_process("reame-gateway", interrupted) == 130
     assert run_process("reame-gateway", lambda: None) == 0
+    assert run_process("reame", lambda: 2) == 2  # a command's own status (`reame models pull NAME --sha256`: 2)
 
 
 def test_the_common_flags_land_in_their_sections(tmp_path, monkeypatch):
