@@ -75,30 +75,31 @@ def _infill_operation(secured: bool) -> Schema:
           "content": {"application/json": {"schema": {"allOf": [_ref("Completion"), {
               "type": "object", "properties": {"content": {"type": "string"}}}]}},
               "text/event-stream": {"schema": {"type": "string"}}}}
-    operation = _worker_operation("Fill in the middle (llama.cpp's /infill)", "InfillRequest", ok, secured,
-                                  "invalid request: a bad field (named in `param`), a model without "
-                                  "fill-in-the-middle tokens, or a prompt over the context")
-    operation["description"] = ("Builds the model's fill-in-the-middle prompt (Qwen2.5-Coder: "
-                                "`<|fim_prefix|>…<|fim_suffix|>…<|fim_middle|>`, other files after "
-                                "`<|repo_name|>` and `<|file_sep|>`) and completes the text between prefix and suffix.")
-    return operation
+    return _worker_operation("Fill in the middle (llama.cpp's /infill)", "InfillRequest", ok, secured,
+                             "invalid request: a bad field (named in `param`), a model without "
+                             "fill-in-the-middle tokens, or a prompt over the context",
+                             description="Builds the model's fill-in-the-middle prompt (Qwen2.5-Coder: "
+                             "`<|fim_prefix|>…<|fim_suffix|>…<|fim_middle|>`, other files after `<|repo_name|>` "
+                             "and `<|file_sep|>`) and completes the text between prefix and suffix.")
 
 
 def _warm_operation(secured: bool) -> Schema:
     ok = _json_response("PrefixWarm", "The prompt is prefilled: its full blocks are in the worker's prefix "
                                       "cache and committed to the host store")
-    operation = _worker_operation("Prefill a prompt into the prefix cache", "WarmRequest", ok, secured,
-                                  "invalid request: a bad field (named in `param`), neither or both of "
-                                  "`messages` and `prompt`, or a prompt that fills the whole context")
-    operation["description"] = ("Renders `messages` with the chat template as /v1/chat/completions does, or "
-                                "tokenizes `prompt` as /v1/completions does, and has a worker compute its K/V "
-                                "without generating, so that later requests starting the same way reuse it.")
-    return operation
+    return _worker_operation("Prefill a prompt into the prefix cache", "WarmRequest", ok, secured,
+                             "invalid request: a bad field (named in `param`), neither or both of "
+                             "`messages` and `prompt`, or a prompt that fills the whole context",
+                             description="Renders `messages` with the chat template as /v1/chat/completions does, "
+                             "or tokenizes `prompt` as /v1/completions does, and has a worker compute its K/V "
+                             "without generating, so that later requests starting the same way reuse it.")
 
 
-def _worker_operation(summary: str, request: str, ok: Schema, secured: bool, invalid: str) -> Schema:
+def _worker_operation(summary: str, request: str, ok: Schema, secured: bool, invalid: str,
+                      description: str | None = None) -> Schema:
     """A POST whose JSON body becomes work for a worker: the errors that can come of that."""
     operation = _operation(summary, ok, secured)
+    if description:
+        operation["description"] = description
     operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": _ref(request)}}}
     operation["responses"].update({
         "400": _error(invalid),
@@ -214,13 +215,24 @@ def _warm_request(bounds: Bounds) -> Schema:
     ]}
 
 
+def _completion(kind: str, output: str, output_schema: Schema) -> Schema:
+    """A completion as both APIs answer it; each choice holds its `output` ("message" or "text")."""
+    token = {"type": "integer", "minimum": 0}
+    choice = {"type": "object", "required": ["index", output, "finish_reason"], "properties": {
+        "index": token, output: output_schema, "finish_reason": {"enum": ["stop", "length", "tool_calls"]},
+        "logprobs": {"type": ["object", "null"]}}}
+    return {"type": "object", "required": ["id", "object", "created", "model", "choices", "usage"], "properties": {
+        "id": {"type": "string"}, "object": {"const": kind}, "created": {"type": "integer"},
+        "model": {"type": "string"}, "usage": _ref("Usage"),
+        "choices": {"type": "array", "minItems": 1, "items": choice}}}
+
+
 def _schemas(max_n: int, vocab_size: int | None) -> Schema:
     bounds = Bounds(max_n, vocab_size)
     token = {"type": "integer", "minimum": 0}
     usage = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"], "properties": {
         "prompt_tokens": token, "completion_tokens": token, "total_tokens": token,
         "prompt_tokens_details": {"type": "object", "properties": {"cached_tokens": token}}}}
-    finish = {"enum": ["stop", "length", "tool_calls"]}
     tool_call = {"type": "object", "required": ["id", "type", "function"], "properties": {
         "id": {"type": "string"}, "type": {"const": "function"},
         "function": {"type": "object", "required": ["name", "arguments"], "properties": {
@@ -239,24 +251,11 @@ def _schemas(max_n: int, vocab_size: int | None) -> Schema:
                                                       "(whole blocks only)"},
             "reused_tokens": {**token, "description": "prompt tokens whose K/V were already cached"}}},
         "Usage": usage,
-        "ChatCompletion": {"type": "object", "required": ["id", "object", "created", "model", "choices", "usage"],
-                           "properties": {
-            "id": {"type": "string"}, "object": {"const": "chat.completion"}, "created": {"type": "integer"},
-            "model": {"type": "string"}, "usage": _ref("Usage"),
-            "choices": {"type": "array", "minItems": 1, "items": {
-                "type": "object", "required": ["index", "message", "finish_reason"], "properties": {
-                    "index": token, "finish_reason": finish, "logprobs": {"type": ["object", "null"]},
-                    "message": {"type": "object", "required": ["role", "content"], "properties": {
-                        "role": {"const": "assistant"}, "content": {"type": ["string", "null"]},
-                        "tool_calls": {"type": "array", "items": tool_call}}}}}}}},
-        "Completion": {"type": "object", "required": ["id", "object", "created", "model", "choices", "usage"],
-                       "properties": {
-            "id": {"type": "string"}, "object": {"const": "text_completion"}, "created": {"type": "integer"},
-            "model": {"type": "string"}, "usage": _ref("Usage"),
-            "choices": {"type": "array", "minItems": 1, "items": {
-                "type": "object", "required": ["index", "text", "finish_reason"], "properties": {
-                    "index": token, "text": {"type": "string"}, "finish_reason": finish,
-                    "logprobs": {"type": ["object", "null"]}}}}}},
+        "ChatCompletion": _completion("chat.completion", "message", {
+            "type": "object", "required": ["role", "content"], "properties": {
+                "role": {"const": "assistant"}, "content": {"type": ["string", "null"]},
+                "tool_calls": {"type": "array", "items": tool_call}}}),
+        "Completion": _completion("text_completion", "text", {"type": "string"}),
         "ModelList": {"type": "object", "required": ["object", "data"], "properties": {
             "object": {"const": "list"},
             "data": {"type": "array", "items": {"type": "object", "required": ["id", "object", "created", "owned_by"],
