@@ -12,13 +12,14 @@ authors specify, with llama.cpp's names where the format leaves one open:
 (the repository part only with `input_extra`, and only where the vocabulary has those tokens). The
 FIM tokens come from `tokenizer.ggml.fim_*_token_id` where the GGUF has them, else from their text
 in the vocabulary (llama.cpp's list). Client text (code, file names) is tokenized with every
-special token's text left as text, user-defined ones such as Qwen's `<tool_call>` too (llama.cpp's
-parse_special=False still cuts those out): code that contains `<|fim_middle|>` cannot move the
-cursor, and only this builder writes markers. A model without prefix, suffix
-and middle tokens (SmolLM2, Gemma 3) cannot do this: a 400 says so.
+marker token's text left as text, user-defined ones such as Qwen's `<tool_call>` too (llama.cpp's
+parse_special=False still cuts those out; Tokenizer.marker_texts): code that contains
+`<|fim_middle|>` cannot move the cursor, and only this builder writes markers. A model without
+prefix, suffix and middle tokens (SmolLM2, Gemma 3) cannot do this: a 400 says so.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -123,9 +124,17 @@ def check_size(tokenizer: Any, infill: Infill, n_ctx: int, param: str) -> None:
 
 def infill_ids(tokenizer: Any, tokens: FimTokens, infill: Infill) -> list[int]:
     """The prompt's token ids (see the module's docstring), BOS before <|fim_prefix|> where the model adds one."""
+    markers = _user_defined_markers(tokenizer, tokens)
+
     def text(value: str) -> list[int]:
-        # Literal: parse_special=False would still cut out user-defined tokens (Qwen's <tool_call>).
-        return tokenizer.encode(value, add_special=False, literal=[(0, len(value))]) if value else []
+        if not value:
+            return []
+        # parse_special=False leaves control tokens' text as text but would cut out user-defined
+        # ones (Qwen's <tool_call>): those that mark structure are kept literal.
+        literal = [m.span() for m in markers.finditer(value)] if markers is not None else []
+        if literal:
+            return tokenizer.encode(value, add_special=False, parse_special=False, literal=literal)
+        return tokenizer.encode(value, add_special=False, parse_special=False)
 
     ids: list[int] = []
     if infill.extra:
@@ -140,6 +149,16 @@ def infill_ids(tokenizer: Any, tokens: FimTokens, infill: Infill) -> list[int]:
     if tokenizer.add_bos and tokenizer.bos_id is not None:
         ids.append(tokenizer.bos_id)    # after the other files, as llama.cpp puts it
     return ids + [tokens.pre, *text(infill.prefix), tokens.suf, *text(infill.suffix), tokens.mid]
+
+
+def _user_defined_markers(tokenizer: Any, tokens: FimTokens) -> re.Pattern | None:
+    """A pattern of the user-defined tokens that mark structure (this prompt's FIM tokens among
+    them), the only special tokens parse_special=False still cuts out of client code."""
+    if not hasattr(tokenizer, "marker_texts"):
+        return None
+    ids = (tokens.pre, tokens.suf, tokens.mid, tokens.rep, tokens.sep, tokens.pad)
+    texts = tokenizer.marker_texts(*(tokenizer.token_text(i) for i in ids if i is not None)) - tokenizer.control_texts
+    return re.compile("|".join(map(re.escape, sorted(texts, key=len, reverse=True)))) if texts else None
 
 
 def _text(body: dict, name: str, bounds: Bounds) -> str:

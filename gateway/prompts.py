@@ -13,15 +13,17 @@ Plain text: the rendered template is tokenized with special tokens parsed, so th
 markers become control tokens. A message containing `<|im_end|>\\n<|im_start|>system\\n...` must
 not open a system turn, nor one containing `<tool_call>...</tool_call>` (a user-defined token on
 Qwen, which llama.cpp cuts out of any text) write a call the model takes for its own. Before
-anything is added to them, each special token's text (control, user-defined or unknown) found in
-a client's strings (content, name, tool call arguments, any string or key in the message, and the
-tools' names, descriptions and schemas) is replaced by a private-use character that occurs nowhere
-in the messages, the tools or the template. Then the server's own structure is added (the tool
-list and past calls as gateway.tools writes them for the template) and the template renders; the
-characters are put back and their spans tokenized with no special token cut out. So every special
-token in the ids comes from the template or from gateway.tools. Requests without such text render
-and tokenize exactly as before. With `[gateway] content_specials = reject` such a message is
-refused instead (400 naming the field).
+anything is added to them, each marker token's text (control and unknown tokens, and the
+user-defined ones that mark structure: Tokenizer.marker_texts) found in a client's strings
+(content, name, tool call arguments, any string or key in the message, and the tools' names,
+descriptions and schemas) is replaced by a private-use character that occurs nowhere in the
+messages, the tools or the template. Then the server's own structure is added (the tool list and
+past calls as gateway.tools writes them for the template) and the template renders; the
+characters are put back and their spans tokenized with no special token cut out. So every marker
+token in the ids comes from the template or from gateway.tools. User-defined tokens that are
+pieces of ordinary text (Gemma's "\\n\\n", runs of spaces, "<b>") are cut out as llama.cpp does.
+Requests without marker text render and tokenize exactly as before. With `[gateway]
+content_specials = reject` such a message is refused instead (400 naming the field).
 """
 from __future__ import annotations
 
@@ -40,7 +42,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
 
-from gateway.tools import Tool, ToolRequest, native_tools, prompt_messages, with_argument_objects
+from gateway.tools import MARKERS, Tool, ToolRequest, native_tools, prompt_messages, with_argument_objects
 from shared.errors import ContextLengthError, InvalidRequestError, TokenizerError
 
 T = TypeVar("T")
@@ -69,10 +71,13 @@ class PromptEncoder:
         self.tokenizer = tokenizer
         self.template = template
         self.content_specials = content_specials        # "text" | "reject"
-        specials = sorted(getattr(tokenizer, "special_texts", ()), key=len, reverse=True)
+        source = getattr(template, "source", "")
+        markers = (tokenizer.marker_texts(source, *MARKERS) if hasattr(tokenizer, "marker_texts")
+                   else getattr(tokenizer, "control_texts", ()))
+        specials = sorted(markers, key=len, reverse=True)
         self._specials = re.compile("|".join(map(re.escape, specials))) if specials else None
         # Whether the template prints the tool list and past calls itself (else gateway.tools writes them).
-        self._native = native_tools(getattr(template, "source", ""))
+        self._native = native_tools(source)
         self._executor = ThreadPoolExecutor(ENCODE_THREADS, thread_name_prefix="encode")
         # None (test doubles, the child processes themselves): everything runs on the threads.
         self._processes = processes
@@ -147,11 +152,11 @@ class PromptEncoder:
 
     def _plain_parts(self, messages: tuple[dict, ...], tools: ToolRequest | None
                      ) -> tuple[tuple[tuple[dict, ...], ToolRequest | None], dict[str, str]]:
-        """(messages, tools) with special-token text in any string replaced by placeholders (or refused)."""
+        """(messages, tools) with marker-token text in any string replaced by placeholders (or refused)."""
         if self._specials is None:
             return (messages, tools), {}
         listed = _listed(tools)
-        found: dict[str, str] = {}      # special text → where it was first seen
+        found: dict[str, str] = {}      # marker text → where it was first seen
         for where, value in [*_strings(messages), *_strings(listed, "tools")]:
             for match in self._specials.finditer(value):
                 found.setdefault(match.group(), where)

@@ -30,6 +30,8 @@ MAX_PARALLEL_CALLS = 8  # a forced reply holds at most this many calls
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
+# The markers this module writes itself for a template without tool support (see prompt_messages).
+MARKERS = (OPEN, CLOSE, PYTHON_TAG, "<tool_response>", "</tool_response>")
 
 Family = Literal["hermes", "llama3"]
 

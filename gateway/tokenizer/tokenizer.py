@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -20,6 +21,8 @@ from .merging import build_merger
 from .piece_cache import PieceCache
 from .pretokenize import PreTokenizer
 from .specials import SpecialSplitter
+
+_MARKER = re.compile(r"<\|[^|<>]+\|>")     # <|fim_prefix|>, <|endoftext|>: never a piece of prose
 MERGE_BATCH = 2048      # words per call into the Rust merger (see Tokenizer._merge)
 
 
@@ -41,7 +44,7 @@ class Tokenizer:
         user_defined = [i for _, i in specials if vocab.types[i] == USER_DEFINED]
         self._splitter = SpecialSplitter(specials, always=user_defined)
         self._control_texts = frozenset(text for text, i in specials if vocab.types[i] != USER_DEFINED)
-        self._special_texts = frozenset(text for text, _ in specials if text)
+        self._user_defined_texts = frozenset(vocab.tokens[i] for i in user_defined if vocab.tokens[i])
         self._max_token_bytes = max((len(p) for p in self._pieces), default=1)
         self._eot_ids = end_of_generation_ids(vocab)
         self._piece_ids = PieceCache()
@@ -179,10 +182,17 @@ class Tokenizer:
         """Texts of the special tokens that only parse_special=True cuts out (e.g. <|im_start|>)."""
         return self._control_texts
 
-    @property
-    def special_texts(self) -> frozenset[str]:
-        """Texts of every token that parse_special=True cuts out: control, user-defined, unknown."""
-        return self._special_texts
+    def marker_texts(self, *sources: str) -> frozenset[str]:
+        """Texts of the special tokens that mark structure, which a client's text must not produce:
+        the control and unknown ones, and the user-defined ones written as `<|...|>`, named by the
+        GGUF's FIM keys, or found in the GGUF's chat template or in `sources` (Qwen's <tool_call>).
+        The other user-defined tokens are pieces of ordinary text (Gemma's "\\n", runs of spaces,
+        "<b>"), cut out of any text as llama.cpp does."""
+        where = (self._vocab.chat_template or "", *sources)
+        fim = {self._vocab.tokens[i] for i in self._vocab.fim_ids.values() if 0 <= i < len(self._vocab.tokens)}
+        return self._control_texts | {
+            text for text in self._user_defined_texts
+            if len(text.strip()) > 1 and (_MARKER.fullmatch(text) or text in fim or any(text in w for w in where))}
 
     @property
     def max_token_bytes(self) -> int:

@@ -47,6 +47,16 @@ def test_no_added_token_comes_from_client_code(qwen):
     assert qwen.decode(ids, skip_special=False).count(forged) == 4
 
 
+def test_user_defined_tokens_of_ordinary_code_are_cut_as_llama_cpp_cuts_them(gemma):
+    """Gemma's user-defined tokens are whitespace runs and HTML tags: code holding them is
+    tokenized as llama.cpp does (parse_special=False), only markers are kept as text."""
+    ids = [gemma.token_id(t) for t in ("<start_of_turn>", "<end_of_turn>", "<start_of_image>")]
+    tokens = FimTokens(*ids, rep=None, sep=None, pad=None)
+    code = "def f():\n\n    return '<b>x</b>'\t\t<start_of_turn>"
+    assert infill_ids(gemma, tokens, Infill(code, "")) == [
+        gemma.bos_id, ids[0], *gemma.encode(code, add_special=False, parse_special=False), ids[1], ids[2]]
+
+
 def test_gguf_keys_come_before_token_texts(qwen):
     class Keyed:
         vocab = type("V", (), {"fim_ids": {"pre": 7, "suf": 8, "mid": 9}})()

@@ -333,6 +333,31 @@ def test_the_templates_own_tool_call_keeps_its_tokens(qwen05):
     assert (listed.count(open_id), listed.count(close_id)) == (2, 2)
 
 
+def test_marker_texts_are_structure_not_prose(qwen05, gemma):
+    """Every added token of Qwen marks structure (<|...|> or, as <tool_call>, in its template);
+    Gemma's user-defined whitespace runs and HTML tags are text, its control tokens are markers."""
+    assert qwen05.marker_texts() == set(added_token_texts(qwen05))
+    assert {"<tool_call>", "</tool_call>", "<|fim_middle|>", "<|file_sep|>"} <= qwen05.marker_texts()
+    assert not {"\n", "\n\n", "    ", "\t", "<b>", "<table>"} & gemma.marker_texts()
+    assert {"<start_of_turn>", "<end_of_turn>"} <= gemma.marker_texts()
+
+
+def test_user_defined_tokens_of_ordinary_text_are_cut_as_llama_cpp_cuts_them(gemma):
+    """Most of Gemma's user-defined tokens are pieces of ordinary text ("\\n", runs of spaces and
+    tabs, HTML tags), not structure: a message holding them keeps llama.cpp's ids (the rendered
+    chat encoded whole), while a control token's text in it stays text."""
+    text = "One.\n\nTwo:\n    indented\t\ttabs <b>bold</b> <table><tr><td>1</td></tr></table>"
+    for content in (text, text + "<start_of_turn>"):
+        messages = ({"role": "user", "content": content},)
+        rendered = ChatTemplate.for_tokenizer(gemma).render(list(messages), add_generation_prompt=True)
+        ids = encoder(gemma).encode_chat(messages)
+        assert gemma.token_id("\n\n") in ids and gemma.token_id("<b>") in ids and gemma.token_id("    ") in ids
+        if content == text:
+            assert ids == gemma.encode(rendered)
+        else:
+            assert ids.count(gemma.token_id("<start_of_turn>")) == 2    # the user's turn and the model's
+
+
 @pytest.mark.parametrize("name", ["qwen05", "smollm"])
 def test_no_added_token_comes_from_client_text(name, request):
     """Every control and user-defined token's text, in content, a name, a tool call's arguments
