@@ -74,8 +74,8 @@ class PromptEncoder:
         source = getattr(template, "source", "")
         markers = (tokenizer.marker_texts(source, *MARKERS) if hasattr(tokenizer, "marker_texts")
                    else getattr(tokenizer, "control_texts", ()))
-        specials = sorted(markers, key=len, reverse=True)
-        self._specials = re.compile("|".join(map(re.escape, specials))) if specials else None
+        markers = sorted(markers, key=len, reverse=True)
+        self._markers = re.compile("|".join(map(re.escape, markers))) if markers else None
         # Whether the template prints the tool list and past calls itself (else gateway.tools writes them).
         self._native = native_tools(source)
         self._executor = ThreadPoolExecutor(ENCODE_THREADS, thread_name_prefix="encode")
@@ -153,12 +153,12 @@ class PromptEncoder:
     def _plain_parts(self, messages: tuple[dict, ...], tools: ToolRequest | None
                      ) -> tuple[tuple[tuple[dict, ...], ToolRequest | None], dict[str, str]]:
         """(messages, tools) with marker-token text in any string replaced by placeholders (or refused)."""
-        if self._specials is None:
+        if self._markers is None:
             return (messages, tools), {}
         listed = _listed(tools)
         found: dict[str, str] = {}      # marker text → where it was first seen
         for where, value in [*_strings(messages), *_strings(listed, "tools")]:
-            for match in self._specials.finditer(value):
+            for match in self._markers.finditer(value):
                 found.setdefault(match.group(), where)
         if not found:
             return (messages, tools), {}
@@ -170,7 +170,7 @@ class PromptEncoder:
         placeholder_of = dict(zip(found, self._free_characters((messages, listed), len(found))))
 
         def swap(value: Any) -> Any:
-            return _map_strings(value, lambda text: self._specials.sub(lambda m: placeholder_of[m.group()], text))
+            return _map_strings(value, lambda text: self._markers.sub(lambda m: placeholder_of[m.group()], text))
 
         if tools is not None:
             tools = replace(tools, choice=swap(tools.choice), tools=tuple(
