@@ -15,6 +15,7 @@ import logging
 import signal
 import sys
 
+from shared.command_line import run_process
 from shared.config import Config, adaptive_flag, add_adaptive_flag, load_config, override
 from shared.zmq_keys import is_tcp
 from shared.logs import setup_logging
