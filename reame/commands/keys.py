@@ -11,14 +11,13 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from reame.commands.actions import add_actions
 from shared.zmq_keys import generate
 
 
 def add_parser(sub) -> None:
-    parser = sub.add_parser("keys", help="CURVE keys for workers on other hosts",
-                            description="Key pairs that authenticate the gateway and its workers over tcp://.")
-    actions = parser.add_subparsers(dest="keys_action", metavar="ACTION")
-    actions.required = True
+    actions = add_actions(sub, "keys", help="CURVE keys for workers on other hosts",
+                          description="Key pairs that authenticate the gateway and its workers over tcp://.")
     gen = actions.add_parser("generate", help="write a key pair (NAME.key, NAME.key_secret)")
     gen.add_argument("--name", required=True, help="'gateway', or a name for a host's workers such as 'worker-host2'")
     gen.add_argument("--dir", default=".", help="where to write the files (default: the current directory)")

@@ -5,16 +5,15 @@ import argparse
 import sys
 from pathlib import Path
 
+from reame.commands.actions import add_actions
 from shared.config import load_config
 from shared.model_store import CATALOGUE, ModelStatus, list_models, pull, pull_url
 from shared.url_fetch import is_url
 
 
 def add_parser(sub) -> None:
-    parser = sub.add_parser("models", help="pull or list the known models",
-                            description="Download, verify and list the models Reame knows by name.")
-    actions = parser.add_subparsers(dest="models_action", metavar="ACTION")
-    actions.required = True
+    actions = add_actions(sub, "models", help="pull or list the known models",
+                          description="Download, verify and list the models Reame knows by name.")
 
     pull_parser = actions.add_parser("pull", help="download, verify and store a known model or a GGUF URL")
     pull_parser.add_argument("name", metavar="NAME|URL",

@@ -15,6 +15,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from reame.commands.actions import add_actions
 from shared.config import load_config
 from shared.errors import ConfigError, ReameError
 
@@ -22,10 +23,8 @@ TIMEOUT_S = 10.0
 
 
 def add_parser(sub) -> None:
-    parser = sub.add_parser("strategy", help="export or import the tuning strategy of a running server",
-                            description="Save the scheduler knobs the tuning coordinator chose, or pin saved ones.")
-    actions = parser.add_subparsers(dest="strategy_action", metavar="ACTION")
-    actions.required = True
+    actions = add_actions(sub, "strategy", help="export or import the tuning strategy of a running server",
+                          description="Save the scheduler knobs the tuning coordinator chose, or pin saved ones.")
     show = actions.add_parser("show", help="print the strategy this deployment saved (what a restart resumes)")
     show.set_defaults(handler=_show)
     for name, handler, help_text in (("export", _export, "write the running strategy to FILE (JSON)"),

@@ -4,15 +4,14 @@ from __future__ import annotations
 import argparse
 import time
 
+from reame.commands.actions import add_actions
 from shared.config import load_config
 
 
 def add_parser(sub) -> None:
-    parser = sub.add_parser("tune", help="show or clear the learned kernel tables",
-                            description="The kernel variant and thread count each worker learned per rows bucket, "
-                                        "saved under [tuning] state_path per host, model and Reame version.")
-    actions = parser.add_subparsers(dest="tune_action", metavar="ACTION")
-    actions.required = True
+    actions = add_actions(sub, "tune", help="show or clear the learned kernel tables",
+                          description="The kernel variant and thread count each worker learned per rows bucket, "
+                                      "saved under [tuning] state_path per host, model and Reame version.")
     show = actions.add_parser("show", help="print every saved kernel table")
     show.set_defaults(handler=_show)
     reset = actions.add_parser("reset", help="delete every saved kernel table (workers recalibrate at start)")
