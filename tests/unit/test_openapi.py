@@ -9,10 +9,12 @@ import pytest
 import requests
 import schemathesis
 
+from gateway.anthropic_requests import parse_messages
 from gateway.app import build_app
 from gateway.infill import completion_infill, parse_infill
 from gateway.openapi import openapi_document
 from gateway.requests import parse_chat, parse_completion, parse_warm
+from gateway.responses_requests import parse_responses
 from gateway.state import build_state
 from shared.errors import InvalidRequestError
 from tests.fakes import FakeDecoder, FakeServer, FakeTemplate, FakeTokenizer, fake_config
@@ -159,6 +161,22 @@ def test_every_field_a_parser_reads_is_in_the_document(tmp_path, name):
 BAD_VALUES = ({"x": 1}, [{"x": 1}], "x", "", 1.5, -1, True, 10 ** 9, [])
 
 
+def _refused_values_are_refused(name: str, validator, fields: set[str], base: dict, parse) -> None:
+    """For every field and every BAD_VALUES value the schema refuses in `base`, the parser refuses it too."""
+    assert validator.is_valid(base)
+    tried = 0
+    for field in sorted(fields):
+        for value in BAD_VALUES:
+            body = {**base, field: value}
+            if validator.is_valid(body):
+                continue
+            tried += 1
+            with pytest.raises(InvalidRequestError):
+                parse(body)
+                pytest.fail(f"{name}: {field} = {value!r} parsed, but the document refuses it")
+    assert tried >= len(fields)
+
+
 @pytest.mark.parametrize("name", sorted(PARSERS))
 def test_every_documented_field_is_checked_by_its_parser(tmp_path, name):
     """A value the document refuses for a field, the parser refuses too (a 400): no field is in the
@@ -166,16 +184,21 @@ def test_every_documented_field_is_checked_by_its_parser(tmp_path, name):
     schemas = openapi_document(fake_config(tmp_path))["components"]["schemas"]
     validator = jsonschema_rs.Draft202012Validator({"$ref": f"#/components/schemas/{name}",
                                                     "components": {"schemas": schemas}})
-    base = BODIES[name]
-    assert validator.is_valid(base)
-    tried = 0
-    for field in sorted(_documented(schemas, name)):
-        for value in BAD_VALUES:
-            body = {**base, field: value}
-            if validator.is_valid(body):
-                continue
-            tried += 1
-            with pytest.raises(InvalidRequestError):
-                PARSERS[name](body)
-                pytest.fail(f"{name}: {field} = {value!r} parsed, but the document refuses it")
-    assert tried >= len(_documented(schemas, name))
+    _refused_values_are_refused(name, validator, _documented(schemas, name), BODIES[name], PARSERS[name])
+
+
+AGENT_APIS = {  # path → (a valid body, the parse): the Anthropic and Responses bodies are described loosely
+    "/v1/messages": ({"max_tokens": 5, "messages": HI}, lambda body: parse_messages(body, max_n=4)),
+    "/v1/messages/count_tokens": ({"messages": HI}, lambda body: parse_messages(body, max_n=4, count_only=True)),
+    "/v1/responses": ({"input": "hi"}, parse_responses),
+}
+
+
+@pytest.mark.parametrize("path", sorted(AGENT_APIS))
+def test_the_agent_apis_documented_fields_are_checked_by_their_parsers(tmp_path, path):
+    """gateway.openapi_apis lists a few fields of each body by hand; each is checked as listed."""
+    schema = openapi_document(fake_config(tmp_path))["paths"][path]["post"]["requestBody"]["content"][
+        "application/json"]["schema"]
+    base, parse = AGENT_APIS[path]
+    _refused_values_are_refused(path, jsonschema_rs.Draft202012Validator(schema), set(schema["properties"]),
+                                base, parse)
