@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from gateway.infill import INFILL
-from gateway.openapi_apis import agent_api_paths
+from gateway.openapi_apis import WORKER_ERRORS, agent_api_paths
 from gateway.request_fields import Bounds, Fields, properties
 from gateway.requests import CHAT, COMPLETION, WARM, chat_message_schema
 from shared.config import Config
@@ -101,15 +101,9 @@ def _worker_operation(summary: str, request: str, ok: Schema, secured: bool, inv
     if description:
         operation["description"] = description
     operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": _ref(request)}}}
-    operation["responses"].update({
-        "400": _error(invalid),
-        "404": _error("the requested `model` is not served here"),
-        "408": _error("the request body took longer than read_timeout to arrive"),
-        "413": _error("the request body is larger than max_body_bytes"),
-        "415": _error("the request body is not JSON (Content-Type must be application/json)"),
-        "429": _error("too many requests are waiting for a worker", retry_after=True),
-        "503": _error("no worker is ready, or the worker running the request was lost", retry_after=True),
-    })
+    operation["responses"].update({"400": _error(invalid), "404": _error("the requested `model` is not served here")})
+    operation["responses"].update({status: _error(description, retry_after=status in ("429", "503"))
+                                   for status, description in WORKER_ERRORS.items()})
     return operation
 
 
@@ -137,7 +131,7 @@ def _admin_paths(secured: bool) -> Schema:
                 "schema": {"type": "object", "description": "a strategy as GET /admin/strategy returns it: "
                            "{\"workers\": {SLOT or \"*\": {\"knobs\": {...}}}}"}}}}
             operation["responses"]["400"] = _error("not a strategy (the bad part is named)")
-            operation["responses"]["415"] = _error("the request body is not JSON (Content-Type must be application/json)")
+            operation["responses"]["415"] = _error(WORKER_ERRORS["415"])
         return operation
 
     series = _operation("The dashboard's curves since boot", ok, secured)

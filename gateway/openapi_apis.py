@@ -14,6 +14,14 @@ from typing import Any
 from gateway.responses_requests import INCLUDABLE, MAX_ID, MAX_LIST
 
 Schema = dict[str, Any]
+# What can go wrong with any POST whose body becomes a worker's job (gateway.openapi's routes too).
+WORKER_ERRORS = {
+    "408": "the request body took longer than read_timeout to arrive",
+    "413": "the request body is larger than max_body_bytes",
+    "415": "the request body is not JSON (Content-Type must be application/json)",
+    "429": "too many requests are waiting for a worker",
+    "503": "no worker is ready, or the worker running the request was lost",
+}
 _OBJECT: Schema = {"type": "object"}
 _EVENTS = {"text/event-stream": {"schema": {"type": "string"}}}
 
@@ -61,13 +69,7 @@ def _generation(summary: str, body: Schema, ok: Schema, secured: bool) -> Schema
                            "`previous_response_id` names no stored response"),
                            _error("invalid request: a bad field, or prompt + max tokens over the context"))
     operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": body}}}
-    operation["responses"].update({
-        "408": _error("the request body took longer than read_timeout to arrive"),
-        "413": _error("the request body is larger than max_body_bytes"),
-        "415": _error("the request body is not JSON (Content-Type must be application/json)"),
-        "429": _error("too many requests are waiting for a worker"),
-        "503": _error("no worker is ready, or the worker running the request was lost"),
-    })
+    operation["responses"].update({status: _error(description) for status, description in WORKER_ERRORS.items()})
     return operation
 
 
