@@ -19,6 +19,7 @@ import orjson
 from aiohttp import web
 
 from gateway.errors import ConflictError
+from gateway.json_response import json_response
 from gateway.state import STATE
 from shared.errors import ConfigError, InvalidRequestError
 
@@ -27,7 +28,7 @@ MAX_STRATEGY_BYTES = 1 << 20
 
 
 async def get_strategy(request: web.Request) -> web.Response:
-    return _json(await request.app[STATE].tuning.call("strategy"))
+    return json_response(await request.app[STATE].tuning.call("strategy"))
 
 
 async def put_strategy(request: web.Request) -> web.Response:
@@ -42,7 +43,7 @@ async def put_strategy(request: web.Request) -> web.Response:
         body = await tuning.call("import", doc)
     except ConfigError as exc:
         raise (ConflictError if "adaptivity is off" in exc.message else InvalidRequestError)(exc.message) from None
-    return _json(body)
+    return json_response(body)
 
 
 async def freeze(request: web.Request) -> web.Response:
@@ -55,13 +56,13 @@ async def unfreeze(request: web.Request) -> web.Response:
 
 async def _set_frozen(request: web.Request, action: str) -> web.Response:
     try:
-        return _json(await request.app[STATE].tuning.call(action))
+        return json_response(await request.app[STATE].tuning.call(action))
     except ConfigError as exc:
         raise ConflictError(exc.message) from None
 
 
 async def report(request: web.Request) -> web.Response:
-    return _json(await request.app[STATE].tuning.call("report"))
+    return json_response(await request.app[STATE].tuning.call("report"))
 
 
 async def series(request: web.Request) -> web.Response:
@@ -72,7 +73,7 @@ async def series(request: web.Request) -> web.Response:
         bucket = 0.0
     if not 1.0 <= bucket <= 3600.0:
         raise InvalidRequestError(f"bucket must be seconds in 1..3600, got {raw!r}", param="bucket")
-    return _json(await request.app[STATE].tuning.call("series", bucket))
+    return json_response(await request.app[STATE].tuning.call("series", bucket))
 
 
 async def dashboard(request: web.Request) -> web.Response:
@@ -88,7 +89,3 @@ def add_admin_routes(app: web.Application) -> None:
     app.router.add_get("/admin/report", report)
     app.router.add_get("/admin/series", series)
     app.router.add_get("/dashboard", dashboard)
-
-
-def _json(body: object) -> web.Response:
-    return web.Response(body=orjson.dumps(body), content_type="application/json")

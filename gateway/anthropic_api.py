@@ -23,6 +23,7 @@ from aiohttp import web
 
 from gateway.anthropic_requests import parse_messages
 from gateway.completion import complete
+from gateway.json_response import json_response
 from gateway.reply import Ending, NamedEventStream, Part, parts, stream_events, whole
 from gateway.routes import _check_model, _read_json, chat_prompt
 from gateway.state import STATE
@@ -61,7 +62,7 @@ async def count_tokens(request: web.Request) -> web.Response:
     req = parse_messages(await _read_json(request, state), max_n=1, count_only=True)
     _check_model(state, req.model)
     _, ids = await chat_prompt(state, req)
-    return _json({"input_tokens": len(ids)})
+    return json_response({"input_tokens": len(ids)})
 
 
 def add_anthropic_routes(app: web.Application) -> None:
@@ -91,8 +92,7 @@ async def anthropic_middleware(request: web.Request, handler) -> web.StreamRespo
     body = {"type": "error", "error": {"type": ERROR_TYPES.get(response.status, "api_error"), "message": message}}
     if code is not None:  # Reame's finer kind (e.g. invalid_api_key, context_length_exceeded), kept
         body["error"]["code"] = code
-    answer = web.Response(status=response.status, body=orjson.dumps(body), content_type="application/json",
-                          headers=kept)
+    answer = json_response(body, response.status, kept)
     if not response.keep_alive:
         answer.force_close()
     return answer
@@ -105,8 +105,8 @@ async def _whole(run: _Run, model: str) -> web.Response:
     reply = await whole(run, ending)
     text, calls = reply.text, reply.calls
     content = ([{"type": "text", "text": text}] if text or not calls else []) + [_tool_use(c) for c in calls]
-    return _json({"id": _message_id(), "type": "message", "role": "assistant", "model": model, "content": content,
-                  **_stop(ending), "usage": _usage(ending)})
+    return json_response({"id": _message_id(), "type": "message", "role": "assistant", "model": model,
+                          "content": content, **_stop(ending), "usage": _usage(ending)})
 
 
 async def _stream(run: _Run, out: NamedEventStream, model: str) -> None:
@@ -196,7 +196,3 @@ def _usage(ending: Ending) -> dict:
 
 def _message_id() -> str:
     return "msg_" + secrets.token_hex(12)
-
-
-def _json(body: object) -> web.Response:
-    return web.Response(body=orjson.dumps(body), content_type="application/json")

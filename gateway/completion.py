@@ -15,7 +15,6 @@ import uuid
 from dataclasses import replace
 from typing import TYPE_CHECKING, Awaitable, Callable
 
-import orjson
 from aiohttp import web
 
 from gateway import responses
@@ -23,6 +22,7 @@ from gateway.auth import tenant_name
 from gateway.cache_namespace import request_namespace
 from gateway.choice import Choice, Delta
 from gateway.errors import error_from_worker
+from gateway.json_response import json_response
 from gateway.request_id import current_request_id
 from gateway.requests import CompletionRequest
 from gateway.router import prefix_key
@@ -174,7 +174,7 @@ class _Run:
                     choice["message"]["tool_calls"] = [call.as_openai() for call in calls]
                     if choice["finish_reason"] == "stop":
                         choice["finish_reason"] = "tool_calls"
-        return web.Response(body=orjson.dumps(body), content_type="application/json")
+        return json_response(body)
 
     async def stream(self, request: web.Request) -> web.StreamResponse:
         out = EventStream(request, self.state.config.gateway.write_timeout)

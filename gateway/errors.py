@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import logging
 
-import orjson
 from aiohttp import web
 
+from gateway.json_response import json_response
 from gateway.request_id import current_request_id
 from shared import errors as shared_errors
 from shared.errors import InvalidRequestError, ReameError
@@ -114,8 +114,7 @@ def error_response(exc: ReameError, headers: dict[str, str] | None = None) -> we
     retry_after = getattr(exc, "retry_after", None)
     if retry_after is not None:
         headers["Retry-After"] = str(retry_after)
-    response = web.Response(status=exc.status, body=orjson.dumps(exc.to_openai()),
-                            content_type="application/json", headers=headers)
+    response = json_response(exc.to_openai(), exc.status, headers)
     if exc.status == 408:  # the rest of a late body is not worth waiting for: hang up after answering
         response.force_close()
     return response

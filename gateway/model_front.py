@@ -29,6 +29,7 @@ from aiohttp import web
 
 from gateway.auth import auth_middleware, load_tenants
 from gateway.errors import ConflictError, ModelNotFoundError, PayloadTooLargeError, error_middleware
+from gateway.json_response import json_response
 from gateway.model_backends import Backend, estimate_bytes
 from gateway.model_loader import ModelLoader
 from gateway.model_residency import Residency
@@ -124,7 +125,7 @@ async def list_models(request: web.Request) -> web.Response:
     data = [{"id": e.name, "object": "model", "created": front.created, "owned_by": "reame",
              "aliases": list(e.aliases), "state": states[e.name]["state"], "size": states[e.name]["size"]}
             for e in front.repository.entries]
-    return _json({"object": "list", "data": data})
+    return json_response({"object": "list", "data": data})
 
 
 async def admin_models(request: web.Request) -> web.Response:
@@ -132,7 +133,7 @@ async def admin_models(request: web.Request) -> web.Response:
     residency = front.loader.residency
     models = [{**m, "pinned": math.isinf(residency.models[m["id"]].keep_alive),
                "error": residency.models[m["id"]].error} for m in front.loader.listing()]
-    return _json({"budget": residency.budget, "used": residency.used(), "models": models})
+    return json_response({"budget": residency.budget, "used": residency.used(), "models": models})
 
 
 async def admin_action(request: web.Request) -> web.Response:
@@ -156,7 +157,7 @@ async def admin_action(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    return _json({"status": "ok", "models": request.app[FRONT].repository.served()})
+    return json_response({"status": "ok", "models": request.app[FRONT].repository.served()})
 
 
 async def forward(request: web.Request) -> web.StreamResponse:
@@ -227,9 +228,6 @@ async def _stop(app: web.Application) -> None:
         await backend.stop()
     await front.session.close()
 
-
-def _json(body: object, status: int = 200) -> web.Response:
-    return web.Response(body=orjson.dumps(body), status=status, content_type="application/json")
 
 
 def available_ram() -> int:

@@ -22,12 +22,12 @@ import time
 from dataclasses import replace
 from typing import TYPE_CHECKING, Awaitable, Callable
 
-import orjson
 from aiohttp import web
 
 from gateway.auth import TENANT
 from gateway.completion import complete
 from gateway.errors import NotFoundError
+from gateway.json_response import json_response
 from gateway.reply import Ending, NamedEventStream, Part, parts, stream_events, whole
 from gateway.response_store import ResponseStore, StoredResponse
 from gateway.responses import token_logprobs
@@ -108,21 +108,21 @@ async def create(request: web.Request) -> web.StreamResponse:
         await reply.add(await whole(run, ending))
         body = reply.finish(ending)
         await save(body)
-        return _json(body)
+        return json_response(body)
 
     return await complete(state, request, req, [ids], arrived, extra_stops=state.chat_stops, answer=answer)
 
 
 async def retrieve(request: web.Request) -> web.Response:
     stored = await _stored(request, request.match_info["response_id"])
-    return _json(stored.response)
+    return json_response(stored.response)
 
 
 async def delete(request: web.Request) -> web.Response:
     response_id = request.match_info["response_id"]
     if not await asyncio.to_thread(_store(request).delete, _owner(request), response_id):
         raise _not_found(response_id)
-    return _json({"id": response_id, "object": "response", "deleted": True})
+    return json_response({"id": response_id, "object": "response", "deleted": True})
 
 
 async def input_items(request: web.Request) -> web.Response:
@@ -147,8 +147,8 @@ async def input_items(request: web.Request) -> web.Response:
             raise InvalidRequestError("'after' names no input item of this response", param="after")
         items = items[ids.index(after) + 1:]
     page = items[:limit]
-    return _json({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-                  "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit})
+    return json_response({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                          "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit})
 
 
 # ---- the reply ---------------------------------------------------------------------------------------
@@ -310,7 +310,3 @@ def _not_found(response_id: str, param: str = "response_id") -> ReameError:
     if param == "previous_response_id":  # a bad field of a valid route: 400, as OpenAI answers it
         return InvalidRequestError(f"Previous response with id '{response_id}' not found.", param=param)
     return NotFoundError(f"No response found with id '{response_id}'", param=param)
-
-
-def _json(body: object) -> web.Response:
-    return web.Response(body=orjson.dumps(body), content_type="application/json")

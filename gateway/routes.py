@@ -20,6 +20,7 @@ from gateway.cache_namespace import request_namespace
 from gateway.completion import complete
 from gateway.infill import check_size, completion_infill, fim_tokens, infill_ids, parse_infill
 from gateway.errors import ModelNotFoundError, PayloadTooLargeError, RequestTimeoutError
+from gateway.json_response import json_response
 from gateway.metrics import CONTENT_TYPE
 from gateway.openapi import openapi_document
 from gateway.requests import CompletionRequest, parse_chat, parse_completion, parse_warm
@@ -83,7 +84,7 @@ async def infill(request: web.Request) -> web.StreamResponse:
     response = await complete(state, request, req, [ids], arrived, extra_stop_ids=tokens.stop_ids)
     if isinstance(response, web.Response) and response.status == 200 and not req.stream:
         answer = orjson.loads(response.body)
-        return _json({**answer, "content": answer["choices"][0]["text"]})
+        return json_response({**answer, "content": answer["choices"][0]["text"]})
     return response
 
 
@@ -97,21 +98,21 @@ async def warm(request: web.Request) -> web.Response:
         ids, param = await state.prompts.prompt_ids(req.prompt, state.pool.n_ctx), "prompt"
     namespace = request_namespace(state.config.prefix_cache.isolation, request, req.cache_salt)
     finished = await prefill(state, ids, param, namespace, tenant_name(request))
-    return _json({"object": "prefix.warm", "model": state.model_id, "prompt_tokens": len(ids),
-                  "cached_tokens": finished.prefix_tokens, "reused_tokens": finished.cached_tokens})
+    return json_response({"object": "prefix.warm", "model": state.model_id, "prompt_tokens": len(ids),
+                          "cached_tokens": finished.prefix_tokens, "reused_tokens": finished.cached_tokens})
 
 
 async def models(request: web.Request) -> web.Response:
     state = request.app[STATE]
     entry = {"id": state.model_id, "object": "model", "created": state.created, "owned_by": "reame"}
-    return _json({"object": "list", "data": [entry]})
+    return json_response({"object": "list", "data": [entry]})
 
 
 async def health(request: web.Request) -> web.Response:
     state = request.app[STATE]
     ready = len(state.pool.ready)
     body = {"status": "ok" if ready else "unavailable", "workers": ready, "queued": len(state.pool.queue)}
-    return _json(body, status=200 if ready else 503)
+    return json_response(body, status=200 if ready else 503)
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -121,7 +122,7 @@ async def metrics(request: web.Request) -> web.Response:
 
 async def openapi(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    return _json(openapi_document(state.config, state.tokenizer.vocab_size))
+    return json_response(openapi_document(state.config, state.tokenizer.vocab_size))
 
 
 def add_routes(app: web.Application) -> None:
@@ -161,7 +162,3 @@ def _check_model(state: GatewayState, name: str | None) -> None:
         return
     raise ModelNotFoundError(f"The model '{name}' does not exist; this server serves '{state.model_id}'",
                              param="model")
-
-
-def _json(body: object, status: int = 200) -> web.Response:
-    return web.Response(body=orjson.dumps(body), status=status, content_type="application/json")
