@@ -30,7 +30,7 @@ from gateway.request_fields import (
     read_object,
     text,
 )
-from gateway.structured import MAX_GRAMMAR_CHARS, Constraint, constraint_of
+from gateway.structured import CONSTRAINT_FIELDS, Constraint, constraint_of
 from gateway.tools import MAX_TOOLS, ToolRequest, parse_tools
 from shared.errors import InvalidRequestError
 from shared.sampling import LIMITS, MAX_LOGPROBS, SamplingParams
@@ -304,30 +304,6 @@ def _stop_schema(name: str, bounds: Bounds) -> Schema:
                            "generation ends before the first one that appears"}
 
 
-def _response_format_schema(name: str, bounds: Bounds) -> Schema:
-    return {"anyOf": [
-        {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["text", "json_object"]}}},
-        {"type": "object", "required": ["type", "json_schema"], "properties": {
-            "type": {"const": "json_schema"},
-            "json_schema": {"type": "object", "required": ["name"], "properties": {
-                "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"},
-                "schema": {"type": "object"}, "strict": optional("boolean"), "description": {"type": "string"}}}}},
-        {"type": "null"}],
-        "description": "the output follows the JSON schema; one the engine cannot enforce is a 400 naming "
-                       "response_format.json_schema.schema"}
-
-
-def _grammar_schema(name: str, bounds: Bounds) -> Schema:
-    return {"anyOf": [
-        {"type": "string", "pattern": "\\S", "maxLength": MAX_GRAMMAR_CHARS},
-        {"type": "object", "required": ["type", "value"], "properties": {
-            "type": {"enum": ["lark", "regex"]},
-            "value": {"type": "string", "pattern": "\\S", "maxLength": MAX_GRAMMAR_CHARS}}},
-        {"type": "null"}],
-        "description": "Reame extension: the output follows this Lark (or llama.cpp GBNF) grammar or regex; "
-                       "not together with response_format"}
-
-
 def _tools_schema(name: str, bounds: Bounds) -> Schema:
     function = {"type": "object", "required": ["name"], "properties": {
         "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"},
@@ -384,7 +360,7 @@ MODEL = text("Optional: this server serves one model")
 CACHE_SALT = Field(lambda name, b: optional("string", minLength=1, maxLength=MAX_CACHE_SALT, description=(
                        "only requests with the same salt (and API key) share cached prompt prefixes")),
                    lambda body, name, b: _cache_salt(body))
-# Both completion APIs (and /infill); response_format and grammar are read by gateway.structured.constraint_of.
+# Both completion APIs (and /infill).
 SAMPLING: Fields = {
     "model": MODEL,
     "temperature": limited("number", 1.0),
@@ -409,8 +385,7 @@ SAMPLING: Fields = {
     "speculative": flag(True, "false: no speculative decoding for this request, and its completion teaches no "
                               "drafts (the output is the same either way)"),
     "max_tokens": limited("integer", None, "prompt + max_tokens must fit the context (else 400)"),
-    "response_format": Field(_response_format_schema),
-    "grammar": Field(_grammar_schema),
+    **CONSTRAINT_FIELDS,
 }
 # Chat only, read by gateway.tools.parse_tools: OpenAI function tools.
 TOOLS: Fields = {

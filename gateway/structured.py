@@ -22,6 +22,7 @@ import orjson
 from llguidance.gbnf_to_lark import any_to_lark
 
 from gateway.grammar_compiler import COMPILE_PROCESSES, CPU_LIMIT_S, CompilePool, CompileTimeout
+from gateway.request_fields import Bounds, Field, Fields, Schema, optional
 from shared import grammar as grammars
 from shared.errors import InvalidRequestError
 
@@ -49,6 +50,37 @@ def constraint_of(body: dict) -> Constraint | None:
     if response_format is not None and grammar is not None:
         raise InvalidRequestError("give 'response_format' or 'grammar', not both", param="grammar")
     return response_format or grammar
+
+
+def _response_format_schema(name: str, bounds: Bounds) -> Schema:
+    return {"anyOf": [
+        {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["text", "json_object"]}}},
+        {"type": "object", "required": ["type", "json_schema"], "properties": {
+            "type": {"const": "json_schema"},
+            "json_schema": {"type": "object", "required": ["name"], "properties": {
+                "name": {"type": "string", "pattern": f"^{_SCHEMA_NAME.pattern}$"},
+                "schema": {"type": "object"}, "strict": optional("boolean"), "description": {"type": "string"}}}}},
+        {"type": "null"}],
+        "description": "the output follows the JSON schema; one the engine cannot enforce is a 400 naming "
+                       "response_format.json_schema.schema"}
+
+
+def _grammar_schema(name: str, bounds: Bounds) -> Schema:
+    return {"anyOf": [
+        {"type": "string", "pattern": "\\S", "maxLength": MAX_GRAMMAR_CHARS},
+        {"type": "object", "required": ["type", "value"], "properties": {
+            "type": {"enum": ["lark", "regex"]},
+            "value": {"type": "string", "pattern": "\\S", "maxLength": MAX_GRAMMAR_CHARS}}},
+        {"type": "null"}],
+        "description": "Reame extension: the output follows this Lark (or llama.cpp GBNF) grammar or regex; "
+                       "not together with response_format"}
+
+
+# The fields constraint_of reads, as /openapi.json describes them (gateway.requests.SAMPLING holds them).
+CONSTRAINT_FIELDS: Fields = {
+    "response_format": Field(_response_format_schema),
+    "grammar": Field(_grammar_schema),
+}
 
 
 def json_schema_constraint(schema: Any, param: str) -> Constraint:
