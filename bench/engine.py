@@ -99,12 +99,13 @@ def bench_reame(path: Path, threads: int, runs: int, tokens: int) -> tuple[float
     import numba
     from threadpoolctl import threadpool_limits
 
-    from worker.engine.engine import load_engine
+    from shared.config import EngineSection
     from shared.sampling import SamplingParams
+    from worker.engine.engine import load_engine
     from worker.sched.one_request import Timing, generate_ids, generate_one, solo_generator
     from worker.sched.tuning_state import SchedulerKnobs
 
-    engine = load_engine(path, threads=threads, context_length=context_for(tokens), progress=say)
+    engine = load_engine(path, EngineSection(threads=threads, context_length=context_for(tokens)), progress=say)
     numba.set_num_threads(threads)
     ids = prompt_ids(engine.vocab_size, tokens)
     params = SamplingParams(max_tokens=DECODE_TOKENS + 1, temperature=0.0)

@@ -44,10 +44,11 @@ def isa() -> str:
 
 
 def load(model: str, threads: int):
+    from shared.config import EngineSection
     from shared.model_store import ensure_model
     from worker.engine.engine import load_engine
     path = ensure_model(model, MODELS_DIR, progress=say)
-    engine = load_engine(path, threads=threads, context_length=2048, progress=say)
+    engine = load_engine(path, EngineSection(threads=threads, context_length=2048), progress=say)
     return engine
 
 

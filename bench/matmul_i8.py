@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numba  # noqa: E402
 import numpy as np  # noqa: E402
 
+from shared.config import EngineSection  # noqa: E402
 from worker.engine.engine import load_engine  # noqa: E402
 from worker.engine.kernels.matmul_batch import batch_scratch, linear_batch  # noqa: E402
 from worker.engine.kernels.matmul_i8 import (ISA, batch_scratch_i8, linear_batch_i8,  # noqa: E402
@@ -87,7 +88,7 @@ def main() -> None:
     w = e.model.w
     t = w.table
     # Each kernel reads the code layout of its numerics (packing.LAYOUT_*): one table per kernel.
-    t32 = load_engine(args.model, matmul_activations="float32", progress=lambda m: None).model.w.table
+    t32 = load_engine(args.model, EngineSection(matmul_activations="float32"), progress=lambda m: None).model.w.table
     tabs = {linear_batch: (t32.data, t32.scales, t32.scales16, t32.meta),
             linear_batch_i8: (t.data, t.scales, t.scales16, t.meta)}
     calls = step_calls(w)

@@ -32,6 +32,7 @@ import numba  # noqa: E402
 import numpy as np  # noqa: E402
 from gguf import GGMLQuantizationType as QT  # noqa: E402
 
+from shared.config import EngineSection  # noqa: E402
 from worker.engine.engine import load_engine  # noqa: E402
 from worker.engine.kernels.matmul_i8 import ISA, batch_scratch_i8  # noqa: E402
 from worker.engine.kernels.packing import M_K, M_N, M_TILES, TILE  # noqa: E402
@@ -63,7 +64,7 @@ def describe(w, mats) -> tuple[str, int, int, int]:
 
 
 def profile(path: Path, threads: int, rows_list: list[int], variants: list[str], repeats: int, clock) -> None:
-    engine = load_engine(path, threads=threads, context_length=1024, progress=say)
+    engine = load_engine(path, EngineSection(threads=threads, context_length=1024), progress=say)
     numba.set_num_threads(threads)
     w = engine.model.w
     t = w.table

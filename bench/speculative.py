@@ -304,12 +304,12 @@ def load_chat_model(model: str, threads: int):
 
     from gateway.chat_template import template_for
     from gateway.tokenizer import Tokenizer
-    from shared.config import Config
+    from shared.config import Config, EngineSection
     from shared.model_store import ensure_model
     from worker.engine.engine import load_engine
 
     path = ensure_model(model, Path("~/.cache/reame/models").expanduser())
-    engine = load_engine(path, threads=threads, context_length=2048, progress=say)
+    engine = load_engine(path, EngineSection(threads=threads, context_length=2048), progress=say)
     numba.set_num_threads(threads)
     tok = Tokenizer.from_gguf(path)
     template = template_for(tok, Config())

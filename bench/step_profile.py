@@ -238,12 +238,13 @@ def main() -> int:
     from threadpoolctl import threadpool_limits
 
     from gateway.tokenizer import Tokenizer
+    from shared.config import EngineSection
     from shared.model_store import ensure_model
     from worker.engine.engine import load_engine
     from worker.engine.kernels import matmul_i8
 
     path = ensure_model(args.model, MODELS_DIR, progress=say)
-    engine = load_engine(path, threads=args.threads, context_length=1024, progress=say)
+    engine = load_engine(path, EngineSection(threads=args.threads, context_length=1024), progress=say)
     numba.set_num_threads(args.threads)
     tokenizer = Tokenizer.from_gguf(path)
     results = {}

@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+from shared.config import EngineSection
 from shared.errors import ContextLengthError, InvalidRequestError
 from shared.sampling import SamplingParams
 from tests.conftest import load_reference
@@ -36,7 +37,7 @@ def _all_blocks_free(generator: BatchGenerator) -> bool:
 
 @pytest.fixture(scope="module")
 def smollm2(smollm2_gguf):
-    return load_engine(smollm2_gguf, context_length=512, progress=lambda m: None)
+    return load_engine(smollm2_gguf, EngineSection(context_length=512), progress=lambda m: None)
 
 
 def _golden_requests(n: int):
@@ -104,7 +105,7 @@ def tiny(tmp_path_factory):
     write_tiny(path, TinyModel())
     # 512 bytes of K/V per token: 48 KiB is 6 blocks of 16 tokens, one full 64-token context
     # and a half, so busy steps run out of blocks and preempt.
-    return load_engine(path, kv_block_size=16, kv_cache_memory="48KiB", context_length=64,
+    return load_engine(path, EngineSection(kv_block_size=16, kv_cache_memory="48KiB", context_length=64),
                        progress=lambda m: None)
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 
+from shared.config import EngineSection
 from tests.conftest import load_reference
 from tests.model.golden import EXACT_RULE, SHIPPED_RULE, check_greedy_case
 from worker.engine.engine import load_engine
@@ -46,8 +47,9 @@ def engines(request):
             # float32 activations with a float32 KV cache: the exact configuration, held to the
             # tight rule; int8 runs with the default float16 cache, as served.
             kv_dtype = kv_dtype or ("float32" if activations == "float32" else "float16")
-            cache[key] = load_engine(path, kernels=kernels, context_length=512, matmul_activations=activations,
-                                     kv_dtype=kv_dtype, progress=lambda m: None)
+            settings = EngineSection(kernels=kernels, context_length=512, matmul_activations=activations,
+                                     kv_dtype=kv_dtype)
+            cache[key] = load_engine(path, settings, progress=lambda m: None)
         return cache[key]
     return get
 

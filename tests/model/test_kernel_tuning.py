@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+from shared.config import EngineSection
 from shared.sampling import SamplingParams
 from tests.model.run_requests import run_requests
 from worker.engine.engine import load_engine
@@ -16,7 +17,7 @@ from worker.sched.tuning_state import SchedulerKnobs, TuningState
 
 @pytest.fixture(scope="module")
 def engine(smollm2_gguf):
-    return load_engine(smollm2_gguf, context_length=512, progress=lambda m: None)
+    return load_engine(smollm2_gguf, EngineSection(context_length=512), progress=lambda m: None)
 
 
 def _requests():

@@ -9,6 +9,7 @@ import time
 import lmdb
 import pytest
 
+from shared.config import EngineSection
 from shared.hashing import extend_chain
 from shared.sampling import SamplingParams
 from tests.model.run_requests import run_requests
@@ -31,7 +32,8 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
 
 @pytest.fixture(scope="module")
 def engine(smollm2_gguf):
-    return load_engine(smollm2_gguf, context_length=512, kv_cache_memory="64MiB", progress=lambda m: None)
+    return load_engine(smollm2_gguf, EngineSection(context_length=512, kv_cache_memory="64MiB"),
+                       progress=lambda m: None)
 
 
 def _fresh_pool(engine) -> None:

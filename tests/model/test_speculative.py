@@ -14,6 +14,7 @@ import random
 import numpy as np
 import pytest
 
+from shared.config import EngineSection
 from shared.sampling import SamplingParams
 from tests.conftest import load_reference
 from tests.model.golden import SHIPPED_RULE, check_greedy_case
@@ -83,7 +84,7 @@ def engines(request):
 
     def get(model):
         if model not in cache:
-            cache[model] = load_engine(request.getfixturevalue(MODELS[model][0]), context_length=512,
+            cache[model] = load_engine(request.getfixturevalue(MODELS[model][0]), EngineSection(context_length=512),
                                        progress=lambda m: None)
         return cache[model]
     return get
@@ -134,7 +135,8 @@ def tiny(tmp_path_factory):
     path = tmp_path_factory.mktemp("spec") / "tiny.gguf"
     write_tiny(path, TinyModel(vocab=16))
     # 16-token blocks, 6 of them: busy steps run out and preempt.
-    return load_engine(path, kv_block_size=16, kv_cache_memory="48KiB", context_length=64, progress=lambda m: None)
+    return load_engine(path, EngineSection(kv_block_size=16, kv_cache_memory="48KiB", context_length=64),
+                       progress=lambda m: None)
 
 
 def test_max_tokens_and_stop_tokens_cut_a_draft_where_plain_decoding_stops(tiny):

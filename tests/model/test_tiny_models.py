@@ -7,6 +7,7 @@ from gguf import GGMLQuantizationType as QT
 
 from tests.model.tiny_gguf import TinyModel, forward_f64, write_tiny
 from worker.engine.batch import StepChunk
+from shared.config import EngineSection
 from worker.engine.engine import load_engine
 from worker.sched.one_request import generate_ids, solo_generator
 
@@ -46,7 +47,8 @@ def _load(path, kernels, **kw):
     # Small blocks so that every sequence spans several, in a shuffled order.
     settings, _ = KERNEL_SETS[kernels]
     kw.setdefault("kv_dtype", "float32")  # the float16 cache has its own test
-    return load_engine(path, kv_block_size=4, kv_cache_memory="64MiB", progress=lambda m: None, **settings, **kw)
+    return load_engine(path, EngineSection(kv_block_size=4, kv_cache_memory="64MiB", **settings, **kw),
+                       progress=lambda m: None)
 
 
 def _close(got, expected, kernels, factor=1.0):

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from shared.config import EngineSection
 from shared.sampling import SamplingParams
 from tests.model.run_requests import run_requests
 from worker.engine.engine import load_engine
@@ -31,7 +32,7 @@ def mapping_rss_bytes(address: int) -> int:
 @pytest.mark.skipif(not SMAPS.exists(), reason="needs Linux's /proc/self/smaps")
 @pytest.mark.parametrize("kernels", ["auto", "reference"])
 def test_file_pages_leave_the_resident_set_once_packed(smollm2_gguf, kernels):
-    engine = load_engine(smollm2_gguf, kernels=kernels, context_length=256, progress=lambda m: None)
+    engine = load_engine(smollm2_gguf, EngineSection(kernels=kernels, context_length=256), progress=lambda m: None)
     address = engine.gguf.mapped_address()
     size = smollm2_gguf.stat().st_size
     # Packing read every byte of the file; without the release all of it stays resident.

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
 
+from shared.config import EngineSection
 from shared.sampling import SamplingParams
 from tests.model.run_requests import run_requests
 from tests.model.tiny_gguf import TinyModel, forward_f64, write_tiny
@@ -43,9 +44,9 @@ def tiny_path(tmp_path_factory):
 
 
 def _load(path, window_kv="bounded", kernels="auto", sequences=2):
-    return load_engine(path, kernels=kernels, matmul_activations="float32", kv_dtype="float32",
-                       kv_block_size=BLOCK, prefill_chunk=CHUNK, kv_cache_memory="16MiB",
-                       window_kv=window_kv, window_sequences=sequences, progress=lambda m: None)
+    settings = EngineSection(kernels=kernels, matmul_activations="float32", kv_dtype="float32", kv_block_size=BLOCK,
+                             prefill_chunk=CHUNK, kv_cache_memory="16MiB", window_kv=window_kv)
+    return load_engine(path, settings, window_sequences=sequences, progress=lambda m: None)
 
 
 def test_bounded_mode_moves_the_local_layers_to_a_window_pool(tiny_path):
@@ -185,7 +186,7 @@ def test_gemma3_past_its_512_token_window_gives_the_logits_of_the_full_layout(ge
     prompt = [2] + [(i * 7919) % 200000 + 1000 for i in range(799)]
     runs = {}
     for mode in ("full", "bounded"):
-        engine = load_engine(gemma3_gguf, context_length=2048, kv_cache_memory="256MiB", window_kv=mode,
+        engine = load_engine(gemma3_gguf, EngineSection(context_length=2048, kv_cache_memory="256MiB", window_kv=mode),
                              window_sequences=1, progress=lambda m: None)
         greedy = SamplingParams(max_tokens=6, temperature=0.0)
         outputs = list(generate_one(solo_generator(engine), prompt, greedy, top_logits=5))

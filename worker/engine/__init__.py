@@ -2,7 +2,7 @@
 
 Public surface (what the worker, the CLI and the benchmarks use):
 
-    engine = load_engine(path, kernels="auto", threads=0, context_length=0, progress=None)
+    engine = load_engine(path, EngineSection(), progress=None)   # reame.conf's [engine] (shared.config)
     engine.model_name, engine.arch, engine.n_ctx, engine.vocab_size, engine.kv (the paged pool)
     engine.validate(prompt_ids, max_tokens)            # raises InvalidRequestError / ContextLengthError
     engine.execute(chunks)                             # one step: K/V into blocks, logits of the chunks

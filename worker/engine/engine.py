@@ -11,9 +11,10 @@ names the blocks of each sequence it computes, so many sequences share one engin
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
@@ -27,6 +28,9 @@ from worker.engine.models import build_model
 from worker.engine.paged_kv import (WINDOW_KV_MODES, KVShape, PagedKVCache, WindowLayout, pool_blocks,
                                     window_blocks_per_sequence)
 
+if TYPE_CHECKING:  # the registry loads the numba kernels: imported when an engine is loaded
+    from worker.engine.kernels.registry import OpTable
+
 log = logging.getLogger("reame.engine")
 _ENGINE, _SCHEDULER = EngineSection(), SchedulerSection()  # reame.conf's defaults, the one source
 
@@ -39,8 +43,12 @@ Progress = Callable[[str], None]
 
 
 class Engine:
+    """ops: the kernel variant of each op the fused steps run (execute passes its codes); a kernel
+    tuner swaps it for another table of the same numerics between steps.
+    attention_chunk: keys per online-softmax chunk when a step names none."""
+
     def __init__(self, gguf: GGUFFile, model, kernels: str, n_ctx: int, dense, logits_of_rows,
-                 kv: PagedKVCache):
+                 kv: PagedKVCache, ops: OpTable, attention_chunk: int):
         self.gguf = gguf
         self.model = model
         self.kernels = kernels
@@ -51,7 +59,8 @@ class Engine:
         self._dense = dense
         self._logits_of_rows = logits_of_rows
         self.kv = kv
-        self.attention_chunk = _SCHEDULER.attention_chunk  # when a step does not name one
+        self.ops = ops
+        self.attention_chunk = attention_chunk
 
     # ---------------------------------------------------------------- checks
     def validate(self, prompt_ids, max_tokens: int) -> None:
@@ -141,39 +150,36 @@ def _configure_numba(threads: int) -> None:
         numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
 
 
-def load_engine(path, kernels: str = _ENGINE.kernels, threads: int = _ENGINE.threads,
-                context_length: int = _ENGINE.context_length, max_context: int = _ENGINE.max_context,
-                prefill_chunk: int = _ENGINE.prefill_chunk, kv_block_size: int = _ENGINE.kv_block_size,
-                kv_dtype: str = _ENGINE.kv_dtype, kv_cache_memory: str = _ENGINE.kv_cache_memory,
-                k_dtype: str = _ENGINE.k_dtype, v_dtype: str = _ENGINE.v_dtype,
-                attention_chunk: int = _SCHEDULER.attention_chunk,
-                matmul_activations: str = _ENGINE.matmul_activations, window_kv: str = _ENGINE.window_kv,
+def load_engine(path, settings: EngineSection = _ENGINE, attention_chunk: int = _SCHEDULER.attention_chunk,
                 window_sequences: int = batch_ceiling(_SCHEDULER.max_batch_size),
                 progress: Progress | None = None) -> Engine:
-    """Open a GGUF model and make it ready to generate.
+    """Open a GGUF model and make it ready to generate, as `settings` (reame.conf's [engine]) ask.
 
-    window_kv: "bounded" keeps a sliding-window layer's K/V only while a query can see it, in a
-    window pool sized for window_sequences sequences at once; "full" keeps every layer's K/V for
-    the whole context (paged_kv)."""
+    attention_chunk ([scheduler]): keys per online-softmax chunk when a step names none.
+    settings.window_kv: "bounded" keeps a sliding-window layer's K/V only while a query can see
+    it, in a window pool sized for window_sequences sequences at once; "full" keeps every layer's
+    K/V for the whole context (paged_kv)."""
+    kernels, kv_block_size, window_kv = settings.kernels, settings.kv_block_size, settings.window_kv
     if kernels not in KERNEL_SETS:
         raise ModelLoadError(f"unknown kernel set {kernels!r}; choose one of {', '.join(KERNEL_SETS)}")
     say = progress or (lambda msg: log.info("%s", msg))
-    _configure_numba(threads)
+    _configure_numba(settings.threads)
     t0 = time.perf_counter()
     if kv_block_size < 1:
         raise ConfigError(f"[engine] kv_block_size must be at least 1, got {kv_block_size}")
     if window_kv not in WINDOW_KV_MODES:
         raise ConfigError(f"[engine] window_kv = {window_kv!r}; expected one of {', '.join(WINDOW_KV_MODES)}")
-    if prefill_chunk < 1 or attention_chunk < 1:
-        raise ConfigError(f"prefill_chunk ({prefill_chunk}) and attention_chunk ({attention_chunk}) must be >= 1")
+    if settings.prefill_chunk < 1 or attention_chunk < 1:
+        raise ConfigError(f"prefill_chunk ({settings.prefill_chunk}) and attention_chunk ({attention_chunk}) "
+                          "must be >= 1")
     g = GGUFFile(path)
     trained = int(g.get(f"{g.arch}.context_length") or 2048)
-    n_ctx = context_length or min(trained, max_context)
+    n_ctx = settings.context_length or min(trained, settings.max_context)
     say(f"loading {g.path.name} ({g.arch}, {g.path.stat().st_size / 1e6:.0f} MB), context {n_ctx}")
     from worker.engine.kernels.registry import OpTable, layout_for
     # The op table fixes the numerics for the engine's life (a tuner swaps variants within them),
     # so the weights are packed once, in the layout those kernels read.
-    ops = OpTable.of(matmul=INT8_MATMULS if _want_int8(matmul_activations) else "float32")
+    ops = OpTable.of(matmul=INT8_MATMULS if _want_int8(settings.matmul_activations) else "float32")
     model = build_model(g, n_ctx,
                         progress=lambda i, n: say(f"packing weights: layer {i}/{n}") if i in (n // 2, n) else None,
                         layout=layout_for(ops.numerics("matmul")))
@@ -194,9 +200,9 @@ def load_engine(path, kernels: str = _ENGINE.kernels, threads: int = _ENGINE.thr
     import psutil
     hp = model.hp
     shape = KVShape(hp.n_layers, hp.n_kv_heads, hp.head_dim, kv_block_size)
-    budget = memory_bytes(kv_cache_memory, psutil.virtual_memory().total)
-    window = _window_layout(model, window_kv, window_sequences, n_ctx, prefill_chunk, kv_block_size)
-    k_dtype, v_dtype = k_dtype or kv_dtype, v_dtype or kv_dtype
+    budget = memory_bytes(settings.kv_cache_memory, psutil.virtual_memory().total)
+    window = _window_layout(model, window_kv, window_sequences, n_ctx, settings.prefill_chunk, kv_block_size)
+    k_dtype, v_dtype = settings.k_dtype or settings.kv_dtype, settings.v_dtype or settings.kv_dtype
     if window is None:
         kv = PagedKVCache(shape, pool_blocks(shape, k_dtype, budget, n_ctx, v_dtype=v_dtype), k_dtype,
                           v_dtype=v_dtype)
@@ -211,9 +217,7 @@ def load_engine(path, kernels: str = _ENGINE.kernels, threads: int = _ENGINE.thr
         f"{kv.nbytes / 2**20:.0f} MiB ({kv.num_blocks * kv_block_size} tokens)")
     if kernels == "auto":
         say(f"matmuls: {_matmul_description(ops.numerics('matmul') == 'int8')}")
-    engine = Engine(g, model, kernels, n_ctx, dense, logits_of_rows, kv)
-    engine.ops = ops  # the kernel variant of each op the fused steps run; execute passes its codes
-    engine.attention_chunk = attention_chunk
+    engine = Engine(g, model, kernels, n_ctx, dense, logits_of_rows, kv, ops, attention_chunk)
     say(f"model ready in {time.perf_counter() - t0:.1f} s")
     return engine
 
@@ -256,12 +260,6 @@ def load_engine_from_config(config, model: str | None = None, kernels: str | Non
     from shared.model_store import model_file
     say = progress or (lambda m: log.info("%s", m))
     path = model_file(config, model, progress=say)
-    e = config.engine
-    return load_engine(path, kernels=kernels or e.kernels, threads=e.threads,
-                       context_length=e.context_length, max_context=e.max_context,
-                       prefill_chunk=e.prefill_chunk,
-                       kv_block_size=e.kv_block_size, kv_dtype=e.kv_dtype, kv_cache_memory=e.kv_cache_memory,
-                       k_dtype=e.k_dtype, v_dtype=e.v_dtype,
-                       attention_chunk=config.scheduler.attention_chunk,
-                       matmul_activations=e.matmul_activations, window_kv=e.window_kv,
+    settings = dataclasses.replace(config.engine, kernels=kernels or config.engine.kernels)
+    return load_engine(path, settings, attention_chunk=config.scheduler.attention_chunk,
                        window_sequences=batch_ceiling(config.scheduler.max_batch_size), progress=progress)
