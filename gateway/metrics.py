@@ -56,6 +56,12 @@ class Metrics:
         self.kv_blocks = Gauge("reame_kv_cache_blocks", "A worker's KV pool blocks, as last reported: held by requests "
                                "(used), free but holding a reusable prefix (cached), empty (free)",
                                ["worker", "state"], registry=r)
+        # Bytes beside blocks: a block's size depends on the model and kv_dtype, so blocks alone do not
+        # say how much memory a worker's pool takes. Cached blocks count as free (they are reclaimed on demand).
+        self.kv_bytes_used = Gauge("reame_kv_cache_used_bytes", "Bytes of a worker's KV pool held by requests "
+                                   "(its used blocks and window slots), as last reported", ["worker"], registry=r)
+        self.kv_bytes_total = Gauge("reame_kv_cache_total_bytes", "Bytes of a worker's whole KV pool, as last reported",
+                                    ["worker"], registry=r)
         self.spec_drafts = Counter("reame_spec_drafts", "Speculative drafts verified", registry=r)
         self.spec_drafted = Counter("reame_spec_drafted_tokens", "Tokens drafted for verification", registry=r)
         self.spec_accepted = Counter("reame_spec_accepted_tokens", "Drafted tokens the model confirmed", registry=r)
@@ -114,6 +120,9 @@ class Metrics:
             free = beat.kv_blocks - beat.kv_blocks_used - beat.kv_blocks_cached
             for state, value in (("used", beat.kv_blocks_used), ("cached", beat.kv_blocks_cached), ("free", free)):
                 self.kv_blocks.labels(beat.worker_id, state).set(value)
+        if beat.kv_bytes:
+            self.kv_bytes_used.labels(beat.worker_id).set(beat.kv_bytes_used)
+            self.kv_bytes_total.labels(beat.worker_id).set(beat.kv_bytes)
 
     def set_worker(self, worker_id: str, numa_node: int, state: str | None, active: int = 0) -> None:
         """Record a worker's state; None removes the worker's series (it left)."""
@@ -127,6 +136,8 @@ class Metrics:
             self._remove(self.worker_active, (worker_id,))
             for kv_state in ("used", "cached", "free"):
                 self._remove(self.kv_blocks, (worker_id, kv_state))
+            self._remove(self.kv_bytes_used, (worker_id,))
+            self._remove(self.kv_bytes_total, (worker_id,))
         else:
             self.worker_active.labels(worker_id).set(active)
 

@@ -108,8 +108,8 @@ class Heartbeat:
     """Both ways. From a worker: its load and counters. From the gateway: whether it knows the worker.
 
     The prefix-cache counters are cumulative since the worker process started (the gateway turns
-    them into Prometheus increments); `store_bytes` and the `kv_blocks*` fields are levels. The gateway's own Heartbeats leave
-    them at 0.
+    them into Prometheus increments); `store_bytes` and the `kv_blocks*` and `kv_bytes*` fields are
+    levels. The gateway's own Heartbeats leave them at 0.
     """
     worker_id: str
     active: Count = 0
@@ -131,6 +131,8 @@ class Heartbeat:
     kv_blocks: Count = 0  # the worker's KV pool now: all blocks,
     kv_blocks_used: Count = 0  # those some request holds,
     kv_blocks_cached: Count = 0  # and those free that still hold a reusable prefix
+    kv_bytes: Count = 0  # the KV pool's bytes, all of it (main pool and window slots)
+    kv_bytes_used: Count = 0  # of those, the bytes of blocks (and window slots) some request holds
     spec_drafts: Count = 0  # speculative drafts verified
     spec_drafted_tokens: Count = 0  # tokens in them
     spec_accepted_tokens: Count = 0  # of those, accepted (emitted without a step of their own)
@@ -140,7 +142,7 @@ class Heartbeat:
 # The Heartbeat fields a worker's counters fill (worker.pulse); the rest are load and control.
 HEARTBEAT_COUNTERS = ("prefix_query_tokens", "prefix_hit_tokens_ram", "prefix_hit_tokens_store", "prefix_restores",
                       "prefix_recomputes", "store_bytes", "store_evictions", "store_writes",
-                      "kv_blocks", "kv_blocks_used", "kv_blocks_cached",
+                      "kv_blocks", "kv_blocks_used", "kv_blocks_cached", "kv_bytes", "kv_bytes_used",
                       "spec_drafts", "spec_drafted_tokens", "spec_accepted_tokens", "spec_switched_off")
 
 

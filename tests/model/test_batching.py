@@ -147,11 +147,14 @@ def test_no_block_leaks_over_a_thousand_requests_with_aborts(tiny):
         used = generator.blocks.num_used_blocks
         held = sum(len(s.block_table) for s in generator.scheduler.running)
         assert used == held  # every used block belongs to a running sequence
-        assert generator.heartbeat_counters()["kv_blocks_used"] == used  # what /metrics will show
+        counters = generator.heartbeat_counters()  # what /metrics will show
+        assert counters["kv_blocks_used"] == used
+        assert counters["kv_bytes_used"] == used * counters["kv_bytes"] // generator.blocks.num_blocks
     assert finished + aborted == 1000 and not live
     assert _all_blocks_free(generator)
     counters = generator.heartbeat_counters()
     assert (counters["kv_blocks"], counters["kv_blocks_used"]) == (generator.blocks.num_blocks, 0)
+    assert (counters["kv_bytes"], counters["kv_bytes_used"]) == (generator.engine.kv.nbytes, 0)
 
 
 class _FailingEngine:

@@ -445,3 +445,23 @@ def test_spec_counters_become_metrics_with_acceptance_and_mean_accepted_length(t
         srv.wait_until(lambda: spec_metrics() == [20, 100, 40, 1, 0.4, 2.0])
     finally:
         srv.close()
+
+
+def test_a_workers_kv_pool_bytes_reach_metrics_through_its_heartbeats(tmp_path):
+    srv = FakeServer(tmp_path)
+    try:
+        generator = srv.workers[0].generator
+        worker = srv.workers[0].service.info.worker_id
+
+        def kv_bytes():
+            samples = {(s.name, s.labels.get("worker")): s.value
+                       for family in text_string_to_metric_families(requests.get(srv.url + "/metrics").text)
+                       for s in family.samples}
+            return [samples.get((name, worker)) for name in ("reame_kv_cache_used_bytes", "reame_kv_cache_total_bytes")]
+
+        generator.counters = dict(kv_blocks=64, kv_blocks_used=16, kv_bytes=64 << 16, kv_bytes_used=16 << 16)
+        srv.wait_until(lambda: kv_bytes() == [16 << 16, 64 << 16])
+        generator.counters = dict(kv_blocks=64, kv_blocks_used=0, kv_bytes=64 << 16, kv_bytes_used=0)
+        srv.wait_until(lambda: kv_bytes() == [0, 64 << 16])
+    finally:
+        srv.close()

@@ -52,3 +52,18 @@ def test_kv_pool_gauges_are_each_workers_latest_levels_and_leave_with_it():
     metrics.set_worker("a", 0, None)
     assert value(metrics, "reame_kv_cache_blocks", worker="a", state="used") is None
     assert value(metrics, "reame_kv_cache_blocks", worker="b", state="used") == 5
+
+
+def test_kv_pool_bytes_are_each_workers_latest_used_and_total_and_leave_with_it():
+    metrics = Metrics()
+    metrics.observe_heartbeat(Heartbeat("a", kv_blocks=100, kv_bytes=100 << 20, kv_bytes_used=30 << 20))
+    metrics.observe_heartbeat(Heartbeat("b", kv_blocks=50, kv_bytes=25 << 20, kv_bytes_used=0))
+    metrics.observe_heartbeat(Heartbeat("a", kv_blocks=100, kv_bytes=100 << 20, kv_bytes_used=2 << 20))
+    assert value(metrics, "reame_kv_cache_used_bytes", worker="a") == 2 << 20
+    assert value(metrics, "reame_kv_cache_total_bytes", worker="a") == 100 << 20
+    assert (value(metrics, "reame_kv_cache_used_bytes", worker="b"), value(metrics, "reame_kv_cache_total_bytes",
+                                                                             worker="b")) == (0, 25 << 20)
+    metrics.set_worker("a", 0, None)
+    assert value(metrics, "reame_kv_cache_used_bytes", worker="a") is None
+    assert value(metrics, "reame_kv_cache_total_bytes", worker="a") is None
+    assert value(metrics, "reame_kv_cache_total_bytes", worker="b") == 25 << 20

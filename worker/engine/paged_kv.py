@@ -112,6 +112,11 @@ class PagedKVCache:
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes + (self.k_window.nbytes + self.v_window.nbytes if self.window else 0)
 
+    def held_bytes(self, blocks: int, slots: int = 0) -> int:
+        """Bytes of `blocks` main-pool blocks and `slots` window slots (what requests hold: /metrics)."""
+        held = blocks * (self.k[0].nbytes + self.v[0].nbytes)
+        return held + (slots * (self.k_window[0].nbytes + self.v_window[0].nbytes) if self.window else 0)
+
     @property
     def layout(self) -> str:
         """Names the byte layout of a stored block (part of the prefix store's fingerprint)."""

@@ -409,11 +409,13 @@ class BatchGenerator:
 
     def heartbeat_counters(self) -> dict[str, int]:
         """For heartbeats (read from another thread, so only sizes are read): the prefix cache's
-        counters and the store's size, and how the KV pool's blocks are used now."""
+        counters and the store's size, and how the KV pool's blocks (and bytes) are used now."""
         counters = self.prefix.snapshot() if self.prefix is not None else {}
         blocks = self.blocks
-        counters.update(kv_blocks=blocks.num_blocks, kv_blocks_used=blocks.num_used_blocks,
-                        kv_blocks_cached=blocks.num_cached_blocks)
+        used, slots = blocks.num_used_blocks, blocks.window.num_referenced if blocks.window else 0
+        kv = self.engine.kv
+        counters.update(kv_blocks=blocks.num_blocks, kv_blocks_used=used, kv_blocks_cached=blocks.num_cached_blocks,
+                        kv_bytes=kv.nbytes, kv_bytes_used=kv.held_bytes(used, slots))
         if self.speculator is not None:
             counters.update(vars(self.speculator.counters))
         return counters
