@@ -32,8 +32,11 @@ class ModelSection:
 class EngineSection:
     kernels: str = "auto"  # auto | reference
     threads: int = 0  # 0 = every CPU this process may run on
-    context_length: int = 0  # 0 = the model's trained context, capped by max_context
-    max_context: int = 8192
+    context_length: int = 0  # 0 = the model's trained context, capped by max_context and the pool
+    # 32768: Qwen2.5-Coder's and Gemma 3's trained length. It costs no memory by itself (the pool is
+    # kv_cache_memory, reserved whatever the context); above it a 128k-trained model's one context
+    # would want 4 GiB of float16 K/V even at 1B (Llama 3.2), and its prefill minutes on 2 cores.
+    max_context: int = 32768
     prefill_chunk: int = 512
     kv_block_size: int = 16  # tokens per paged-KV block
     kv_dtype: str = "float16"  # float16 | float32 | q8_0

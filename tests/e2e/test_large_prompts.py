@@ -23,7 +23,7 @@ STREAMS = 2
 # host, 2 streams a side: +10 to +110 ms in 8 runs (the tokenizing processes run at nice 19, not
 # never); what this guards against is tokenizing on the gateway's threads: gaps of seconds.
 STREAM_LIMIT_MS = 200
-N_CTX = 8192  # SmolLM2's trained context, which is also [engine] max_context's default
+N_CTX = 8192  # SmolLM2's trained context, under [engine] max_context's default (32768): all of it
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ from worker.engine.dense import ReferenceDense
 from worker.engine.gguf_file import GGUFFile
 from worker.engine.models import build_model
 from worker.engine.paged_kv import (WINDOW_KV_MODES, KVShape, PagedKVCache, WindowLayout, pool_blocks,
-                                    window_blocks_per_sequence)
+                                    pool_tokens, window_blocks_per_sequence)
 
 if TYPE_CHECKING:  # the registry loads the numba kernels: imported when an engine is loaded
     from worker.engine.kernels.registry import OpTable
@@ -203,14 +203,14 @@ def load_engine(path, settings: EngineSection = _ENGINE, attention_chunk: int = 
     budget = memory_bytes(settings.kv_cache_memory, psutil.virtual_memory().total)
     window = _window_layout(model, window_kv, window_sequences, n_ctx, settings.prefill_chunk, kv_block_size)
     k_dtype, v_dtype = settings.k_dtype or settings.kv_dtype, settings.v_dtype or settings.kv_dtype
-    if window is None:
-        kv = PagedKVCache(shape, pool_blocks(shape, k_dtype, budget, n_ctx, v_dtype=v_dtype), k_dtype,
-                          v_dtype=v_dtype)
-    else:
-        window_bytes = window.slots * shape.block_bytes(k_dtype, len(window.layers), v_dtype)
-        main_layers = hp.n_layers - len(window.layers)
-        kv = PagedKVCache(shape, pool_blocks(shape, k_dtype, budget - window_bytes, n_ctx, main_layers, v_dtype),
-                          k_dtype, window, v_dtype)
+    window_bytes = window.slots * shape.block_bytes(k_dtype, len(window.layers), v_dtype) if window else 0
+    main_layers = hp.n_layers - len(window.layers) if window else None
+    if not settings.context_length:
+        n_ctx = _automatic_context(n_ctx, pool_tokens(shape, k_dtype, budget - window_bytes, main_layers, v_dtype),
+                                   settings.kv_cache_memory, say)
+    kv = PagedKVCache(shape, pool_blocks(shape, k_dtype, budget - window_bytes, n_ctx, main_layers, v_dtype),
+                      k_dtype, window, v_dtype)
+    if window is not None:
         say(f"KV window pool: {len(window.layers)} sliding-window layers ({window.tokens} tokens) keep their K/V "
             f"for {window_sequences} sequences' windows: {window.slots} slots, {window_bytes / 2**20:.0f} MiB")
     say(f"KV cache: {kv.num_blocks} blocks of {kv_block_size} tokens, {kv.dtype}, "
@@ -220,6 +220,17 @@ def load_engine(path, settings: EngineSection = _ENGINE, attention_chunk: int = 
     engine = Engine(g, model, kernels, n_ctx, dense, logits_of_rows, kv, ops, attention_chunk)
     say(f"model ready in {time.perf_counter() - t0:.1f} s")
     return engine
+
+
+def _automatic_context(n_ctx: int, pool_holds: int, memory: str, say: Progress) -> int:
+    """context_length = 0: the trained context capped by max_context (n_ctx), and by the tokens the
+    pool holds, so the shipped config starts with any model (a 3B Qwen's 32k tokens of float16 K/V
+    are 1.1 GiB, over the 1 GiB default pool); a context_length the pool cannot hold is refused."""
+    if pool_holds >= n_ctx or pool_holds < 1:
+        return n_ctx  # it fits, or not even one block does: pool_blocks says so with the numbers
+    say(f"context {pool_holds} tokens, not {n_ctx}: kv_cache_memory = {memory} holds no more "
+        f"(raise it, or set kv_dtype = q8_0, for the longer context)")
+    return pool_holds
 
 
 def _window_layout(model, mode: str, sequences: int, n_ctx: int, prefill_chunk: int,

@@ -217,6 +217,12 @@ def window_blocks_per_sequence(window_tokens: int, prefill_chunk: int, block_siz
     return -(-(window_tokens - 1 + prefill_chunk) // block_size) + 2
 
 
+def pool_tokens(shape: KVShape, dtype: str, budget_bytes: int, layers: int | None = None,
+                v_dtype: str | None = None) -> int:
+    """Tokens of K/V (whole blocks of `layers` layers) that fit in budget_bytes."""
+    return max(0, budget_bytes) // shape.block_bytes(dtype, layers, v_dtype) * shape.block_size
+
+
 def pool_blocks(shape: KVShape, dtype: str, budget_bytes: int, n_ctx: int, layers: int | None = None,
                 v_dtype: str | None = None) -> int:
     """Main-pool blocks (of `layers` layers) that fit in budget_bytes; ConfigError when that cannot
