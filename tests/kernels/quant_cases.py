@@ -1,11 +1,13 @@
 """Packed test tensors for every GGUF type: random data and slices of the real Gemma 3 file."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 
-from worker.engine.kernels.packing import LAYOUT_ROWS, MatrixTable, pack
+from worker.engine.kernels.packing import LAYOUT_ROWS, TILE, MatrixTable, PackedMatrix, pack
 from worker.engine.quants import SPECS
 
 QUANTIZABLE = (QT.F32, QT.F16, QT.BF16, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0)
@@ -33,13 +35,29 @@ def random_tensor(qtype: QT, rows: int, cols: int, seed: int = 0) -> np.ndarray:
     return gguf.quants.quantize(w, qtype).view(np.uint8).reshape(rows, -1)
 
 
-def packed_table(raws, layout: int = LAYOUT_ROWS) -> MatrixTable:
-    """A finalized MatrixTable of (packed rows, qtype) pairs, in order, codes in `layout`."""
+def packed_table(raws, layout: int = LAYOUT_ROWS, float32_params: bool = False) -> MatrixTable:
+    """A finalized MatrixTable of (packed rows, qtype) pairs, in order, codes in `layout`; with
+    float32_params, factored parameters are multiplied out into float32 ones (the kernels' other
+    path, which the real types no longer take)."""
     table = MatrixTable()
     for raw, qtype in raws:
-        table.add(pack(raw, qtype))
+        packed = pack(raw, qtype)
+        table.add(multiplied_out(packed) if float32_params else packed)
     table.finalize(layout)
     return table
+
+
+def multiplied_out(m: PackedMatrix) -> PackedMatrix:
+    """The same matrix with float32 scale = step × unit (and bias likewise) instead of factors."""
+    if m.units is None:
+        return m
+    width = 1 if m.bias is None else 2
+    units = m.units.astype(np.float32).reshape(-1, m.k // (m.group * m.per), width, TILE)
+    per_group = np.repeat(units, m.per, axis=1)  # (tiles, groups, width, TILE)
+    scale = (m.scale.astype(np.float32).reshape(per_group[:, :, 0].shape) * per_group[:, :, 0]).ravel()
+    bias = None if m.bias is None else (
+        m.bias.astype(np.float32).reshape(per_group[:, :, 1].shape) * per_group[:, :, 1]).ravel()
+    return replace(m, scale=scale, bias=bias, units=None, per=0)
 
 
 def batch_inputs(batch: int, k: int, seed: int = 1) -> np.ndarray:

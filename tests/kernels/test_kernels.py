@@ -106,10 +106,30 @@ def test_one_launch_computes_several_matrices_of_different_formats():
 def test_scales_are_stored_as_float16_only_when_exact():
     from gguf import GGMLQuantizationType as QT
     fp16_scaled = pack(random_tensor(QT.Q4_1, 64, 256, 1), QT.Q4_1)
-    assert fp16_scaled.half and fp16_scaled.bias.dtype == np.float16
-    # Q6_K scales are fp16 × int8 products: not representable in fp16 in general.
-    products = pack(random_tensor(QT.Q6_K, 64, 256, 2), QT.Q6_K)
-    assert not products.half and products.scale.dtype == np.float32
+    assert fp16_scaled.half and fp16_scaled.bias.dtype == np.float16 and fp16_scaled.units is None
+
+
+@pytest.mark.parametrize("qtype_name, per", [("Q4_K", 8), ("Q5_K", 8), ("Q6_K", 16)])
+def test_k_quant_scales_are_stored_factored_and_exact(qtype_name, per):
+    # A K-quant's scale is float16 d × a 6/8-bit step: not a float16 in general, so it is kept
+    # as the two float16 factors, whose float32 product is the file's scale to the bit.
+    from gguf import GGMLQuantizationType as QT
+    from worker.engine.quants import decode_rows
+    qtype = QT[qtype_name]
+    raw = random_tensor(qtype, 64, 512, 2)
+    packed = pack(raw, qtype)
+    assert packed.half and packed.units is not None and packed.per == per
+    dec = decode_rows(raw, qtype)
+    assert dec.scale.astype(np.float16).astype(np.float32).tolist() != dec.scale.tolist()  # not whole float16s
+    width = 1 if dec.bias is None else 2
+    units = packed.units.reshape(1, 512 // (dec.group * per), width, TILE).astype(np.float32)
+    steps = packed.scale.reshape(1, 512 // dec.group, TILE).astype(np.float32)
+    scale = steps * np.repeat(units[:, :, 0, :], per, axis=1)
+    np.testing.assert_array_equal(scale[0].T, dec.scale)
+    if dec.bias is not None:
+        bias_steps = packed.bias.reshape(1, 512 // dec.group, TILE).astype(np.float32)
+        bias = bias_steps * np.repeat(units[:, :, 1, :], per, axis=1)
+        np.testing.assert_array_equal(bias[0].T, dec.bias)
 
 
 def test_each_dispatched_op_has_variants_with_distinct_codes():

@@ -90,7 +90,7 @@ def test_several_matrices_of_different_formats_lie_side_by_side():
 
 @pytest.mark.parametrize("batch", [5, 8, 13])
 def test_a_row_does_not_depend_on_the_rows_batched_with_it(batch):
-    # Q4_1 (q4, fp16 scale and bias), Q6_K (q8, group 16, f32 scales), Q8_0 (q8, no bias), BF16 (f32)
+    # Q4_1 (q4, fp16 scale and bias), Q6_K (q8, group 16, factored scales), Q8_0 (q8, no bias), BF16 (f32)
     types = (QT.Q4_1, QT.Q6_K, QT.Q8_0, QT.BF16)
     table = packed_table([(random_tensor(q, 64 + 8 * i, 256, i), q) for i, q in enumerate(types)])
     mats = [0, 1, 2, 3]
@@ -123,3 +123,16 @@ def test_bad_shapes_raise_instead_of_writing_out_of_bounds():
         linear_batch(*args, x, np.zeros((2, 32), np.float32), batch_scratch(1, 2, 256))
     with pytest.raises(ValueError, match="K"):
         linear_batch(*args, batch_inputs(2, 512), np.zeros((2, 64), np.float32), batch_scratch(1, 2, 512))
+
+
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q5_K, QT.Q6_K], ids=lambda q: q.name)
+def test_factored_parameters_give_the_bits_of_float32_ones(qtype):
+    # unit × step is the file's float32 scale exactly, so both paths add the same numbers.
+    raws = [(random_tensor(qtype, 70, 512, 4), qtype)]
+    x = batch_inputs(5, 512, seed=4)
+    factored, whole = packed_table(raws), packed_table(raws, float32_params=True)
+    assert factored.scales16.size > 1 and whole.scales.size > 1
+    assert np.array_equal(_batch(factored, [0], x), _batch(whole, [0], x))
+    # matvec is numba code under fastmath, free to reassociate step × unit × Σx: last bits only.
+    want = _matvec(whole, [0], x)
+    np.testing.assert_allclose(_matvec(factored, [0], x), want, rtol=0, atol=1e-6 * np.abs(want).max())

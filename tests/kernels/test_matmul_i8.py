@@ -73,7 +73,7 @@ def test_every_row_matches_the_float64_references(qtype, batch):
 
 @pytest.mark.parametrize("batch", [5, 8, 13])
 def test_a_row_does_not_depend_on_the_rows_batched_with_it(batch):
-    # Q4_1 (q4, fp16 scale and bias), Q6_K (q8, group 16, f32 scales), Q8_0 (q8, no bias), BF16 (f32)
+    # Q4_1 (q4, fp16 scale and bias), Q6_K (q8, group 16, factored scales), Q8_0 (q8, no bias), BF16 (f32)
     types = (QT.Q4_1, QT.Q6_K, QT.Q8_0, QT.BF16)
     table = packed_table([(random_tensor(q, 64 + 8 * i, 256, i), q) for i, q in enumerate(types)], LAYOUT_QUADS)
     mats = [0, 1, 2, 3]
@@ -88,7 +88,7 @@ def test_a_row_does_not_depend_on_the_rows_batched_with_it(batch):
 @pytest.mark.parametrize("batch", [1, ROW_BLOCK, 2 * ROW_BLOCK + 7])
 def test_the_int8_variants_give_the_same_bits(batch):
     # Row blocks that split a 4-row micro-kernel step, a last block shorter than ROW_BLOCK, every
-    # format (q4 with fp16 scales, q8 with group 16 and f32 scales, q8 without bias, f32).
+    # format (q4 with fp16 scales, q8 with group 16 and factored scales, q8 without bias, f32).
     types = (QT.Q4_1, QT.Q6_K, QT.Q8_0, QT.BF16, QT.Q4_K, QT.Q5_0)
     table = packed_table([(random_tensor(q, 64 + 8 * i, 256, i), q) for i, q in enumerate(types)], LAYOUT_QUADS)
     mats = list(range(len(types)))
@@ -175,3 +175,14 @@ def test_codes_in_the_float_kernels_layout_are_refused():
     table = packed_table([(random_tensor(QT.Q4_0, 64, 256, 1), QT.Q4_0)], LAYOUT_ROWS)
     with pytest.raises(ValueError, match="LAYOUT_QUADS"):
         _batch(table, [0], batch_inputs(2, 256))
+
+
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q5_K, QT.Q6_K], ids=lambda q: q.name)
+def test_factored_parameters_give_the_bits_of_float32_ones(qtype):
+    # unit × step is the file's float32 scale exactly, so both paths add the same numbers.
+    raws = [(random_tensor(qtype, 70, 512, 4), qtype)]
+    x = batch_inputs(5, 512, seed=4)
+    factored = packed_table(raws, LAYOUT_QUADS)
+    whole = packed_table(raws, LAYOUT_QUADS, float32_params=True)
+    assert factored.scales16.size > 1 and whole.scales.size > 1
+    assert np.array_equal(_batch(factored, [0], x), _batch(whole, [0], x))

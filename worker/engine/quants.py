@@ -19,11 +19,24 @@ QK_K = 256
 
 
 @dataclass(frozen=True)
+class Factors:
+    """A K-quant's group parameters as the file stores them: scale = scale_unit × scale_steps and
+    bias = bias_unit × bias_steps, exactly (the units are the super-block's float16 d and -dmin,
+    the steps its 6- or 8-bit integers). Kept apart they fit float16 without rounding, where the
+    products need float32."""
+    scale_steps: np.ndarray  # float32 (n_blocks, block_size // group), small integers
+    scale_unit: np.ndarray  # float32 (n_blocks,)
+    bias_steps: np.ndarray | None
+    bias_unit: np.ndarray | None
+
+
+@dataclass(frozen=True)
 class Decoded:
     codes: np.ndarray  # int8 (n_blocks, block_size): integer levels, already centred
     scale: np.ndarray  # float32 (n_blocks, block_size // group)
     bias: np.ndarray | None  # float32 like scale, or None
     group: int  # elements sharing one scale
+    factors: Factors | None = None  # the K-quants' scale and bias as unit × step
 
 
 @dataclass(frozen=True)
@@ -89,7 +102,7 @@ def _q4_k(b: np.ndarray) -> Decoded:
     sc, mn = _k_scale_min(b[:, 4:16])
     qs = b[:, 16:].reshape(-1, 4, 32)  # 4 chunks of 32 bytes: low nibbles → sub-block 2c, high → 2c+1
     codes = np.stack([qs & 0x0F, qs >> 4], axis=2).reshape(-1, QK_K).astype(np.int8)
-    return Decoded(codes, d * sc, -(dmin * mn), 32)
+    return Decoded(codes, d * sc, -(dmin * mn), 32, Factors(sc, d, mn, -dmin))
 
 
 def _q5_k(b: np.ndarray) -> Decoded:
@@ -100,7 +113,7 @@ def _q5_k(b: np.ndarray) -> Decoded:
     low = np.stack([qs & 0x0F, qs >> 4], axis=2).reshape(-1, 8, 32)
     high = (qh[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1
     codes = (low | (high << 4)).reshape(-1, QK_K).astype(np.int8)
-    return Decoded(codes, d * sc, -(dmin * mn), 32)
+    return Decoded(codes, d * sc, -(dmin * mn), 32, Factors(sc, d, mn, -dmin))
 
 
 def _q6_k(b: np.ndarray) -> Decoded:
@@ -111,7 +124,7 @@ def _q6_k(b: np.ndarray) -> Decoded:
     low = ((ql >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 0x0F).reshape(-1, 2, 4, 32)
     high = ((qh >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 0x03).reshape(-1, 2, 4, 32)
     codes = (low | (high << 4)).reshape(-1, QK_K).astype(np.int8) - 32
-    return Decoded(codes, d * scales, None, 16)
+    return Decoded(codes, d * scales, None, 16, Factors(scales, d, None, None))
 
 
 SPECS: dict[QT, QuantSpec] = {
@@ -145,8 +158,13 @@ def decode_rows(raw: np.ndarray, qtype: QT) -> Decoded:
     rows = raw.shape[0]
     blocks = np.ascontiguousarray(raw).reshape(-1, spec.type_size)
     dec = spec.decode(blocks)
+    f = dec.factors
+    if f is not None:
+        f = Factors(f.scale_steps.reshape(rows, -1), f.scale_unit.reshape(rows, -1),
+                    None if f.bias_steps is None else f.bias_steps.reshape(rows, -1),
+                    None if f.bias_unit is None else f.bias_unit.reshape(rows, -1))
     return Decoded(dec.codes.reshape(rows, -1), dec.scale.reshape(rows, -1),
-                   None if dec.bias is None else dec.bias.reshape(rows, -1), dec.group)
+                   None if dec.bias is None else dec.bias.reshape(rows, -1), dec.group, f)
 
 
 def dequantize(raw: np.ndarray, qtype: QT) -> np.ndarray:

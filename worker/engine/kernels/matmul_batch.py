@@ -44,7 +44,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from worker.engine.kernels.packing import (FMT_F32, FMT_Q4, FMT_Q8, LAYOUT_ROWS, M_BIAS, M_DATA, M_FMT, M_GROUP,
-                                           M_HALF, M_K, M_LAYOUT, M_SCALE, M_TILES, TILE)
+                                           M_HALF, M_K, M_LAYOUT, M_SCALE, M_TILES, TILE, unit_offset)
 
 _JIT = dict(fastmath=True, cache=True, nogil=True)
 
@@ -83,18 +83,19 @@ def _chain_pattern(fmt: int) -> tuple[tuple[int, int, int], ...]:
 
 
 @intrinsic(prefer_literal=True)
-def _group_step(typingctx, data, d_off, x, b0, k0, sums, g, scales, scales16, s_off, m_off, half, out, col0,
-                rows, fmt, group):
+def _group_step(typingctx, data, d_off, x, b0, k0, sums, g, scales, scales16, s_off, m_off, u_off, half, out,
+                col0, rows, fmt, group):
     """out[b0 + r, col0:col0 + TILE] += one group's contribution, for r < rows (runtime, one of
     _STEP_ROWS), exactly as matvec adds it.
 
     d_off: byte offset of the group's codes in data; x[b, k0 + e]: the group's inputs;
     sums[b, g]: Σ x over the group; s_off / m_off: offsets of the group's TILE scales / biases in
-    scales16 (half != 0) or scales, m_off < 0 for none. fmt and group must be literals.
+    scales16 (half != 0) or scales, m_off < 0 for none; u_off: their units' offset in scales16
+    when the parameters are factored (packing.unit_offset), else < 0. fmt and group must be literals.
     """
     if not (isinstance(fmt, types.IntegerLiteral) and isinstance(group, types.IntegerLiteral)):
         return None
-    sig = types.void(data, d_off, x, b0, k0, sums, g, scales, scales16, s_off, m_off, half, out, col0,
+    sig = types.void(data, d_off, x, b0, k0, sums, g, scales, scales16, s_off, m_off, u_off, half, out, col0,
                      rows, fmt, group)
 
     def codegen(context, builder, signature, args):
@@ -105,7 +106,7 @@ def _group_step(typingctx, data, d_off, x, b0, k0, sums, g, scales, scales16, s_
 
 
 # Positions of _group_step's array arguments.
-_DATA, _X, _SUMS, _SCALES, _SCALES16, _OUT = 0, 2, 5, 7, 8, 12
+_DATA, _X, _SUMS, _SCALES, _SCALES16, _OUT = 0, 2, 5, 7, 8, 13
 
 
 class _StepEmitter:
@@ -123,8 +124,8 @@ class _StepEmitter:
         self.fmt, self.group = fmt, group
         self.arrays = {i: context.make_array(self.tys[i])(context, builder, args[i])
                        for i in (_DATA, _X, _SUMS, _SCALES, _SCALES16, _OUT)}
-        (self.d_off, self.b0, self.k0, self.g, self.s_off, self.m_off, self.half, self.col0,
-         self.rows) = (args[i] for i in (1, 3, 4, 6, 9, 10, 11, 13, 14))
+        (self.d_off, self.b0, self.k0, self.g, self.s_off, self.m_off, self.u_off, self.half, self.col0,
+         self.rows) = (args[i] for i in (1, 3, 4, 6, 9, 10, 11, 12, 14, 15))
         self.fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(self._V, [self._V] * 3),
                                                   "llvm.fma.v16f32")
 
@@ -133,6 +134,7 @@ class _StepEmitter:
         self._prefetch()
         self.is_half = b.icmp_signed("!=", self.half, ir.Constant(self.half.type, 0))
         self.has_bias = b.icmp_signed(">=", self.m_off, self._c(0))
+        self.is_factored = b.icmp_signed(">=", self.u_off, self._c(0))
         done = b.append_basic_block("step.done")
         switch = b.switch(self.rows, done)
         for n in _STEP_ROWS:
@@ -199,6 +201,21 @@ class _StepEmitter:
         phi.add_incoming(from_f32, f32_block)
         return phi
 
+    def _times_unit(self, value, v, shift):
+        """value × vector v of the units at u_off + shift (0: the scale's, TILE: the bias's) when
+        the parameters are factored, else value: an exact product of two float16 numbers."""
+        b = self.b
+        entry = b.block
+        with b.if_then(self.is_factored):
+            at = b.add(b.add(self.u_off, self._c(shift)), b.mul(v, self._c(_VEC)))
+            bits = b.load(self._vptr(_SCALES16, self._V16, at), align=2)
+            scaled = b.fmul(value, b.fpext(b.bitcast(bits, self._VH), self._V))
+            scaled_block = b.block
+        phi = b.phi(self._V)
+        phi.add_incoming(value, entry)
+        phi.add_incoming(scaled, scaled_block)
+        return phi
+
     # ---- the step for n rows -------------------------------------------------------------------
     def _rows(self, n):
         b, c = self.b, self._c
@@ -226,7 +243,7 @@ class _StepEmitter:
     def _finish(self, v, gaccs):
         """out[b0 + r, vector v] = fma(m, Σx, fma(s, gacc, out)) (the fma(m, ...) only with a bias)."""
         b, c = self.b, self._c
-        s = self._param(self.s_off, v)
+        s = self._times_unit(self._param(self.s_off, v), v, 0)
         col = b.add(self.col0, b.mul(v, c(_VEC)))
         partial = []
         for r, gacc in enumerate(gaccs):
@@ -234,7 +251,7 @@ class _StepEmitter:
             partial.append((at, b.call(self.fma, [s, gacc, b.load(at, align=4)])))
         with b.if_else(self.has_bias) as (then, otherwise):
             with then:
-                m = self._param(self.m_off, v)
+                m = self._times_unit(self._param(self.m_off, v), v, TILE)
                 for r, (at, o) in enumerate(partial):
                     xs = self._splat(b.load(self._ptr(_SUMS, b.add(self.b0, c(r)), self.g)))
                     b.store(b.call(self.fma, [m, xs, o]), at, align=4)
@@ -284,19 +301,20 @@ def _tile_quant(data, scales, scales16, meta, tile, x, sums, out, col0):
         at = (tile * groups + g) * TILE
         s_off = meta[M_SCALE] + at
         m_off = meta[M_BIAS] + at if meta[M_BIAS] >= 0 else -1
+        u_off = unit_offset(meta, tile, g)
         b0 = 0
         while b0 < batch:  # blocks of BLOCK rows; 5-7 left go as 4 + the rest
             rows = min(BLOCK, batch - b0)
             if 4 < rows < BLOCK:
                 rows = 4
             if q4:
-                _group_step(data, d_off, x, b0, g * 32, sums, g, scales, scales16, s_off, m_off, meta[M_HALF],
+                _group_step(data, d_off, x, b0, g * 32, sums, g, scales, scales16, s_off, m_off, u_off, meta[M_HALF],
                             out, col0, rows, FMT_Q4, 32)
             elif group == 32:
-                _group_step(data, d_off, x, b0, g * 32, sums, g, scales, scales16, s_off, m_off, meta[M_HALF],
+                _group_step(data, d_off, x, b0, g * 32, sums, g, scales, scales16, s_off, m_off, u_off, meta[M_HALF],
                             out, col0, rows, FMT_Q8, 32)
             else:
-                _group_step(data, d_off, x, b0, g * 16, sums, g, scales, scales16, s_off, m_off, meta[M_HALF],
+                _group_step(data, d_off, x, b0, g * 16, sums, g, scales, scales16, s_off, m_off, u_off, meta[M_HALF],
                             out, col0, rows, FMT_Q8, 16)
             b0 += rows
 

@@ -64,7 +64,8 @@ from numba.extending import intrinsic
 
 from worker.engine.kernels.matmul_batch import _tile_f32, locate_tile
 from worker.engine.kernels.packing import (FMT_F32, FMT_Q4, FMT_Q8, LAYOUT_QUADS, M_BIAS, M_DATA, M_FMT, M_GROUP,
-                                           M_HALF, M_K, M_LAYOUT, M_NARROW, M_SCALE, M_TILES, TILE, quad_lanes)
+                                           M_HALF, M_K, M_LAYOUT, M_NARROW, M_SCALE, M_TILES, TILE, quad_lanes,
+                                           unit_offset)
 
 
 def _instruction_set() -> str:
@@ -216,19 +217,20 @@ def _quantize_rows(x, xq, xs, fsum16, fsum32, corr16, corr32):
 
 @intrinsic(prefer_literal=True)
 def _i8_step(typingctx, data, d_off, xq, xs, fsum, corr, b0, k0, blk, g, scales, scales16, s_off, m_off,
-             half, out, col0, rows, fmt, group, narrow):
+             u_off, half, out, col0, rows, fmt, group, narrow):
     """out[b0 + r, col0:col0 + TILE] (permuted order) += one group's contribution, r < rows.
 
     d_off: byte offset of the group's codes in data; xq[b, k0 + e]: the group's int8 activations,
     xs[b, blk] their scale; fsum[b, g] = Σ of the dequantized activations over the group, corr[b, g]
     = -128 Σ q (used by q8); s_off / m_off: offsets of the group's TILE scales / biases in scales16
-    (half != 0) or scales, m_off < 0 for none. fmt, group and narrow (1: a q8 matrix whose group
+    (half != 0) or scales, m_off < 0 for none; u_off: their units' offset in scales16 when the
+    parameters are factored (packing.unit_offset), else < 0. fmt, group and narrow (1: a q8 matrix whose group
     sums fit int16, packing.narrow_codes) must be literals.
     """
     if not all(isinstance(a, types.IntegerLiteral) for a in (fmt, group, narrow)):
         return None
-    sig = types.void(data, d_off, xq, xs, fsum, corr, b0, k0, blk, g, scales, scales16, s_off, m_off, half,
-                     out, col0, rows, fmt, group, narrow)
+    sig = types.void(data, d_off, xq, xs, fsum, corr, b0, k0, blk, g, scales, scales16, s_off, m_off, u_off,
+                     half, out, col0, rows, fmt, group, narrow)
 
     def codegen(context, builder, signature, args):
         _I8Emitter(context, builder, signature, args, fmt.literal_value, group.literal_value,
@@ -238,7 +240,7 @@ def _i8_step(typingctx, data, d_off, xq, xs, fsum, corr, b0, k0, blk, g, scales,
     return sig, codegen
 
 
-_DATA, _XQ, _XS, _FSUM, _CORR, _SCALES, _SCALES16, _OUT = 0, 2, 3, 4, 5, 10, 11, 15
+_DATA, _XQ, _XS, _FSUM, _CORR, _SCALES, _SCALES16, _OUT = 0, 2, 3, 4, 5, 10, 11, 16
 
 _I8, _I16, _I32, _I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
 _VB = ir.VectorType(_I8, 64)
@@ -257,8 +259,8 @@ class _I8Emitter:
         self.fmt, self.group, self.narrow = fmt, group, narrow
         self.arrays = {i: context.make_array(self.tys[i])(context, builder, args[i])
                        for i in (_DATA, _XQ, _XS, _FSUM, _CORR, _SCALES, _SCALES16, _OUT)}
-        (self.d_off, self.b0, self.k0, self.blk, self.g, self.s_off, self.m_off, self.half, self.col0,
-         self.rows) = (args[i] for i in (1, 6, 7, 8, 9, 12, 13, 14, 16, 17))
+        (self.d_off, self.b0, self.k0, self.blk, self.g, self.s_off, self.m_off, self.u_off, self.half,
+         self.col0, self.rows) = (args[i] for i in (1, 6, 7, 8, 9, 12, 13, 14, 15, 17, 18))
         self.fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VF, [_VF] * 3),
                                                   "llvm.fma.v16f32")
         if NATIVE_VNNI:
@@ -278,6 +280,7 @@ class _I8Emitter:
         self._prefetch()
         self.is_half = b.icmp_signed("!=", self.half, ir.Constant(self.half.type, 0))
         self.has_bias = b.icmp_signed(">=", self.m_off, self._c(0))
+        self.is_factored = b.icmp_signed(">=", self.u_off, self._c(0))
         done = b.append_basic_block("i8.done")
         switch = b.switch(self.rows, done)
         for n in _STEP_ROWS:
@@ -361,6 +364,24 @@ class _I8Emitter:
         phi = b.phi(_VF)
         phi.add_incoming(from_half, half_block)
         phi.add_incoming(from_f32, f32_block)
+        return phi
+
+    def _times_unit(self, value, v, shift):
+        """value × the units of interleaved vector v at u_off + shift (0: the scale's, TILE: the
+        bias's) when the parameters are factored, else value: an exact product of two float16s."""
+        b = self.b
+        entry = b.block
+        with b.if_then(self.is_factored):
+            pieces = []
+            for lane in range(4):
+                at = b.add(self.u_off, self._c(shift + 16 * lane + 4 * v))
+                pieces.append(b.load(self._vptr(_SCALES16, ir.VectorType(_I16, 4), at), align=2))
+            units = b.fpext(b.bitcast(self._concat4(pieces), ir.VectorType(ir.HalfType(), _VEC)), _VF)
+            scaled = b.fmul(value, units)
+            scaled_block = b.block
+        phi = b.phi(_VF)
+        phi.add_incoming(value, entry)
+        phi.add_incoming(scaled, scaled_block)
         return phi
 
     def _concat4(self, parts):
@@ -490,7 +511,7 @@ class _I8Emitter:
         d = [self._splat(b.load(self._ptr(_XS, rb, self.blk)), _VF) for rb in rows_b]
         partial = []
         for v in vs:
-            s = self._param(self.s_off, v)
+            s = self._times_unit(self._param(self.s_off, v), v, 0)
             col = b.add(self.col0, c(_VEC * v))
             for r, rb in enumerate(rows_b):
                 at = self._vptr(_OUT, _VF, rb, col)
@@ -498,7 +519,7 @@ class _I8Emitter:
                 partial.append((at, r, v, b.call(self.fma, [f, b.fmul(s, d[r]), b.load(at, align=4)])))
         with b.if_else(self.has_bias) as (then, otherwise):
             with then:
-                ms = {v: self._param(self.m_off, v) for v in vs}
+                ms = {v: self._times_unit(self._param(self.m_off, v), v, TILE) for v in vs}
                 sums = [self._splat(b.load(self._ptr(_FSUM, rb, self.g)), _VF) for rb in rows_b]
                 for at, r, v, o in partial:
                     b.store(b.call(self.fma, [ms[v], sums[r], o]), at, align=4)
@@ -548,24 +569,25 @@ def _tile_i8(data, scales, scales16, meta, tile, xq, xs, fsum16, fsum32, corr16,
         at = (tile * groups + g) * TILE
         s_off = meta[M_SCALE] + at
         m_off = meta[M_BIAS] + at if meta[M_BIAS] >= 0 else -1
+        u_off = unit_offset(meta, tile, g)
         b0 = r0
         while b0 < r1:  # blocks of BLOCK rows
             rows = min(BLOCK, r1 - b0)
             if q4:
-                _i8_step(data, d_off, xq, xs, fsum32, corr32, b0, g * 32, g, g, scales, scales16, s_off, m_off,
+                _i8_step(data, d_off, xq, xs, fsum32, corr32, b0, g * 32, g, g, scales, scales16, s_off, m_off, u_off,
                          meta[M_HALF], out, col0, rows, FMT_Q4, 32, 0)
             elif group == 32 and narrow:
-                _i8_step(data, d_off, xq, xs, fsum32, corr32, b0, g * 32, g, g, scales, scales16, s_off, m_off,
+                _i8_step(data, d_off, xq, xs, fsum32, corr32, b0, g * 32, g, g, scales, scales16, s_off, m_off, u_off,
                          meta[M_HALF], out, col0, rows, FMT_Q8, 32, 1)
             elif group == 32:
-                _i8_step(data, d_off, xq, xs, fsum32, corr32, b0, g * 32, g, g, scales, scales16, s_off, m_off,
+                _i8_step(data, d_off, xq, xs, fsum32, corr32, b0, g * 32, g, g, scales, scales16, s_off, m_off, u_off,
                          meta[M_HALF], out, col0, rows, FMT_Q8, 32, 0)
             elif narrow:
                 _i8_step(data, d_off, xq, xs, fsum16, corr16, b0, g * 16, g // 2, g, scales, scales16, s_off,
-                         m_off, meta[M_HALF], out, col0, rows, FMT_Q8, 16, 1)
+                         m_off, u_off, meta[M_HALF], out, col0, rows, FMT_Q8, 16, 1)
             else:
                 _i8_step(data, d_off, xq, xs, fsum16, corr16, b0, g * 16, g // 2, g, scales, scales16, s_off,
-                         m_off, meta[M_HALF], out, col0, rows, FMT_Q8, 16, 0)
+                         m_off, u_off, meta[M_HALF], out, col0, rows, FMT_Q8, 16, 0)
             b0 += rows
     for b in range(r0, r1):
         _unpermute(out, b, col0)

@@ -17,14 +17,15 @@ from numba import njit, prange
 
 from worker.engine.kernels.half import f16_to_f32
 from worker.engine.kernels.packing import (FMT_F32, FMT_Q4, LAYOUT_ROWS, M_BIAS, M_DATA, M_FMT, M_GROUP,
-                                           M_HALF, M_K, M_LAYOUT, M_SCALE, M_TILES, TILE)
+                                           M_HALF, M_K, M_LAYOUT, M_SCALE, M_TILES, TILE, unit_offset)
 
 _JIT = dict(fastmath=True, cache=True, nogil=True)
 
 
 @njit(**_JIT)
 def _finish_group(scales, scales16, meta, tile, groups, g, group, x, gacc, o):
-    """o += scale[g] * gacc + bias[g] * Σ x over group g, reading float16 or float32 parameters.
+    """o += scale[g] * gacc + bias[g] * Σ x over group g, reading float16 (whole or factored) or
+    float32 parameters.
 
     One fused loop per case: a separate pass converting the parameters cost ~10% at 1 thread.
     """
@@ -36,7 +37,20 @@ def _finish_group(scales, scales16, meta, tile, groups, g, group, x, gacc, o):
     if has_bias:
         for i in range(group):
             xs += x[g * group + i]
-    if meta[M_HALF]:
+    u0 = unit_offset(meta, tile, g)
+    if u0 >= 0:  # factored: step × unit, an exact float32 product (packing)
+        s16 = scales16[s0:s0 + width]
+        su = scales16[u0:u0 + width]
+        if has_bias:
+            m16 = scales16[b0:b0 + width]
+            mu = scales16[u0 + width:u0 + 2 * width]
+            for t in range(width):
+                scale = f16_to_f32(s16[t]) * f16_to_f32(su[t])
+                o[t] += scale * gacc[t] + (f16_to_f32(m16[t]) * f16_to_f32(mu[t])) * xs
+        else:
+            for t in range(width):
+                o[t] += (f16_to_f32(s16[t]) * f16_to_f32(su[t])) * gacc[t]
+    elif meta[M_HALF]:
         s16 = scales16[s0:s0 + width]
         if has_bias:
             m16 = scales16[b0:b0 + width]

@@ -12,7 +12,7 @@ from numba import njit
 from worker.engine.kernels.fast_exp import sigmoid
 from worker.engine.kernels.half import f16_to_f32
 from worker.engine.kernels.packing import (FMT_F32, FMT_Q4, LAYOUT_QUADS, M_BIAS, M_DATA, M_FMT, M_GROUP, M_HALF, M_K,
-                                           M_LAYOUT, M_SCALE, QUAD, TILE)
+                                           M_LAYOUT, M_SCALE, QUAD, TILE, unit_offset)
 
 _JIT = dict(fastmath=True, cache=True, nogil=True)
 
@@ -110,6 +110,11 @@ def dequant_row(data, scales, scales16, meta, token, out):
         at = (tile * groups + g) * TILE + t
         sc = _group_value(scales, scales16, half, meta[M_SCALE] + at)
         bi = _group_value(scales, scales16, half, meta[M_BIAS] + at) if meta[M_BIAS] >= 0 else np.float32(0.0)
+        u = unit_offset(meta, tile, g)
+        if u >= 0:  # factored parameters: step × unit (packing)
+            sc = sc * f16_to_f32(scales16[u + t])
+            if meta[M_BIAS] >= 0:
+                bi = bi * f16_to_f32(scales16[u + TILE + t])
         if fmt == FMT_Q4:
             base = meta[M_DATA] + tile * (k // 2) * TILE
             for j in range(16):

@@ -5,7 +5,12 @@ weights are stored transposed — for each input index, TILE consecutive bytes, 
 so the inner kernel loop runs over outputs with `x[k]` broadcast and LLVM vectorizes it.
 Scales (and biases) are split out per group of 16/32 inputs, also TILE-wide, as float16 when
 that is exact (the scales of Q4_0/Q4_1/Q5_x/Q8_0 are float16 in the file; decode streams the weights,
-so the 2 bytes saved per group are ~15% of a Q4 matrix) and as float32 otherwise.
+so the 2 bytes saved per group are ~15% of a Q4 matrix). A K-quant's scale is a product, the
+super-block's float16 d times a 6- or 8-bit step, which float16 cannot hold but float32 can: it is
+stored *factored* — the steps as float16 per group, the units (d, and -dmin for the bias) as
+float16 per 256-input super-block — and the kernels multiply the two back, exactly, when they
+read a group. On Qwen2.5-Coder-1.5B (Q4_K/Q6_K) that is 246 MB of parameters instead of 444 MB
+of float32 ones, 13% of the bytes a decode step streams. Anything else keeps float32 scales.
 
 Three formats cover every GGUF type (see `quants.py`, which decodes them all to
 `scale * code + bias`):
@@ -39,6 +44,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from gguf import GGMLQuantizationType as QT
+from numba import njit
 
 from worker.engine.quants import decode_rows, dequantize
 
@@ -52,9 +58,11 @@ _Q8_TYPES = {QT.Q5_0, QT.Q5_1, QT.Q5_K, QT.Q6_K, QT.Q8_0}
 # Columns of MatrixTable.meta. M_SCALE and M_BIAS index `scales16` when M_HALF is 1, else
 # `scales`; M_BIAS is -1 for types without a per-group minimum; M_NARROW is 1 for a q8 matrix
 # whose codes are small enough (see narrow_codes) that int16 sums of a whole group cannot overflow.
-# M_LAYOUT is the matrix's code layout (LAYOUT_ROWS or LAYOUT_QUADS).
-M_FMT, M_N, M_K, M_GROUP, M_DATA, M_SCALE, M_BIAS, M_TILES, M_HALF, M_NARROW, M_LAYOUT = range(11)
-META_COLS = 11
+# M_LAYOUT is the matrix's code layout (LAYOUT_ROWS or LAYOUT_QUADS). M_UNIT is the offset in
+# `scales16` of a factored matrix's units (-1 when its parameters are whole), M_PER its groups per
+# super-block; see unit_offset for where a group's units are.
+M_FMT, M_N, M_K, M_GROUP, M_DATA, M_SCALE, M_BIAS, M_TILES, M_HALF, M_NARROW, M_LAYOUT, M_UNIT, M_PER = range(13)
+META_COLS = 13
 
 LAYOUT_ROWS, LAYOUT_QUADS = 0, 1
 LAYOUT_NAMES = {LAYOUT_ROWS: "rows", LAYOUT_QUADS: "quads"}
@@ -115,6 +123,10 @@ class PackedMatrix:
     scale: np.ndarray  # float32 or float16, flattened (tiles, k // group, TILE); empty for f32
     bias: np.ndarray | None  # like scale, or None
     narrow: bool = False  # q8 codes within narrow_codes' bound
+    # Factored parameters: scale and bias hold steps, these their float16 units, flattened
+    # (tiles, k // (group * per), 1 or 2 (scale, bias), TILE); per = groups per super-block.
+    units: np.ndarray | None = None
+    per: int = 0
 
     @property
     def half(self) -> bool:
@@ -148,19 +160,38 @@ def pack(raw: np.ndarray, qtype: QT) -> PackedMatrix:
     else:
         data = _tile_transpose(codes).view(np.uint8).ravel()
         narrow = narrow_codes(int(np.abs(codes.astype(np.int16)).max()) if codes.size else 0, dec.group)
-    scale, bias = _as_half_if_exact(scale, bias)
+    halves = _as_half_if_exact(scale, bias)
+    units, per = None, 0
+    if halves is not None:
+        scale, bias = halves
+    elif dec.factors is not None and bias is dec.bias:  # not when a Q4 shift moved the bias
+        f = dec.factors
+        factored = _as_half_if_exact(f.scale_steps, f.bias_steps)
+        unit_parts = [f.scale_unit] if f.bias_unit is None else [f.scale_unit, f.bias_unit]
+        halves_of_units = [u.astype(np.float16) for u in unit_parts]
+        if factored is not None and all(np.array_equal(h.astype(np.float32), u)
+                                        for h, u in zip(halves_of_units, unit_parts)):
+            scale, bias = factored
+            per = f.scale_steps.shape[1] // f.scale_unit.shape[1]
+            # (n, supers, 1 or 2) → (tiles, supers, 1 or 2, TILE)
+            stacked = np.stack(halves_of_units, axis=2)
+            supers, width = stacked.shape[1], stacked.shape[2]
+            padded = np.zeros((_tiles(n) * TILE, supers, width), np.float16)
+            padded[:n] = stacked
+            units = np.ascontiguousarray(padded.reshape(-1, TILE, supers, width).transpose(0, 2, 3, 1)).ravel()
     return PackedMatrix(fmt, n, k, dec.group, data,
                         _tile_transpose(scale).ravel(),
-                        None if bias is None else _tile_transpose(bias).ravel(), narrow)
+                        None if bias is None else _tile_transpose(bias).ravel(), narrow, units, per)
 
 
 def _as_half_if_exact(scale: np.ndarray, bias: np.ndarray | None):
-    """float16 copies when they round-trip exactly (always for the types with fp16 scales)."""
+    """float16 copies (scale, bias) when they round-trip exactly (always for the types with fp16
+    scales), else None."""
     parts = [scale] if bias is None else [scale, bias]
     halves = [p.astype(np.float16) for p in parts]
     if all(np.array_equal(h.astype(np.float32), p) for h, p in zip(halves, parts)):
         return halves[0], (halves[1] if bias is not None else None)
-    return scale, bias
+    return None
 
 
 class MatrixTable:
@@ -188,8 +219,11 @@ class MatrixTable:
             s_off = used[m.half]
             b_off = -1 if m.bias is None else s_off + m.scale.size
             used[m.half] += m.scale.size + (0 if m.bias is None else m.bias.size)
+            u_off = -1 if m.units is None else used[True]
+            used[True] += 0 if m.units is None else m.units.size
             own = layout if m.fmt != FMT_F32 else LAYOUT_ROWS
-            meta[i] = (m.fmt, m.n, m.k, m.group, d_off, s_off, b_off, _tiles(m.n), int(m.half), int(m.narrow), own)
+            meta[i] = (m.fmt, m.n, m.k, m.group, d_off, s_off, b_off, _tiles(m.n), int(m.half), int(m.narrow), own,
+                       u_off, m.per)
             d_off += m.data.size
         self.data = np.empty(d_off, np.uint8)
         self.scales = np.empty(max(used[False], 1), np.float32)
@@ -203,6 +237,8 @@ class MatrixTable:
             arena[meta[i, M_SCALE]:meta[i, M_SCALE] + m.scale.size] = m.scale
             if m.bias is not None:
                 arena[meta[i, M_BIAS]:meta[i, M_BIAS] + m.bias.size] = m.bias
+            if m.units is not None:
+                halves[meta[i, M_UNIT]:meta[i, M_UNIT] + m.units.size] = m.units
         self.scales16 = halves.view(np.uint16)
         self.meta = meta
         self._parts = []
@@ -213,3 +249,14 @@ class MatrixTable:
 
     def padded_rows(self, index: int) -> int:
         return int(self.meta[index, M_TILES]) * TILE
+
+
+@njit(cache=True, nogil=True)
+def unit_offset(meta: np.ndarray, tile: int, g: int) -> int:
+    """Offset in scales16 of the units of group g of tile `tile` of a factored matrix (the bias's
+    unit is TILE further on), or -1 when the matrix's parameters are whole. meta: its metadata row."""
+    if meta[M_UNIT] < 0:
+        return -1
+    per = meta[M_PER]
+    width = 2 if meta[M_BIAS] >= 0 else 1
+    return meta[M_UNIT] + (tile * (meta[M_K] // (meta[M_GROUP] * per)) + g // per) * width * TILE
