@@ -4,15 +4,22 @@ alternately, loaded on demand, with a memory budget that fits only one of them a
 Greedy answers through the front equal those of each model served alone; switching unloads the
 idle model; 8 concurrent first requests cause one load; a model with a request running is not
 unloaded under it (the admin's unload is refused, another model's request waits, then gets 503
-with Retry-After); a bad path fails that model alone.
+with Retry-After); a bad path fails that model alone. A front killed outright takes its models'
+processes with it.
 """
 from __future__ import annotations
 
 import concurrent.futures as cf
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
 
+import psutil
 import pytest
 import requests
 
+from tests import harness
 from tests.e2e.servers import API_KEY, NO_END, auth, gateway_and_worker, write_config
 from tests.harness import free_port, reame_serve
 
@@ -140,3 +147,51 @@ def test_unknown_model_and_admin_key(front):
     r = requests.get(front.url + "/admin/models", timeout=10)
     assert r.status_code == 401
     assert API_KEY not in r.text
+
+
+@contextmanager
+def smol_front(directory: Path, smollm2_gguf: Path, gateway: dict | None = None):
+    """`gateway.model_front` itself (no `reame serve` above it) serving SmolLM2 as "smol", unloaded."""
+    port = free_port()
+    config = write_config(directory, smollm2_gguf, port, gateway=gateway)
+    with open(config, "a") as f:
+        f.write(f"[models]\nserve = smol = {smollm2_gguf}\nload_timeout = 900\n")
+    argv = [sys.executable, "-m", "gateway.model_front", "--config", str(config)]
+    with harness.start_server("front", directory, port, {"front": argv}, workers=0) as server:
+        yield server
+
+
+def load_smol(server) -> None:
+    r = requests.post(server.url + "/admin/models", json={"model": "smol", "action": "load"},
+                      headers=auth(), timeout=900)
+    assert r.status_code == 200 and r.json()["models"][0]["state"] == "loaded", r.text
+
+
+def running(processes: list[psutil.Process]) -> list[psutil.Process]:
+    alive = []
+    for process in processes:
+        try:
+            if process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
+                alive.append(process)
+        except psutil.NoSuchProcess:
+            pass
+    return alive
+
+
+def test_a_killed_front_leaves_no_model_processes(smollm2_gguf, tmp_path):
+    """SIGKILL runs no cleanup in the front: its model's gateway and worker must still leave, not
+    hold the model's memory and port for ever (PR_SET_PDEATHSIG in gateway.model_backends)."""
+    with smol_front(tmp_path, smollm2_gguf) as server:
+        load_smol(server)
+        front = psutil.Process(server.processes[0].pid)
+        children = running(front.children(recursive=True))
+        roles = {" ".join(p.cmdline()[1:3]) for p in children}
+        assert {"-m gateway.main", "-m worker.main"} <= roles, roles  # and their own helpers
+        front.kill()
+        deadline = time.monotonic() + 10
+        while running(children) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = [(p, " ".join(p.cmdline()[1:3])) for p in running(children)]
+        for process, _ in left:  # not to leak them into the next tests when this one fails
+            process.kill()
+        assert not left, [role for _, role in left]
