@@ -8,7 +8,15 @@ is forwarded, streamed, to that model's own gateway and worker (gateway.model_ba
     GET  /v1/models              every model with its state (loaded, loading, unloaded) and bytes
     GET  /admin/models           the same, with running requests and the budget
     POST /admin/models           {"model": NAME, "action": "load" | "unload" | "pin" | "unpin"}
+    GET  /admin/models/NAME/...  a loaded model's own /admin/... (its report, series, strategy)
+    GET  /metrics                the front's gauges per model, then each loaded model's series
+                                 labelled model="NAME" (gateway.model_metrics)
+    GET  /dashboard              a page listing the models, their memory and each loaded one's report
     GET  /health                 200 once the front listens (models load on demand)
+
+/admin/*, /metrics and /dashboard are the operator's, as on a single model's gateway
+(gateway.auth): a tenant's key gets 403, and the front passes the operator's key on to the
+model's gateway, which reads the same keys.
 """
 from __future__ import annotations
 
@@ -28,11 +36,14 @@ import orjson
 from aiohttp import web
 
 from gateway.auth import auth_middleware, load_tenants
-from gateway.errors import ConflictError, ModelNotFoundError, PayloadTooLargeError, error_middleware
+from gateway.errors import (ConflictError, ModelNotFoundError, PayloadTooLargeError, ServiceUnavailableError,
+                            error_middleware)
 from gateway.json_response import json_response
+from gateway.metrics import CONTENT_TYPE
 from gateway.model_backends import Backend, estimate_bytes
 from gateway.model_loader import ModelLoader
-from gateway.model_residency import Residency
+from gateway.model_metrics import front_families, labelled, render
+from gateway.model_residency import LOADED, Residency
 from shared.command_line import run_process
 from shared.config import Config, load_config, model_flag, override
 from shared.errors import ConfigError, InvalidRequestError
@@ -43,6 +54,8 @@ log = logging.getLogger("reame.front")
 
 _HOP_HEADERS = frozenset({"host", "content-length", "transfer-encoding", "connection", "keep-alive"})
 EXPIRY_CHECK_S = 1.0
+SCRAPE_TIMEOUT_S = 5.0  # a model's gateway answers /metrics in milliseconds; a stuck one is left out
+DASHBOARD = Path(__file__).with_name("models_dashboard.html")
 
 
 @dataclass
@@ -111,6 +124,9 @@ def build_front_app(front: Front) -> web.Application:
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/admin/models", admin_models)
     app.router.add_post("/admin/models", admin_action)
+    app.router.add_get("/admin/models/{name}/{tail:.+}", admin_of_model)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/dashboard", dashboard)
     app.router.add_get("/health", health)
     app.router.add_post("/v1/{tail:.*}", forward)
     app.router.add_post("/infill", forward)
@@ -154,6 +170,55 @@ async def admin_action(request: web.Request) -> web.Response:
         front.loader.residency.pin(entry.name, math.inf if action == "pin"
                                    else default_keep_alive(front.config, entry))
     return await admin_models(request)
+
+
+async def admin_of_model(request: web.Request) -> web.Response:
+    """A loaded model's own /admin/TAIL (what its gateway's dashboard reads); a model that is not
+    loaded is not loaded for it: 409."""
+    front = request.app[FRONT]
+    entry = _entry(front, request.match_info["name"])
+    backend = front.backends.get(entry.name)
+    if backend is None or front.loader.residency.models[entry.name].state != LOADED:
+        raise ConflictError(f"model {entry.name!r} is not loaded", param="model")
+    try:
+        async with front.session.get(f"{backend.url}/admin/{request.match_info['tail']}", params=request.query,
+                                     headers=_passed_key(request),
+                                     timeout=aiohttp.ClientTimeout(total=SCRAPE_TIMEOUT_S)) as r:
+            return web.Response(status=r.status, body=await r.read(), content_type=r.content_type)
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:  # unloaded meanwhile, or stuck
+        raise ServiceUnavailableError(f"model {entry.name!r} did not answer: {exc or type(exc).__name__}") from None
+
+
+async def metrics(request: web.Request) -> web.Response:
+    front = request.app[FRONT]
+    residency = front.loader.residency
+    loaded = {name: backend for name, backend in front.backends.items() if residency.models[name].state == LOADED}
+    texts = await asyncio.gather(*(_scrape(front, backend, request) for backend in loaded.values()))
+    got = {name: text for name, text in zip(loaded, texts) if text is not None}
+    families = front_families(front.loader.listing(), residency.budget, {name: name in got for name in loaded})
+    return web.Response(body=render(families + labelled(got)), headers={"Content-Type": CONTENT_TYPE})
+
+
+async def _scrape(front: Front, backend: Backend, request: web.Request) -> str | None:
+    try:
+        async with front.session.get(backend.url + "/metrics", headers=_passed_key(request),
+                                     timeout=aiohttp.ClientTimeout(total=SCRAPE_TIMEOUT_S)) as r:
+            if r.status == 200:
+                return await r.text()
+            log.warning("model %s: /metrics answered %d", backend.entry.name, r.status)
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:  # unloaded meanwhile, or stuck
+        log.warning("model %s: /metrics failed: %s", backend.entry.name, exc or type(exc).__name__)
+    return None
+
+
+def _passed_key(request: web.Request) -> dict[str, str]:
+    header = request.headers.get("Authorization")
+    return {"Authorization": header} if header else {}
+
+
+async def dashboard(request: web.Request) -> web.Response:
+    return web.Response(body=DASHBOARD.read_bytes(), content_type="text/html", charset="utf-8",
+                        headers={"Cache-Control": "no-store"})
 
 
 async def health(request: web.Request) -> web.Response:

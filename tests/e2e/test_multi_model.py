@@ -5,7 +5,7 @@ Greedy answers through the front equal those of each model served alone; switchi
 idle model; 8 concurrent first requests cause one load; a model with a request running is not
 unloaded under it (the admin's unload is refused, another model's request waits, then gets 503
 with Retry-After); a bad path fails that model alone. A front killed outright takes its models'
-processes with it.
+processes with it. /metrics and /dashboard show every model, to the operator only.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import pytest
 import requests
 
 from tests import harness
-from tests.e2e.servers import API_KEY, NO_END, auth, gateway_and_worker, write_config
+from tests.e2e.servers import API_KEY, NO_END, auth, gateway_and_worker, metric, write_config
 from tests.harness import free_port, reame_serve
 
 BUDGET_MIB = 1000  # SmolLM2 (~606 MiB: file + 512 MiB KV pool) or Gemma 3 (~753 MiB), not both
@@ -195,3 +195,36 @@ def test_a_killed_front_leaves_no_model_processes(smollm2_gguf, tmp_path):
         for process, _ in left:  # not to leak them into the next tests when this one fails
             process.kill()
         assert not left, [role for _, role in left]
+
+
+def test_operators_see_every_models_metrics_tenants_do_not(smollm2_gguf, tmp_path):
+    """Through the front, /metrics holds the front's gauges per model and each loaded model's own
+    series labelled with it, /dashboard lists the models and /admin/models/NAME/... reaches a
+    loaded model's admin routes: the operator's key only, as on a single model's gateway."""
+    keys_file = tmp_path / "keys"
+    keys_file.write_text("alice alice-key\n")
+    keys_file.chmod(0o600)
+    tenant = {"Authorization": "Bearer alice-key"}
+    with smol_front(tmp_path / "front", smollm2_gguf, gateway={"api_keys_file": keys_file}) as server:
+        assert metric(server.url, "reame_model_state")[(("model", "smol"), ("state", "unloaded"))] == 1
+        load_smol(server)
+        r = requests.post(server.url + "/v1/chat/completions", headers=tenant, timeout=300, json={
+            "model": "smol", "max_tokens": 4, "messages": [{"role": "user", "content": PROMPTS[0]}]})
+        assert r.status_code == 200, r.text  # a tenant reaches the API
+
+        assert metric(server.url, "reame_model_state")[(("model", "smol"), ("state", "loaded"))] == 1
+        assert metric(server.url, "reame_model_bytes")[(("model", "smol"),)] > 0
+        assert metric(server.url, "reame_model_metrics_up") == {(("model", "smol"),): 1}
+        served = metric(server.url, "reame_requests_total")  # the model's gateway's own counter
+        assert served[(("endpoint", "/v1/chat/completions"), ("model", "smol"), ("status", "200"))] == 1
+        assert all(dict(labels)["model"] == "smol" for labels in metric(server.url, "reame_kv_cache_total_bytes"))
+        report = requests.get(server.url + "/admin/models/smol/report", headers=auth(), timeout=10)
+        assert report.status_code == 200 and "text" in report.json(), report.text
+        page = requests.get(server.url + "/dashboard", timeout=10)  # a page without data, as the gateway's
+        assert page.status_code == 200 and "/admin/models" in page.text
+
+        for path in ("/metrics", "/dashboard", "/admin/models", "/admin/models/smol/report"):
+            r = requests.get(server.url + path, headers=tenant, timeout=10)
+            assert r.status_code == 403 and r.json()["error"]["code"] == "permission_denied", (path, r.text)
+        for path in ("/metrics", "/admin/models", "/admin/models/smol/report"):
+            assert requests.get(server.url + path, timeout=10).status_code == 401, path
