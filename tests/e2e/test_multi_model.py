@@ -10,6 +10,7 @@ processes with it. /metrics and /dashboard show every model, to the operator onl
 from __future__ import annotations
 
 import concurrent.futures as cf
+import subprocess
 import sys
 import time
 from contextlib import contextmanager
@@ -176,6 +177,31 @@ def running(processes: list[psutil.Process]) -> list[psutil.Process]:
         except psutil.NoSuchProcess:
             pass
     return alive
+
+
+PARENT = """
+import subprocess, sys, time
+from gateway.model_backends import exit_with_parent
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], preexec_fn=exit_with_parent())
+print(child.pid, flush=True)
+time.sleep(60)
+"""
+
+
+def test_exit_with_parent_signals_the_child_of_a_killed_process():
+    """The mechanism alone, in a second: a child started with exit_with_parent() ends when its
+    parent is SIGKILLed (without it, it would sleep on for a minute)."""
+    parent = psutil.Popen([sys.executable, "-c", PARENT], cwd=harness.REPO, stdout=subprocess.PIPE, text=True)
+    child = psutil.Process(int(parent.stdout.readline()))
+    parent.kill()
+    parent.wait()
+    deadline = time.monotonic() + 5
+    while running([child]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = running([child])
+    for process in left:
+        process.kill()
+    assert not left, "the child outlived its SIGKILLed parent"
 
 
 def test_a_killed_front_leaves_no_model_processes(smollm2_gguf, tmp_path):
