@@ -450,7 +450,9 @@ async def grammar_stall(a: Attack) -> None:
 async def grammar_compile(a: Attack) -> None:
     """Seven slow schemas at once from mallory, then a small one from alice: alice's must compile
     (her wait for a process is not timed); then flooder sends one of mallory's: a timeout of
-    mallory's must not come back to him from the cache."""
+    mallory's must not come back to him from the cache. Flooder's own compile of that schema runs
+    at nice 19 in his one process: on a busy host its 2 s of CPU may outlast the phase, so giving
+    up at the phase end (0) is his wait, not a finding; a refusal within 0.3 s is one."""
     t = a.tally("grammar_compile")
     small = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
     for round_ in range(2):
@@ -472,8 +474,9 @@ async def grammar_compile(a: Attack) -> None:
             if status != 200:
                 t.note(f"alice's small schema: {(answer.get('error') or {}).get('message', '')[:80]}")
         await asyncio.gather(*(mallory(tag) for tag in tags), alice())
-        status, answer, _, seconds = await a.post(t, CHAT, schema_chat(slow_schema(tags[0])), a.flooder)
-        t.record("flooder sends mallory's slow schema", status, {200, 400}, seconds)
+        status, answer, _, seconds = await a.post(t, CHAT, schema_chat(slow_schema(tags[0])), a.flooder,
+                                                  timeout=max(a.deadline - time.monotonic(), 1.0))
+        t.record("flooder sends mallory's slow schema", status, {0, 200, 400}, seconds)
         if status == 400 and seconds < 0.3:
             t.note(f"flooder got mallory's refusal from the cache: {(answer.get('error') or {}).get('message', '')[:80]}")
         await asyncio.sleep(1.0 + round_)
