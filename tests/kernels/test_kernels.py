@@ -248,3 +248,47 @@ def test_the_float_kernels_refuse_the_int8_layout():
         linear_batch(*args, x, np.zeros((2, 64), np.float32), batch_scratch(1, 2, 256))
     with pytest.raises(ValueError, match="LAYOUT_ROWS"):
         linear(*args, x[0], np.zeros(64, np.float32), np.zeros((1, TILE), np.float32))
+
+
+def test_every_registry_entry_is_reached_by_the_steps_dispatch():
+    """Adding a variant is one registry entry: the fused steps' dispatch (decode_parts.dispatch,
+    which builds the matmul and row calls) has a branch for every entry, reached by its code and
+    running that entry's own function (here a marker standing in for it: variants of one numerics
+    give the same bits, so outputs cannot tell them apart)."""
+    from numba import njit
+    from worker.engine.models.decode_parts import dispatch
+    assert {v.op for v in KERNELS.values()} <= set(DISPATCHED_OPS) | {"matvec"}  # matvec: the yardstick
+
+    def marker(entry):
+        mark = list(KERNELS.values()).index(entry)
+
+        @njit
+        def run(out):
+            out[0] = mark
+        return run
+
+    for op in DISPATCHED_OPS:
+        call = dispatch(op, marker)
+        entries = variants_of(op).values()
+        assert sorted(e.code for e in entries) == list(range(len(entries))), op
+        for entry in entries:
+            out = np.full(1, -1)
+            call(entry.code, out)
+            assert out[0] == list(KERNELS.values()).index(entry), f"{op}/{entry.variant}"
+
+
+@pytest.mark.parametrize("layout", [LAYOUT_ROWS, LAYOUT_QUADS])
+def test_the_step_embedding_runs_the_row_variant_of_its_table(layout):
+    from gguf import GGMLQuantizationType as QT
+    from worker.engine.models.decode_parts import embed_rows
+    table = packed_table([(random_tensor(QT.Q6_K, ROWS, COLS, 9), QT.Q6_K)], layout)
+    tab = (table.data, table.scales, table.scales16, table.meta)
+    tokens = np.array([3, 0, 99, 3])
+    for variant in variants_of("row").values():
+        ops = OpTable.of(row=variant.variant)
+        got = np.zeros((4, COLS), np.float32)
+        embed_rows((tab, ops.codes, ()), 0, tokens, got)
+        for b, token in enumerate(tokens):
+            want = np.zeros(COLS, np.float32)
+            variant.fn(table.data, table.scales, table.scales16, table.meta[0], token, want)
+            np.testing.assert_array_equal(got[b], want)

@@ -6,13 +6,13 @@ plain float32 math on weights dequantized by `worker.engine.quants.dequantize` (
 gguf.quants).
 
 The fused steps never pick a variant themselves: the engine resolves an OpTable (one variant per
-dispatched op) and passes its codes to every step, where `decode_parts` branches on them and
-calls the function the chosen entry names. Codes are an argument, not a compile-time constant,
+dispatched op) and passes its codes to every step, where `decode_parts` branches on them (one
+branch per entry, built from this registry) and calls the function the chosen entry names. Codes are an argument, not a compile-time constant,
 so the table can be swapped between two steps without recompiling anything.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import numpy as np
@@ -22,54 +22,88 @@ from worker.engine.kernels.packing import LAYOUT_QUADS, LAYOUT_ROWS
 from worker.engine.quants import SPECS
 
 
+# What each numerics' matmul variants need: the packed code layout they read (packing.LAYOUT_*;
+# a table is packed in one, so an engine's numerics are fixed when it loads; the row gather reads
+# either) and their scratch, the slot of RowBuffers.scratch (scratches()) they take.
+NUMERICS = ("float32", "int8")
+_LAYOUTS = {"float32": LAYOUT_ROWS, "int8": LAYOUT_QUADS}
+_SCRATCH_MAKERS = {"float32": matmul_batch.batch_scratch, "int8": matmul_i8.batch_scratch_i8}
+
+
 @dataclass(frozen=True)
 class KernelVariant:
+    """One variant: declared once in VARIANTS, from which its code and its branch of the fused
+    steps' dispatch (decode_parts) are derived."""
     op: str  # "matvec": W @ x (the yardstick, never dispatched); "matmul": W @ x[b] for B rows;
     # "row": one dequantized row (embedding lookup)
     variant: str
     fn: Callable
-    code: int  # the value of the op's slot in OpTable.codes that selects this variant
     description: str
     numerics: str = ""  # variants with the same numerics give the same bits: a tuner may swap them
     # freely; across numerics (float32 vs int8 activations) outputs differ slightly
     min_rows: int = 1  # below this many rows the variant runs as another one does: no bucket whose
     # calls are all smaller needs it (a tuner would only time the same code twice)
+    code: int = -1  # the value of the op's slot in OpTable.codes that selects it: its place among
+    # its op's entries of VARIANTS, set when KERNELS is built (never written by hand)
+
+    @property
+    def scratch(self) -> int:
+        """The slot of RowBuffers.scratch a matmul variant takes (its numerics' scratch)."""
+        return NUMERICS.index(self.numerics)
 
 
 ALL_QUANT_TYPES = tuple(SPECS)  # F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K
 
-KERNELS: dict[tuple[str, str], KernelVariant] = {
-    ("matvec", "tiled"): KernelVariant("matvec", "tiled", matvec.linear, 0,
-                                       "transposed 64-row tiles, parallel over tiles, several matrices per launch "
-                                       "(the bit-exact yardstick of matmul/float32)", "float32"),
-    ("matmul", "float32"): KernelVariant("matmul", "float32", matmul_batch.linear_batch, 0,
-                                         "each weight block converted once and applied to up to 8 rows held in "
-                                         "registers; float32 activations, the same bits as matvec", "float32"),
-    ("matmul", "int8"): KernelVariant("matmul", "int8", matmul_i8.linear_batch_i8, 1,
-                                      "activations quantized per 32 to int8, dot products on AVX-512 VNNI or "
-                                      "AVX2 (portable IR elsewhere); rows independent", "int8"),
-    ("matmul", "float32_serial"): KernelVariant("matmul", "float32_serial", matmul_batch.linear_batch_serial, 2,
-                                                "float32 with every tile on the calling thread: no fork/join "
-                                                "barrier (one-row calls, a neighbour on a core)", "float32"),
-    ("matmul", "int8_serial"): KernelVariant("matmul", "int8_serial", matmul_i8.linear_batch_i8_serial, 3,
-                                             "int8 with every tile on the calling thread", "int8"),
-    ("matmul", "int8_blocked"): KernelVariant("matmul", "int8_blocked", matmul_i8.linear_batch_i8_blocked, 4,
-                                              "int8 parallel over (tile, 32-row block): a block's outputs stay in "
-                                              "L1 across the tile's groups and few-tile matrices split evenly "
-                                              "over the threads (prompt chunks); the bits of int8", "int8",
-                                              min_rows=matmul_i8.ROW_BLOCK + 1),
-    ("row", "gather"): KernelVariant("row", "gather", ops.dequant_row, 0,
-                                     "dequantize one row (embedding lookup)", "float32"),
-}
+# Every variant, one entry each. An op's first entry is its default (OpTable.of); adding a variant
+# here is all it takes for the fused steps to dispatch it and for the tests and the tuner to see it.
+VARIANTS = (
+    KernelVariant("matvec", "tiled", matvec.linear,
+                  "transposed 64-row tiles, parallel over tiles, several matrices per launch "
+                  "(the bit-exact yardstick of matmul/float32)", "float32"),
+    KernelVariant("matmul", "float32", matmul_batch.linear_batch,
+                  "each weight block converted once and applied to up to 8 rows held in "
+                  "registers; float32 activations, the same bits as matvec", "float32"),
+    KernelVariant("matmul", "int8", matmul_i8.linear_batch_i8,
+                  "activations quantized per 32 to int8, dot products on AVX-512 VNNI or "
+                  "AVX2 (portable IR elsewhere); rows independent", "int8"),
+    KernelVariant("matmul", "float32_serial", matmul_batch.linear_batch_serial,
+                  "float32 with every tile on the calling thread: no fork/join "
+                  "barrier (one-row calls, a neighbour on a core)", "float32"),
+    KernelVariant("matmul", "int8_serial", matmul_i8.linear_batch_i8_serial,
+                  "int8 with every tile on the calling thread", "int8"),
+    KernelVariant("matmul", "int8_blocked", matmul_i8.linear_batch_i8_blocked,
+                  "int8 parallel over (tile, 32-row block): a block's outputs stay in "
+                  "L1 across the tile's groups and few-tile matrices split evenly "
+                  "over the threads (prompt chunks); the bits of int8", "int8",
+                  min_rows=matmul_i8.ROW_BLOCK + 1),
+    KernelVariant("row", "gather", ops.dequant_row, "dequantize one row (embedding lookup)", "float32"),
+)
 
-# The code layout (packing.LAYOUT_*) the matmul variants of each numerics read. A table is packed
-# in one, so an engine's numerics are fixed when it loads; the row gather reads either.
-_LAYOUTS = {"float32": LAYOUT_ROWS, "int8": LAYOUT_QUADS}
+
+def _with_codes(variants) -> dict[tuple[str, str], KernelVariant]:
+    """KERNELS: each variant by (op, variant), its code its place among its op's entries."""
+    placed: dict[str, int] = {}
+    kernels = {}
+    for v in variants:
+        if (v.op, v.variant) in kernels:
+            raise ValueError(f"kernel variant {v.op}/{v.variant} declared twice")
+        kernels[(v.op, v.variant)] = replace(v, code=placed.setdefault(v.op, 0))
+        placed[v.op] += 1
+    return kernels
+
+
+KERNELS: dict[tuple[str, str], KernelVariant] = _with_codes(VARIANTS)
 
 
 def layout_for(numerics: str) -> int:
     """The packed code layout the matmul variants of `numerics` read."""
     return _LAYOUTS[numerics]
+
+
+def scratches(max_tiles: int, rows: int, k_max: int) -> tuple[np.ndarray, ...]:
+    """RowBuffers.scratch: one scratch per numerics (in NUMERICS order) for matmuls of up to
+    `rows` rows, `max_tiles` output tiles and `k_max` inputs."""
+    return tuple(_SCRATCH_MAKERS[n](max_tiles, rows, k_max=k_max) for n in NUMERICS)
 
 
 # The ops a fused step dispatches on, in the order of their slots in OpTable.codes.

@@ -11,9 +11,8 @@ from shared.errors import ModelLoadError
 from worker.engine.batch import RaggedBatch
 from worker.engine.gguf_file import GGUFFile, TensorRef
 from worker.engine.kernels.attention import store_kv
-from worker.engine.kernels.matmul_batch import batch_scratch
-from worker.engine.kernels.matmul_i8 import batch_scratch_i8
 from worker.engine.kernels.packing import LAYOUT_ROWS, TILE, MatrixTable, pack
+from worker.engine.kernels.registry import scratches
 from worker.engine.layers import causal_attention
 from worker.engine.paged_kv import PagedKVCache
 from worker.engine.quants import dequantize
@@ -160,7 +159,7 @@ class RowBuffers(NamedTuple):
     gu: np.ndarray  # (rows, 2 * padded(d_ff)) gate | up
     act: np.ndarray  # (rows, d_ff) gated activation
     logits: np.ndarray  # (logit_rows, padded(vocab))
-    scratch: tuple  # (linear_batch's scratch, linear_batch_i8's): per-row sums of the matmul kernels
+    scratch: tuple  # registry.scratches: one per numerics (the matmul kernels' per-row sums)
 
 
 class BatchBuffers:
@@ -194,12 +193,12 @@ class BatchBuffers:
         most_tiles = max(padded(vocab), qkv.shape[1], gu.shape[1]) // TILE
         # The matmul kernels' per-row sums; K is at most the widest matrix input.
         k_max = max(d_model, q_rows, d_ff)
-        scratch = (batch_scratch(most_tiles, rows, k_max=k_max), batch_scratch_i8(most_tiles, rows, k_max=k_max))
         self.arrays = RowBuffers(
             x=np.zeros((rows, d_model), f32), h=np.zeros((rows, d_model), f32), qkv=qkv,
             q=np.zeros((rows, q_rows), f32), k=np.zeros((rows, kv_rows), f32), v=np.zeros((rows, kv_rows), f32),
             att=np.zeros((rows, q_rows), f32), proj=np.zeros((rows, padded(d_model)), f32), gu=gu,
-            act=np.zeros((rows, d_ff), f32), logits=self._logits, scratch=scratch)
+            act=np.zeros((rows, d_ff), f32), logits=self._logits,
+            scratch=scratches(most_tiles, rows, k_max))
         return self.arrays
 
 

@@ -16,23 +16,72 @@ from worker.engine.kernels.attention import paged_attention_decode, store_kv
 from worker.engine.kernels.prompt_attention import PROMPT_TILE, paged_attention_runs, row_runs
 from worker.engine.kernels.ops import rmsnorm, rope_halves, rope_pairs, silu_mul
 from worker.engine.kernels.packing import TILE
-from worker.engine.kernels.registry import BUCKET_LIMITS, KERNELS, MATMUL
+from worker.engine.kernels.registry import BUCKET_LIMITS, MATMUL, ROW, variants_of
 from worker.engine.models.common import FFN_DOWN, GATE_UP, QKV
 
 _JIT = dict(cache=True, nogil=True)
 
-# The registry's functions, called by the codes of the op table's slots.
-_matmul_float32 = KERNELS[("matmul", "float32")].fn
-_matmul_int8 = KERNELS[("matmul", "int8")].fn
-_matmul_float32_serial = KERNELS[("matmul", "float32_serial")].fn
-_matmul_int8_serial = KERNELS[("matmul", "int8_serial")].fn
-_matmul_int8_blocked = KERNELS[("matmul", "int8_blocked")].fn
-_MATMUL_INT8_CODE = KERNELS[("matmul", "int8")].code
-_MATMUL_INT8_BLOCKED_CODE = KERNELS[("matmul", "int8_blocked")].code
-_MATMUL_F32_SERIAL_CODE = KERNELS[("matmul", "float32_serial")].code
-_MATMUL_INT8_SERIAL_CODE = KERNELS[("matmul", "int8_serial")].code
 _LIMIT_1, _LIMIT_2, _LIMIT_3 = BUCKET_LIMITS
-_dequant_row = KERNELS[("row", "gather")].fn  # the only row variant: nothing to branch on yet
+
+
+# ---- the op table's dispatch: one branch per registry entry -------------------------------------
+# numba cannot call through a table of functions without making them first-class (experimental,
+# and an indirect call), so each op's dispatch is a chain of small jitted branches built from the
+# registry when this module loads: `call(code, *args)` tests one entry's code and otherwise hands
+# on to the next entry's branch: the compares of an if/elif, before a launch of milliseconds. A new
+# registry entry gets its branch here without a line changed. The pieces are not cached on their
+# own (numba keys a closure's cache by pickling what it closes over): the cached functions that
+# call them hold their code.
+_CHAIN = dict(nogil=True)
+
+
+def _branch(code, run, otherwise):
+    """call(c, *args): run(*args) when c == code, else otherwise(c, *args); the last branch of a
+    chain (otherwise None) runs for any code (OpTable only makes codes of registered entries)."""
+    if otherwise is None:
+        @njit(**_CHAIN)
+        def last(c, *args):
+            run(*args)
+        return last
+
+    @njit(**_CHAIN)
+    def branch(c, *args):
+        if c == code:
+            run(*args)
+        else:
+            otherwise(c, *args)
+    return branch
+
+
+def dispatch(op, runner):
+    """The jitted call(code, *args) of `op`: runner(entry)(*args) for the registry entry of op
+    whose code it is; runner(entry) adapts the step's arguments to entry.fn."""
+    call = None
+    for entry in reversed(tuple(variants_of(op).values())):
+        call = _branch(entry.code, runner(entry), call)
+    return call
+
+
+def _matmul_runner(entry):
+    fn, slot = entry.fn, entry.scratch
+
+    @njit(**_CHAIN)
+    def run(tab, mats, x, out, scratch):
+        fn(tab[0], tab[1], tab[2], tab[3], mats, x, out, scratch[slot])
+    return run
+
+
+def _row_runner(entry):
+    fn = entry.fn
+
+    @njit(**_CHAIN)
+    def run(tab, meta_row, token, out):
+        fn(tab[0], tab[1], tab[2], meta_row, token, out)
+    return run
+
+
+_matmul_call = dispatch("matmul", _matmul_runner)
+_row_call = dispatch("row", _row_runner)
 
 
 @njit(**_JIT)
@@ -88,23 +137,15 @@ def matmul(mm, mats, x, out):
     serial forms give their parallel twin's bits.
     """
     tab, ops, scratch = mm
-    code = ops[MATMUL, bucket_of(x.shape[0])]
-    if code == _MATMUL_INT8_CODE:
-        _matmul_int8(tab[0], tab[1], tab[2], tab[3], mats, x, out, scratch[1])
-    elif code == _MATMUL_INT8_BLOCKED_CODE:
-        _matmul_int8_blocked(tab[0], tab[1], tab[2], tab[3], mats, x, out, scratch[1])
-    elif code == _MATMUL_INT8_SERIAL_CODE:
-        _matmul_int8_serial(tab[0], tab[1], tab[2], tab[3], mats, x, out, scratch[1])
-    elif code == _MATMUL_F32_SERIAL_CODE:
-        _matmul_float32_serial(tab[0], tab[1], tab[2], tab[3], mats, x, out, scratch[0])
-    else:
-        _matmul_float32(tab[0], tab[1], tab[2], tab[3], mats, x, out, scratch[0])
+    _matmul_call(ops[MATMUL, bucket_of(x.shape[0])], tab, mats, x, out, scratch)
 
 
 @njit(**_JIT)
-def embed_rows(tab, token_embd, tokens, x):
+def embed_rows(mm, token_embd, tokens, x):
+    """x[b] = row tokens[b] of matrix token_embd, with the row variant of the op table."""
+    tab, ops, _ = mm
     for b in range(tokens.shape[0]):
-        _dequant_row(tab[0], tab[1], tab[2], tab[3][token_embd], tokens[b], x[b])
+        _row_call(ops[ROW, 0], tab, tab[3][token_embd], tokens[b], x[b])
 
 
 @njit(**_JIT)

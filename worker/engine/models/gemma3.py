@@ -172,7 +172,7 @@ def _gemma3_rows(step, w, hp, kv, chunk, ops, buf):
     d = buf.x.shape[1]
     ff = buf.act.shape[1]
     mm = (w.tab, ops, buf.scratch)
-    embed_rows(w.tab, w.token_embd, step.tokens, buf.x)
+    embed_rows(mm, w.token_embd, step.tokens, buf.x)
     for b in range(rows):
         for i in range(d):
             buf.x[b, i] *= hp.embed_scale

@@ -172,7 +172,7 @@ def _llama_rows(step, w, hp, kv_pools, chunk, ops, buf):
     rows = step.tokens.shape[0]
     k_pool, v_pool = kv_pools
     mm = (w.tab, ops, buf.scratch)
-    embed_rows(w.tab, w.token_embd, step.tokens, buf.x)
+    embed_rows(mm, w.token_embd, step.tokens, buf.x)
     for layer in range(w.mats.shape[0]):
         m = w.mats[layer]
         rmsnorm_rows(buf.x, w.attn_norm[layer], hp.eps, buf.h, rows)
