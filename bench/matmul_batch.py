@@ -30,7 +30,7 @@ import numpy as np  # noqa: E402
 
 from worker.engine.gguf_file import GGUFFile  # noqa: E402
 from worker.engine.kernels.matmul_batch import batch_scratch, linear_batch  # noqa: E402
-from worker.engine.kernels.matvec import linear  # noqa: E402
+from tests.kernels.yardsticks import linear  # noqa: E402
 from worker.engine.kernels.packing import FORMAT_NAMES, M_FMT, M_K, TILE, MatrixTable, pack  # noqa: E402
 
 MODELS_DIR = Path(os.environ.get("REAME_TEST_MODELS", "~/.cache/reame/models")).expanduser()

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from numba import njit
 
-from worker.engine.kernels.attention import (kv_load, kv_store_value, paged_attention,
-                                             paged_attention_decode, store_kv)
+from tests.kernels.yardsticks import paged_attention
+from worker.engine.kernels.attention import kv_load, kv_store_value, paged_attention_decode, store_kv
 from worker.engine.kernels.half import f16_to_f32, f32_to_f16
 
 N_LAYERS = 2

@@ -9,7 +9,7 @@ from gguf import GGMLQuantizationType as QT
 from tests.kernels.quant_cases import batch_inputs, packed_table, random_tensor
 from worker.engine.gguf_file import GGUFFile
 from worker.engine.kernels.matmul_batch import batch_scratch, linear_batch, scratch_size
-from worker.engine.kernels.matvec import linear
+from tests.kernels.yardsticks import linear
 from worker.engine.kernels.packing import TILE
 from worker.engine.kernels.registry import ALL_QUANT_TYPES
 from worker.engine.quants import dequantize

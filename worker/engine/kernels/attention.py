@@ -34,12 +34,12 @@ from worker.engine.kernels.kv_q8 import k_slab, slab_scratch, store_k_head, stor
 from worker.engine.kernels.prefetch import prefetch
 from worker.engine.kernels.value_sums import value_sums
 
-__all__ = ["balanced_item", "kv_load", "kv_store_value", "store_kv", "paged_attention", "paged_attention_decode",
+__all__ = ["balanced_item", "kv_load", "kv_store_value", "store_kv", "paged_attention_decode", "attend_group",
            "group_scratch", "score_width", "softmax_chunk", "write_head"]
 
 _JIT = dict(fastmath=True, cache=True, nogil=True)
 
-# Blocks ahead whose K slab _attend_group prefetches (it prefetches a block's V slab when it scores
+# Blocks ahead whose K slab attend_group prefetches (it prefetches a block's V slab when it scores
 # its K, for the value pass after the chunk's softmax).
 PREFETCH_AHEAD = 2
 
@@ -78,40 +78,15 @@ def store_kv(k_pool, v_pool, layer, block_table, start, k, v):
 
 
 @njit(parallel=True, **_JIT)
-def paged_attention(q, k_pool, v_pool, layer, block_table, start, window, scale, chunk, out):
-    """Attention of T consecutive queries of one sequence over its paged K/V.
-
-    q: (T, n_heads*head_dim) float32 at positions start..start+T-1, whose K/V (these T tokens
-    included) are already stored; block_table: int32 (>= ceil((start+T)/block_size) entries).
-    Query at position p attends keys [lo, p], lo = 0 if window <= 0 else max(0, p-window+1).
-    Query head h uses kv head h // (n_heads // n_kv_heads). out: (T, n_heads*head_dim) float32.
-    chunk (>= 1) bounds the keys scored at once. Parallel over (T x n_heads); each item is the
-    one-head case of paged_attention_decode's, so both give a query the same bits.
-    """
-    if chunk < 1:
-        raise ValueError("paged_attention: chunk must be >= 1")
-    n_kv = v_pool.shape[2]
-    d = v_pool.shape[4]
-    n_t = q.shape[0]
-    n_heads = q.shape[1] // d
-    group = n_heads // n_kv
-    sc = np.float32(scale)
-    for item in prange(n_t * n_heads):
-        h, t = balanced_item(item, n_t)  # head-major; within a head, short and long contexts alternate
-        p = start + t
-        lo = max(0, p - window + 1) if window > 0 else 0
-        _attend_group(q[t], h, 1, k_pool, v_pool, layer, h // group, block_table, lo, p + 1, sc, chunk, out[t])
-
-
-@njit(parallel=True, **_JIT)
 def paged_attention_decode(q, k_pool, v_pool, layer, block_tables, positions, window, scale, chunk, out):
     """One query for each of B sequences sharing the pool (batched decode).
 
     q: (B, n_heads*head_dim) float32; block_tables: int32 (B, max_blocks), row b padded with
     anything past its used blocks; positions: int64 (B,), position of each query (keys
-    0..positions[b] stored); out: (B, n_heads*head_dim). Same masking and GQA as
-    paged_attention. chunk >= 1. Parallel over (B x kv heads): the query heads of one kv head
-    share each read and float16 conversion of its K/V (_attend_group). With fewer than 4 such items
+    0..positions[b] stored); out: (B, n_heads*head_dim). The query at position p attends keys
+    [lo, p], lo = 0 if window <= 0 else max(0, p-window+1); query head h uses kv head
+    h // (n_heads // n_kv_heads). chunk (>= 1) bounds the keys scored at once. Parallel over (B x kv heads): the query heads of one kv head
+    share each read and float16 conversion of its K/V (attend_group). With fewer than 4 such items
     (one sequence of a model with 1-3 kv heads) each query head is its own item, so both threads
     work; a head's arithmetic is the same either way, so a row's result never depends on B.
     """
@@ -137,7 +112,7 @@ def paged_attention_decode(q, k_pool, v_pool, layer, block_tables, positions, wi
         p = positions[b]
         lo = max(0, p - window + 1) if window > 0 else 0
         h0 = hs * per_item
-        _attend_group(q[b], h0, per_item, k_pool, v_pool, layer, h0 // group, block_tables[b], lo, p + 1, sc,
+        attend_group(q[b], h0, per_item, k_pool, v_pool, layer, h0 // group, block_tables[b], lo, p + 1, sc,
                       chunk, out[b])
 
 
@@ -167,7 +142,7 @@ def _group_values(v_pool, layer, kvh, table, kb, ks, nc, heads, weights, w0, acc
 
 
 @njit(**_JIT)
-def _attend_group(qv, h0, heads, k_pool, v_pool, layer, kvh, table, lo, hi, scale, chunk, ov):
+def attend_group(qv, h0, heads, k_pool, v_pool, layer, kvh, table, lo, hi, scale, chunk, ov):
     """ov[h·d:(h+1)·d] = softmax(scale · q_h·K[lo:hi]) @ V[lo:hi] for the query heads
     h = h0 .. h0+heads-1, which all read kv head `kvh` (hi > lo).
 

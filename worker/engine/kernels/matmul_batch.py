@@ -1,10 +1,11 @@
 """Quantized matrix × a few activation vectors (batched decode): each weight is read once per
 call and converted once per block of up to BLOCK rows of x, then applied to all of them.
 
-Same packed layouts as matvec.linear (see packing.py); outputs of the listed matrices are laid
-side by side in out[b]. Every out[b] depends on x[b] alone, bit for bit, whatever B and the other
-rows are, so a request's output does not change when it is batched; it is the same sums in the
-same order as `matvec.linear` on x[b] (equal unless LLVM contracts multiply-adds differently).
+Same packed layouts (see packing.py) as `matvec`, the one-vector yardstick kernel (`linear` in
+tests/kernels/yardsticks.py); outputs of the listed matrices are laid side by side in out[b].
+Every out[b] depends on x[b] alone, bit for bit, whatever B and the other rows are, so a
+request's output does not change when it is batched; it is the same sums in the same order as
+matvec on x[b] (equal unless LLVM contracts multiply-adds differently).
 
 How. Per tile and group of 16/32 inputs, a micro-kernel written in LLVM IR (`_group_step`, an
 `@intrinsic`) keeps the group's accumulators for up to BLOCK rows × 64 outputs in vector

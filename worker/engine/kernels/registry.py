@@ -17,7 +17,7 @@ from typing import Callable
 
 import numpy as np
 
-from worker.engine.kernels import matmul_batch, matmul_i8, matvec, ops
+from worker.engine.kernels import matmul_batch, matmul_i8, ops
 from worker.engine.kernels.packing import LAYOUT_QUADS, LAYOUT_ROWS
 from worker.engine.quants import SPECS
 
@@ -34,8 +34,8 @@ _SCRATCH_MAKERS = {"float32": matmul_batch.batch_scratch, "int8": matmul_i8.batc
 class KernelVariant:
     """One variant: declared once in VARIANTS, from which its code and its branch of the fused
     steps' dispatch (decode_parts) are derived."""
-    op: str  # "matvec": W @ x (the yardstick, never dispatched); "matmul": W @ x[b] for B rows;
-    # "row": one dequantized row (embedding lookup)
+    op: str  # one of DISPATCHED_OPS: "matmul": W @ x[b] for B rows; "row": one dequantized row
+    # (embedding lookup)
     variant: str
     fn: Callable
     description: str
@@ -57,12 +57,10 @@ ALL_QUANT_TYPES = tuple(SPECS)  # F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, 
 # Every variant, one entry each. An op's first entry is its default (OpTable.of); adding a variant
 # here is all it takes for the fused steps to dispatch it and for the tests and the tuner to see it.
 VARIANTS = (
-    KernelVariant("matvec", "tiled", matvec.linear,
-                  "transposed 64-row tiles, parallel over tiles, several matrices per launch "
-                  "(the bit-exact yardstick of matmul/float32)", "float32"),
     KernelVariant("matmul", "float32", matmul_batch.linear_batch,
                   "each weight block converted once and applied to up to 8 rows held in "
-                  "registers; float32 activations, the same bits as matvec", "float32"),
+                  "registers; float32 activations, the same bits as the yardstick matvec "
+                  "(tests/kernels/yardsticks.py)", "float32"),
     KernelVariant("matmul", "int8", matmul_i8.linear_batch_i8,
                   "activations quantized per 32 to int8, dot products on AVX-512 VNNI or "
                   "AVX2 (portable IR elsewhere); rows independent", "int8"),

@@ -133,7 +133,7 @@ def matmul(mm, mats, x, out):
 
     Both kernels compute every row exactly as if it were alone, so batching never changes a
     sequence's logits; int8 quantizes activations per 32 (as llama.cpp does) to use VNNI
-    or AVX2 integer dot products, float32 keeps them exact (the bits of matvec.linear); the
+    or AVX2 integer dot products, float32 keeps them exact (the bits of the yardstick matvec); the
     serial forms give their parallel twin's bits.
     """
     tab, ops, scratch = mm

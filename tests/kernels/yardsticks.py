@@ -1,20 +1,26 @@
-"""Fast quantized matrix × vector for decode.
+"""Yardstick kernels: plain kernels the product's are tested (and benchmarked) against; no product
+code calls them.
 
-`linear` multiplies one or more packed matrices (see packing.py) by the same activation
-vector in one parallel launch: fusing Q/K/V or gate/up into one launch saves a thread-pool
-round trip per matrix. Outputs of the listed matrices are laid side by side in `out`
-(Σ padded rows).
+`linear` (matvec): quantized matrix × one vector, the bit-exact yardstick of the float32 matmul
+variants (worker/engine/kernels/matmul_batch.py gives each row its sums in the same order); the
+decode kernel before the batched ones. It multiplies one or more packed matrices (see packing.py)
+by the same activation vector in one parallel launch; outputs of the listed matrices are laid
+side by side in `out` (Σ padded rows).
 
 Loop shape matters more than anything here: the innermost loop runs over the TILE outputs
 of a tile with a trip count numba cannot see at compile time, which is what lets LLVM
 vectorize it (a constant trip count got fully unrolled into scalar code, 3x slower), and
 x is a plain vector (an extra batch loop around the inner loop made it 5x slower).
+
+`paged_attention`: the queries of one sequence, one query head per work item, over the paged K/V
+(attention.paged_attention_decode and prompt_attention give a query its bits).
 """
 from __future__ import annotations
 
 import numpy as np
 from numba import njit, prange
 
+from worker.engine.kernels.attention import attend_group, balanced_item
 from worker.engine.kernels.half import f16_to_f32
 from worker.engine.kernels.packing import (FMT_F32, FMT_Q4, LAYOUT_ROWS, M_BIAS, M_DATA, M_FMT, M_GROUP,
                                            M_HALF, M_K, M_LAYOUT, M_SCALE, M_TILES, TILE, unit_offset)
@@ -166,3 +172,34 @@ def linear(data, scales, scales16, meta, mats, x, out, scratch):
             _tile_f32(data, m, tile, x, o)
         else:
             _tile_q8(data, scales, scales16, m, tile, x, o, scratch[g])
+
+
+# ---- attention of one sequence's queries, one query head per work item --------------------------
+
+_ATT_JIT = dict(fastmath=True, cache=True, nogil=True)
+
+
+@njit(parallel=True, **_ATT_JIT)
+def paged_attention(q, k_pool, v_pool, layer, block_table, start, window, scale, chunk, out):
+    """Attention of T consecutive queries of one sequence over its paged K/V.
+
+    q: (T, n_heads*head_dim) float32 at positions start..start+T-1, whose K/V (these T tokens
+    included) are already stored; block_table: int32 (>= ceil((start+T)/block_size) entries).
+    Query at position p attends keys [lo, p], lo = 0 if window <= 0 else max(0, p-window+1).
+    Query head h uses kv head h // (n_heads // n_kv_heads). out: (T, n_heads*head_dim) float32.
+    chunk (>= 1) bounds the keys scored at once. Parallel over (T x n_heads); each item is the
+    one-head case of paged_attention_decode's, so both give a query the same bits.
+    """
+    if chunk < 1:
+        raise ValueError("paged_attention: chunk must be >= 1")
+    n_kv = v_pool.shape[2]
+    d = v_pool.shape[4]
+    n_t = q.shape[0]
+    n_heads = q.shape[1] // d
+    group = n_heads // n_kv
+    sc = np.float32(scale)
+    for item in prange(n_t * n_heads):
+        h, t = balanced_item(item, n_t)  # head-major; within a head, short and long contexts alternate
+        p = start + t
+        lo = max(0, p - window + 1) if window > 0 else 0
+        attend_group(q[t], h, 1, k_pool, v_pool, layer, h // group, block_table, lo, p + 1, sc, chunk, out[t])
