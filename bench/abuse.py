@@ -234,6 +234,15 @@ async def injection(a: Attack) -> None:
         await asyncio.sleep(1.0)
 
 
+def leaked(tokens: int) -> bool:
+    """Whether cached or reused tokens of a prompt from first_block_unique can only be alice's.
+    Its tag makes the first KV block hers alone; mallory's own earlier prompts (his probes, his
+    warms) give at most a partial copy of their first block, the template's header before the tag
+    (3-4 tokens on SmolLM2), so only a whole block or more comes from her."""
+    from shared.config import EngineSection
+    return tokens >= EngineSection.kv_block_size
+
+
 async def cross_tenant(a: Attack) -> None:
     t = a.tally("cross_tenant")
     for round_ in range(3):
@@ -244,19 +253,19 @@ async def cross_tenant(a: Attack) -> None:
         t.record("alice's prompt", status, {200}, seconds)
         status, probe, _, seconds = await a.post(t, CHAT, prompt, a.mallory)
         t.record("mallory sends alice's prompt", status, {200}, seconds)
-        if cached(probe):
+        if leaked(cached(probe)):
             t.cross_tenant_hits += 1
             t.note(f"mallory saw cached_tokens {cached(probe)} of alice's prompt")
         status, again, _, seconds = await a.post(t, CHAT, prompt, a.alice)
         t.record("alice again", status, {200}, seconds)
-        if status == 200 and not cached(again):
+        if status == 200 and not leaked(cached(again)):
             t.note("alice's own repeat had cached_tokens 0: the probe cannot tell")
         other = first_block_unique(secrets.token_hex(8))
         status, _, _, seconds = await a.post(t, CHAT, other, a.alice)
         t.record("alice's second prompt", status, {200}, seconds)
         status, warmed, _, seconds = await a.post(t, WARM, {"model": "reame", "messages": other["messages"]}, a.mallory)
         t.record("mallory warms alice's prompt", status, {200}, seconds)
-        if warmed.get("reused_tokens"):
+        if leaked(warmed.get("reused_tokens") or 0):
             t.cross_tenant_hits += 1
             t.note(f"mallory's /v1/warm reused {warmed['reused_tokens']} tokens of alice's prompt")
         await asyncio.sleep(2.0 + round_)
