@@ -10,7 +10,8 @@
 with the time to first token and to the last, medians over --reps, and the front's own "loaded in"
 time. Then an alternating run (every model in turn, --rounds times, under a budget that holds only
 one of them) samples the resident memory of every process of the front every 50 ms and prints the
-peak beside the budget, which counts each model's file plus its KV pool (gateway.model_backends).
+peak beside the budget, which counts each loaded model's measured RSS, at least its estimate
+(gateway.model_backends.estimate_bytes).
 
     python bench/model_switch.py [--models smol,gemma,qwen] [--reps 3] [--rounds 3] [--png switch.png]
 
@@ -237,7 +238,7 @@ def main() -> int:
     parser.add_argument("--models", default="smol,gemma", help=f"comma-separated, of {', '.join(MODELS)}")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds for the memory peak")
-    parser.add_argument("--budget-mib", type=int, default=1000, help="the alternating run's memory budget")
+    parser.add_argument("--budget-mib", type=int, default=2200, help="the alternating run's memory budget")
     parser.add_argument("--png", type=Path, help="also plot the medians to this file")
     parser.add_argument("--keep", type=Path, help="run in this directory and keep it (logs, state); "
                         "default: a temporary one")
@@ -284,7 +285,7 @@ def main() -> int:
           f"({len(memory['switches'])} requests, each a switch; median TTFT {statistics.median(memory['switches']):.2f} s): "
           f"peak RSS of all the front's processes {memory['peak'] / MIB:.0f} MiB ({at_peak} MiB at the peak); "
           f"peak worker RSS {memory['peak_worker'] / MIB:.0f} MiB; {memory['samples']} samples\n")
-    print("| model | the budget counts (file + KV pool), MiB | its worker's peak RSS, MiB |")
+    print("| model | the budget counts (measured RSS, at least the estimate), MiB | its worker's peak RSS, MiB |")
     print("|---|---|---|")
     for name in names:
         print(f"| {name} | {memory['estimates'].get(name, 0) / MIB:.0f} | {memory['per_model'][name] / MIB:.0f} |")

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Callable
 
 import aiohttp
+import psutil
 
 from shared.config import Config, memory_bytes
 from shared.errors import ModelLoadError
@@ -37,10 +38,21 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+# What a model's processes hold beside the file and the KV pool, measured (bench/model_switch.py,
+# Xeon, 2026-12-06): the worker's packed weights are 1.2-1.4x the file (scales, Q6_K codes a byte
+# each), and its interpreter, numba kernels and step buffers plus the model's gateway ~0.5 GiB.
+# Counting the file and the pool alone, one model at a time under a 1000 MiB budget peaked at
+# 2229 MiB: the worker held 1.4-1.9x what was counted.
+PACKED_PER_FILE_BYTE = 1.4
+PROCESS_BYTES = 512 * 2**20
+
+
 def estimate_bytes(config: Config, path: Path) -> int:
-    """What a loaded model holds: its mapped weights (the file) plus its worker's KV pool."""
+    """What a model will hold before it has been loaded once: its packed weights, its worker's KV
+    pool and its processes. Once loaded, resident_bytes() measures it instead."""
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return path.stat().st_size + memory_bytes(config.engine.kv_cache_memory, total)
+    return (int(PACKED_PER_FILE_BYTE * path.stat().st_size) + memory_bytes(config.engine.kv_cache_memory, total)
+            + PROCESS_BYTES)
 
 
 class Backend:
@@ -90,6 +102,19 @@ class Backend:
             except (aiohttp.ClientError, asyncio.TimeoutError):
                 pass
             await asyncio.sleep(HEALTH_POLL_S)
+
+    def resident_bytes(self) -> int:
+        """The resident memory (RSS) of the model's gateway and worker and every process they
+        started: what the host gives this model, KV pool included (committed at start-up)."""
+        total = 0
+        for process in self._processes:
+            try:
+                root = psutil.Process(process.pid)
+                for member in [root, *root.children(recursive=True)]:
+                    total += member.memory_info().rss
+            except psutil.Error:  # it left meanwhile: what is gone holds nothing
+                continue
+        return total
 
     async def stop(self) -> None:
         """SIGTERM: the worker drains (running requests finish), then both exit."""

@@ -91,7 +91,10 @@ def build_front(config: Config, repository: ModelRepository, available: int) -> 
         path = await asyncio.get_running_loop().run_in_executor(None, model_file, config, entry.reference)
         backend = backends[entry.name] = Backend(config, entry, path)
         await backend.start(front.session)
-        sizes[entry.name] = estimate_bytes(config, path)
+        # What it holds once ready, measured (never less than the estimate it was admitted by, so
+        # a model's size only grows from what admitted it); its next load is admitted by this.
+        measured = await asyncio.to_thread(backend.resident_bytes)
+        sizes[entry.name] = max(measured, estimate_bytes(config, path))
         return sizes[entry.name]
 
     async def unload(name: str) -> None:
@@ -100,7 +103,8 @@ def build_front(config: Config, repository: ModelRepository, available: int) -> 
             await backend.stop()
 
     def estimate(entry: ModelEntry) -> int:
-        # A file on disk is measured; a name not pulled yet counts from its first load on.
+        # A loaded model's last measured size; before that, an estimate from its file (a name not
+        # pulled yet counts from its first load on).
         path = Path(entry.reference)
         if entry.name not in sizes and path.is_file():
             sizes[entry.name] = estimate_bytes(config, path)

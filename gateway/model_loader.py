@@ -100,10 +100,26 @@ class ModelLoader:
                 self.residency.unloaded(name, error=str(exc))
                 log.error("model %s: load failed: %s", name, exc)
                 raise ModelUnavailableError(f"model {name!r} could not be loaded: {exc}") from None
-            self.residency.loaded(name, size, self.clock())
             log.info("model %s: loaded in %.1f s (%.0f MiB)", name, self.clock() - started, size / 2**20)
+            async with self._room:
+                self.residency.loaded(name, size, self.clock())
+                await self._fit(name, size)
         finally:
             self._pending.pop(name, None)
+
+    async def _fit(self, name: str, size: int) -> None:
+        """A model measured larger than estimated may push the loaded ones past the budget: the
+        least recently used idle others go, as they would have before its load."""
+        if self.residency.used() <= self.residency.budget:
+            return
+        try:
+            victims = self.residency.make_room(name, size)
+        except NoRoom as exc:
+            log.warning("model %s holds %.0f MiB, over the memory budget beside running or pinned models: %s",
+                        name, size / 2**20, exc)
+            return
+        for victim in victims:
+            await self._unload_one(victim, f"{name!r} measured {size / 2**20:.0f} MiB once loaded")
 
     async def _unload_one(self, name: str, why: str) -> None:
         # Marked first: a request arriving meanwhile loads it again instead of running on it.

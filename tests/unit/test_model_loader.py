@@ -117,6 +117,36 @@ def test_a_budget_that_fits_one_model_alternates_them():
     asyncio.run(main())
 
 
+def test_a_model_measured_larger_than_estimated_makes_room_once_loaded():
+    # Admitted on an estimate of 10 beside a, b measures 60 once loaded: used 70 > 60, so the
+    # idle a goes, as it would have before b's load had its size been known.
+    async def main():
+        host = _Host({"a": 10, "b": 60})
+        entries = {name: ModelEntry(name, f"/m/{name}.gguf") for name in host.sizes}
+        loader = ModelLoader(Residency(60, {name: 300.0 for name in entries}), entries, host.load, host.unload,
+                             estimate=lambda e: 10, timeout=5.0)
+        async with loader.use("a"):
+            pass
+        async with loader.use("b"):
+            assert host.loaded == {"b"}
+        assert host.events == ["load a", "load b", "unload a"]
+        assert loader.residency.used() == 60
+    asyncio.run(main())
+
+
+def test_a_model_measured_over_the_budget_beside_a_running_one_stays_and_serves():
+    async def main():
+        host = _Host({"a": 10, "b": 60})
+        entries = {name: ModelEntry(name, f"/m/{name}.gguf") for name in host.sizes}
+        loader = ModelLoader(Residency(60, {name: 300.0 for name in entries}), entries, host.load, host.unload,
+                             estimate=lambda e: 10, timeout=5.0)
+        async with loader.use("a"):  # a is running: it may not go
+            async with loader.use("b"):
+                assert host.loaded == {"a", "b"}
+        assert host.events == ["load a", "load b"]
+    asyncio.run(main())
+
+
 def test_a_running_request_is_never_unloaded_under_it():
     async def main():
         host = _Host({"a": 60, "b": 60})
