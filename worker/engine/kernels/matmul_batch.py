@@ -44,6 +44,8 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from worker.engine.kernels.group_step_ir import GroupStepEmitter
+from worker.engine.kernels.group_step_ir import VEC as _VEC
 from worker.engine.kernels.packing import (FMT_F32, FMT_Q4, FMT_Q8, LAYOUT_ROWS, M_BIAS, M_DATA, M_FMT, M_GROUP,
                                            M_HALF, M_K, M_LAYOUT, M_SCALE, M_TILES, TILE, unit_offset)
 
@@ -54,8 +56,6 @@ _STEP_ROWS = (1, 2, 3, 4, BLOCK)  # compiled step sizes; 5-7 rows run as 4 + the
 # Output vectors (of 16) whose accumulators a step keeps live at once: rows × vectors chains hide
 # the FMA latency, and with more than ~16 accumulators the registers run out (measured).
 _VECTORS_AT_ONCE = {1: 4, 2: 4, 3: 4, 4: 4, 8: 2}
-_VEC = 16  # float32 lanes of one vector
-PREFETCH_GROUPS = 4  # groups ahead whose codes each step prefetches (2 to 16 measured alike)
 _SUM_SLOTS = 3  # group sums: q4 (group 32), q8 group 16, q8 group 32
 
 
@@ -110,14 +110,16 @@ def _group_step(typingctx, data, d_off, x, b0, k0, sums, g, scales, scales16, s_
 _DATA, _X, _SUMS, _SCALES, _SCALES16, _OUT = 0, 2, 5, 7, 8, 13
 
 
-class _StepEmitter:
+class _StepEmitter(GroupStepEmitter):
     """The IR of one `_group_step` call: a switch on the row count, one straight FMA chain each."""
 
+    DATA, SCALES16 = _DATA, _SCALES16
+    step_rows = _STEP_ROWS
+    name = "step"
     _V = ir.VectorType(ir.FloatType(), _VEC)
     _V8 = ir.VectorType(ir.IntType(8), _VEC)
     _V16 = ir.VectorType(ir.IntType(16), _VEC)
     _VH = ir.VectorType(ir.HalfType(), _VEC)
-    _I64 = ir.IntType(64)
 
     def __init__(self, context, builder, signature, args, fmt, group):
         self.context, self.b = context, builder
@@ -130,45 +132,7 @@ class _StepEmitter:
         self.fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(self._V, [self._V] * 3),
                                                   "llvm.fma.v16f32")
 
-    def emit(self):
-        b = self.b
-        self._prefetch()
-        self.is_half = b.icmp_signed("!=", self.half, ir.Constant(self.half.type, 0))
-        self.has_bias = b.icmp_signed(">=", self.m_off, self._c(0))
-        self.is_factored = b.icmp_signed(">=", self.u_off, self._c(0))
-        done = b.append_basic_block("step.done")
-        switch = b.switch(self.rows, done)
-        for n in _STEP_ROWS:
-            case = b.append_basic_block(f"step.rows{n}")
-            switch.add_case(ir.Constant(self.rows.type, n), case)
-            b.position_at_end(case)
-            self._rows(n)
-            b.branch(done)
-        b.position_at_end(done)
-
-    def _prefetch(self):
-        """Ask for the codes PREFETCH_GROUPS groups ahead (the next tiles' once near a tile's end)."""
-        b = self.b
-        group_bytes = (self.group // 2 if self.fmt == FMT_Q4 else self.group) * TILE
-        fn = cgutils.get_or_insert_function(
-            b.module, ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer()] + [ir.IntType(32)] * 3),
-            "llvm.prefetch.p0i8")
-        start = b.add(self.d_off, self._c(PREFETCH_GROUPS * group_bytes))
-        for line in range(0, group_bytes, 64):
-            at = b.bitcast(self._ptr(_DATA, b.add(start, self._c(line))), ir.IntType(8).as_pointer())
-            b.call(fn, [at, ir.Constant(ir.IntType(32), 0), ir.Constant(ir.IntType(32), 3),
-                        ir.Constant(ir.IntType(32), 1)])
-
     # ---- helpers -----------------------------------------------------------------------------
-    def _c(self, n):
-        return ir.Constant(self._I64, n)
-
-    def _ptr(self, arg, *indices):
-        return cgutils.get_item_pointer(self.context, self.b, self.tys[arg], self.arrays[arg], list(indices))
-
-    def _vptr(self, arg, vtype, *indices):
-        return self.b.bitcast(self._ptr(arg, *indices), vtype.as_pointer())
-
     def _splat(self, value):
         b = self.b
         undef = ir.Constant(self._V, ir.Undefined)
@@ -185,36 +149,24 @@ class _StepEmitter:
         nibble = b.lshr(raw, ir.Constant(self._V8, 4)) if high else b.and_(raw, ir.Constant(self._V8, 15))
         return b.uitofp(nibble, self._V)
 
+    def _halves_of(self, offset, v):
+        at = self.b.add(offset, self.b.mul(v, self._c(_VEC)))
+        return self.b.bitcast(self.b.load(self._vptr(_SCALES16, self._V16, at), align=2), self._VH)
+
     def _param(self, offset, v):
         """Vector v of the TILE group parameters at offset, from scales16 or scales."""
         b = self.b
-        at = b.add(offset, b.mul(v, self._c(_VEC)))
         with b.if_else(self.is_half) as (then, otherwise):
             with then:
-                bits = b.load(self._vptr(_SCALES16, self._V16, at), align=2)
-                from_half = b.fpext(b.bitcast(bits, self._VH), self._V)
+                from_half = b.fpext(self._halves_of(offset, v), self._V)
                 half_block = b.block
             with otherwise:
+                at = b.add(offset, b.mul(v, self._c(_VEC)))
                 from_f32 = b.load(self._vptr(_SCALES, self._V, at), align=4)
                 f32_block = b.block
         phi = b.phi(self._V)
         phi.add_incoming(from_half, half_block)
         phi.add_incoming(from_f32, f32_block)
-        return phi
-
-    def _times_unit(self, value, v, shift):
-        """value × vector v of the units at u_off + shift (0: the scale's, TILE: the bias's) when
-        the parameters are factored, else value: an exact product of two float16 numbers."""
-        b = self.b
-        entry = b.block
-        with b.if_then(self.is_factored):
-            at = b.add(b.add(self.u_off, self._c(shift)), b.mul(v, self._c(_VEC)))
-            bits = b.load(self._vptr(_SCALES16, self._V16, at), align=2)
-            scaled = b.fmul(value, b.fpext(b.bitcast(bits, self._VH), self._V))
-            scaled_block = b.block
-        phi = b.phi(self._V)
-        phi.add_incoming(value, entry)
-        phi.add_incoming(scaled, scaled_block)
         return phi
 
     # ---- the step for n rows -------------------------------------------------------------------

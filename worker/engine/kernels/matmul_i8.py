@@ -62,6 +62,8 @@ from numba import njit, prange, types
 from numba.core import cgutils, config
 from numba.extending import intrinsic
 
+from worker.engine.kernels.group_step_ir import VEC as _VEC
+from worker.engine.kernels.group_step_ir import GroupStepEmitter
 from worker.engine.kernels.matmul_batch import _tile_f32, locate_tile
 from worker.engine.kernels.packing import (FMT_F32, FMT_Q4, FMT_Q8, LAYOUT_QUADS, M_BIAS, M_DATA, M_FMT, M_GROUP,
                                            M_HALF, M_K, M_LAYOUT, M_NARROW, M_SCALE, M_TILES, TILE, quad_lanes,
@@ -121,8 +123,6 @@ def _vectors_at_once(rows: int) -> int:
     return 4 if rows == 1 else 2 if rows == 2 else 1
 
 
-_VEC = 16
-PREFETCH_GROUPS = 4
 
 # Rows of x one work item of linear_batch_i8_blocked computes for one tile: their outputs (32 rows ×
 # 64 floats = 8 KB) stay in L1 across the tile's groups, where linear_batch_i8 re-reads and writes
@@ -242,7 +242,7 @@ def _i8_step(typingctx, data, d_off, xq, xs, fsum, corr, b0, k0, blk, g, scales,
 
 _DATA, _XQ, _XS, _FSUM, _CORR, _SCALES, _SCALES16, _OUT = 0, 2, 3, 4, 5, 10, 11, 16
 
-_I8, _I16, _I32, _I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
+_I8, _I16, _I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
 _VB = ir.VectorType(_I8, 64)
 _VW = ir.VectorType(_I16, 32)
 _VD = ir.VectorType(_I32, _VEC)
@@ -250,8 +250,12 @@ _VF = ir.VectorType(ir.FloatType(), _VEC)
 _YB, _YW, _YD = ir.VectorType(_I8, 32), ir.VectorType(_I16, 16), ir.VectorType(_I32, 8)  # one ymm
 
 
-class _I8Emitter:
+class _I8Emitter(GroupStepEmitter):
     """IR of one `_i8_step` call: a switch on the row count, straight-line code per case."""
+
+    DATA, SCALES16 = _DATA, _SCALES16
+    step_rows = _STEP_ROWS
+    name = "i8"
 
     def __init__(self, context, builder, signature, args, fmt, group, narrow):
         self.context, self.b = context, builder
@@ -275,47 +279,12 @@ class _I8Emitter:
             self.psign = cgutils.get_or_insert_function(module, ir.FunctionType(_YB, [_YB, _YB]),
                                                         "llvm.x86.avx2.psign.b")
 
-    def emit(self):
-        b = self.b
-        self._prefetch()
-        self.is_half = b.icmp_signed("!=", self.half, ir.Constant(self.half.type, 0))
-        self.has_bias = b.icmp_signed(">=", self.m_off, self._c(0))
-        self.is_factored = b.icmp_signed(">=", self.u_off, self._c(0))
-        done = b.append_basic_block("i8.done")
-        switch = b.switch(self.rows, done)
-        for n in _STEP_ROWS:
-            case = b.append_basic_block(f"i8.rows{n}")
-            switch.add_case(ir.Constant(self.rows.type, n), case)
-            b.position_at_end(case)
-            self._rows(n)
-            b.branch(done)
-        b.position_at_end(done)
-
     # ---- helpers ---------------------------------------------------------------------------
-    def _c(self, n):
-        return ir.Constant(_I64, n)
-
-    def _ptr(self, arg, *indices):
-        return cgutils.get_item_pointer(self.context, self.b, self.tys[arg], self.arrays[arg], list(indices))
-
-    def _vptr(self, arg, vtype, *indices):
-        return self.b.bitcast(self._ptr(arg, *indices), vtype.as_pointer())
-
     def _splat(self, value, vtype):
         b = self.b
         undef = ir.Constant(vtype, ir.Undefined)
         one = b.insert_element(undef, value, self._c(0))
         return b.shuffle_vector(one, undef, ir.Constant(ir.VectorType(_I32, vtype.count), None))
-
-    def _prefetch(self):
-        b = self.b
-        group_bytes = (self.group // 2 if self.fmt == FMT_Q4 else self.group) * TILE
-        fn = cgutils.get_or_insert_function(
-            b.module, ir.FunctionType(ir.VoidType(), [_I8.as_pointer()] + [_I32] * 3), "llvm.prefetch.p0i8")
-        start = b.add(self.d_off, self._c(PREFETCH_GROUPS * group_bytes))
-        for line in range(0, group_bytes, 64):
-            at = b.bitcast(self._ptr(_DATA, b.add(start, self._c(line))), _I8.as_pointer())
-            b.call(fn, [at, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
 
     def _dot(self, acc, w, a):
         """acc + Σ of 4 adjacent u8(w) × s8(a) products per int32 lane (vpdpbusd)."""
@@ -343,17 +312,20 @@ class _I8Emitter:
         word = b.load(self._vptr(_XQ, _I32, b.add(self.b0, self._c(r)), k), align=1)
         return self._splat(word, _VD)
 
+    def _halves_of(self, offset, v):
+        """The float16 parameters of the outputs of interleaved vector v (permuted order)."""
+        b = self.b
+        pieces = [b.load(self._vptr(_SCALES16, ir.VectorType(_I16, 4), b.add(offset, self._c(16 * lane + 4 * v))),
+                         align=2) for lane in range(4)]
+        return b.bitcast(self._concat4(pieces), ir.VectorType(ir.HalfType(), _VEC))
+
     def _param(self, offset, v):
         """Group parameters (scale or bias) of the outputs of interleaved vector v, from scales16 or scales."""
         b = self.b
-        pieces_h, pieces_f = [], []
+        pieces_f = []
         with b.if_else(self.is_half) as (then, otherwise):
             with then:
-                for lane in range(4):
-                    at = b.add(offset, self._c(16 * lane + 4 * v))
-                    pieces_h.append(b.load(self._vptr(_SCALES16, ir.VectorType(_I16, 4), at), align=2))
-                bits = self._concat4(pieces_h)
-                from_half = b.fpext(b.bitcast(bits, ir.VectorType(ir.HalfType(), _VEC)), _VF)
+                from_half = b.fpext(self._halves_of(offset, v), _VF)
                 half_block = b.block
             with otherwise:
                 for lane in range(4):
@@ -364,24 +336,6 @@ class _I8Emitter:
         phi = b.phi(_VF)
         phi.add_incoming(from_half, half_block)
         phi.add_incoming(from_f32, f32_block)
-        return phi
-
-    def _times_unit(self, value, v, shift):
-        """value × the units of interleaved vector v at u_off + shift (0: the scale's, TILE: the
-        bias's) when the parameters are factored, else value: an exact product of two float16s."""
-        b = self.b
-        entry = b.block
-        with b.if_then(self.is_factored):
-            pieces = []
-            for lane in range(4):
-                at = b.add(self.u_off, self._c(shift + 16 * lane + 4 * v))
-                pieces.append(b.load(self._vptr(_SCALES16, ir.VectorType(_I16, 4), at), align=2))
-            units = b.fpext(b.bitcast(self._concat4(pieces), ir.VectorType(ir.HalfType(), _VEC)), _VF)
-            scaled = b.fmul(value, units)
-            scaled_block = b.block
-        phi = b.phi(_VF)
-        phi.add_incoming(value, entry)
-        phi.add_incoming(scaled, scaled_block)
         return phi
 
     def _concat4(self, parts):
