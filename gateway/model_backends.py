@@ -10,14 +10,12 @@ existing router sends its requests only to workers that hold it. The front
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import logging
 import os
 import signal
 import socket
 import sys
 from pathlib import Path
-from typing import Callable
 
 import aiohttp
 import psutil
@@ -25,11 +23,11 @@ import psutil
 from shared.config import Config, memory_bytes
 from shared.errors import ModelLoadError
 from shared.model_registry import ModelEntry
+from shared.parent_death import exit_with_parent
 
 log = logging.getLogger(__name__)
 
 HEALTH_POLL_S = 0.2
-_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def free_port() -> int:
@@ -128,33 +126,6 @@ class Backend:
                 process.kill()
                 await process.wait()
         self._processes.clear()
-
-
-def exit_with_parent() -> Callable[[], None] | None:
-    """A preexec_fn that has the child sent SIGTERM when the front dies, however it dies (a
-    SIGKILL or the OOM killer runs no cleanup), so a model's gateway and worker never outlive it
-    holding their memory and ports. SIGTERM, not SIGKILL: the worker drains and saves its tuning
-    state as on any stop (idle, it leaves at once; at most after drain_timeout). Linux only
-    (prctl PR_SET_PDEATHSIG); elsewhere None, and children outlive a killed front as before.
-
-    The signal follows the thread that forked: backends are started on the event loop's thread,
-    the main one, which lives as long as the front. The libc function is looked up here, in the
-    parent: the child only calls it between fork and exec.
-    """
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    front = os.getpid()
-
-    def preexec() -> None:
-        prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
-        if os.getppid() != front:  # the front died between fork and prctl: nothing will signal
-            os._exit(1)
-
-    return preexec
 
 
 def _tail(path: Path, lines: int = 3) -> str:

@@ -8,7 +8,6 @@ problem on stderr; restarting would only repeat it, so that is fatal.
 """
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
@@ -16,6 +15,8 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from typing import Callable
+
+from shared.parent_death import exit_with_parent
 
 log = logging.getLogger("reame.serve")
 
@@ -107,7 +108,7 @@ class Supervisor:
         child.starts += 1
         child.started_at = self.clock()
         child.process = subprocess.Popen(child.argv, env={**os.environ, **child.env}, start_new_session=True,
-                                         preexec_fn=_die_with_parent)
+                                         preexec_fn=exit_with_parent())
         log.info("started %s (pid %d)", child.name, child.process.pid)
 
 
@@ -118,11 +119,3 @@ def _describe(code: int) -> str:
         except ValueError:
             return f"killed by signal {-code}"
     return f"exit code {code}"
-
-
-def _die_with_parent() -> None:
-    # PR_SET_PDEATHSIG: the kernel sends SIGTERM to this child when the supervisor dies.
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
-    except (OSError, AttributeError):
-        pass

@@ -198,7 +198,7 @@ def running(processes: list[psutil.Process]) -> list[psutil.Process]:
 
 PARENT = """
 import subprocess, sys, time
-from gateway.model_backends import exit_with_parent
+from shared.parent_death import exit_with_parent
 child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], preexec_fn=exit_with_parent())
 print(child.pid, flush=True)
 time.sleep(60)

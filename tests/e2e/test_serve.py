@@ -152,3 +152,25 @@ def test_sigterm_stops_everything(serve):
     assert proc.wait(60) == 0
     gone, alive = psutil.wait_procs(children, timeout=10)
     assert not alive
+
+
+def test_a_killed_reame_serve_leaves_no_gateway_or_worker(smollm2_gguf, tmp_path):
+    """SIGKILL runs no cleanup in `reame serve`: its gateway and worker must still leave
+    (shared.parent_death), not hold the port and the model's memory for ever."""
+    port = free_port()
+    config = write_config(tmp_path, smollm2_gguf, port)
+    with reame_serve("reame serve", tmp_path, config, port) as server:
+        supervisor = psutil.Process(server.processes[0].pid)
+        children = supervisor.children(recursive=True)
+        roles = {" ".join(p.cmdline()[1:3]) for p in children}
+        assert {"-m gateway.main", "-m worker.main"} <= roles, roles
+        supervisor.kill()
+        supervisor.wait(10)
+        deadline = time.monotonic() + 15
+        while any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in children) \
+                and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = [p for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        for process in left:
+            process.kill()
+        assert not left, [p.cmdline()[:3] for p in left]
