@@ -81,11 +81,13 @@ class _Host:
         self.loaded.discard(name)
 
 
-def _loader(host, budget, timeout=5.0, keep=300.0):
+def _loader(host, budget, timeout=5.0, keep=300.0, estimate=None):
+    """estimate: every model's size before its load (default: what its load measures)."""
     entries = {name: ModelEntry(name, f"/m/{name}.gguf") for name in host.sizes}
     residency = Residency(budget, {name: keep for name in entries})
     clock = iter(range(10**6))
-    return ModelLoader(residency, entries, host.load, host.unload, estimate=lambda e: host.sizes[e.name],
+    guess = (lambda e: host.sizes[e.name]) if estimate is None else (lambda e: estimate)
+    return ModelLoader(residency, entries, host.load, host.unload, estimate=guess,
                        timeout=timeout, clock=lambda: float(next(clock)))
 
 
@@ -122,9 +124,7 @@ def test_a_model_measured_larger_than_estimated_makes_room_once_loaded():
     # idle a goes, as it would have before b's load had its size been known.
     async def main():
         host = _Host({"a": 10, "b": 60})
-        entries = {name: ModelEntry(name, f"/m/{name}.gguf") for name in host.sizes}
-        loader = ModelLoader(Residency(60, {name: 300.0 for name in entries}), entries, host.load, host.unload,
-                             estimate=lambda e: 10, timeout=5.0)
+        loader = _loader(host, budget=60, estimate=10)
         async with loader.use("a"):
             pass
         async with loader.use("b"):
@@ -137,9 +137,7 @@ def test_a_model_measured_larger_than_estimated_makes_room_once_loaded():
 def test_a_model_measured_over_the_budget_beside_a_running_one_stays_and_serves():
     async def main():
         host = _Host({"a": 10, "b": 60})
-        entries = {name: ModelEntry(name, f"/m/{name}.gguf") for name in host.sizes}
-        loader = ModelLoader(Residency(60, {name: 300.0 for name in entries}), entries, host.load, host.unload,
-                             estimate=lambda e: 10, timeout=5.0)
+        loader = _loader(host, budget=60, estimate=10)
         async with loader.use("a"):  # a is running: it may not go
             async with loader.use("b"):
                 assert host.loaded == {"a", "b"}
