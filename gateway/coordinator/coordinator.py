@@ -337,6 +337,7 @@ class Coordinator:
         tput_before, tput_after = _mean(METRICS[THROUGHPUT].read, trial.before), _mean(METRICS[THROUGHPUT].read, trial.after)
         tput_change = (tput_after - tput_before) / tput_before if tput_before else 0.0
         decision.effect = {"before": round(before, 3), "after": round(after, 3), "change": round(change, 4),
+                           "noise": round(_change_noise(goal.read, trial.before, trial.after), 4),
                            "throughput_change": round(tput_change, 4)}
         negative = better < -TOLERANCE or tput_change < -THROUGHPUT_GUARD
         name = self._name_of(slot)
@@ -522,6 +523,20 @@ def _load(others: float) -> str:
 
 def _mean(read: Callable[[Profile], float], profiles: list[Profile]) -> float:
     return sum(read(p) for p in profiles) / len(profiles) if profiles else 0.0
+
+
+def _change_noise(read: Callable[[Profile], float], before: list[Profile], after: list[Profile]) -> float:
+    """The standard error of (mean after - mean before) / mean before, from the windows' own
+    variation: what the load alone moves the goal by (the report marks a smaller change as noise)."""
+    def variance_of_mean(profiles: list[Profile]) -> float:
+        values = [read(p) for p in profiles]
+        if len(values) < 2:
+            return 0.0
+        m = sum(values) / len(values)
+        return sum((v - m) ** 2 for v in values) / (len(values) - 1) / len(values)
+
+    base = _mean(read, before)
+    return math.sqrt(variance_of_mean(before) + variance_of_mean(after)) / abs(base) if base else 0.0
 
 
 def _workers(doc: Any) -> dict[str, dict]:

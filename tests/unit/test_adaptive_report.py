@@ -41,17 +41,44 @@ def test_report_lines_have_the_issues_shape_and_deltas_against_boot():
     assert lines[5].startswith("  strategy:             0 changes, 0 reverted; converged:")
 
 
+def test_each_learned_choice_is_reported_as_its_own_ab_against_the_shipped_default():
+    report = AdaptiveReport(boot=0.0, window_s=60.0)
+    assert report.lines(30.0, [], BOOT_WALL)[-1] == "    nothing measured yet: every layer runs its shipped default"
+    kernels = {"gemm": "1:int8_serialx1t", "ab 1 choice": "int8_serialx1t", "ab 1 default": "int8x2t",
+               "ab 1 gain": 0.41, "ab 1 noise": 0.03, "ab 1 steps": 12.0}
+    speculative = {"gate_1+": "on", "gate_1+_gain": 0.18, "gate_1+_noise": 0.06, "gate_1+_steps": 48.0,
+                   "gate_8+": "off", "gate_8+_gain": -0.2, "gate_8+_noise": 0.05, "gate_8+_steps": 48.0}
+    report.add(profile(sources={"kernels": kernels, "speculative": speculative}), now=5.0)
+    kept = Decision(3, "h/node0/cpus0-1", BOOT_WALL + 60.0, "change", "short requests", "...", {}, {},
+                    goal="tokens per busy second", effect={"change": 0.04, "noise": 0.05}, outcome="kept")
+    reverted = Decision(5, "h/node0/cpus0-1", BOOT_WALL + 90.0, "change", "long prompts", "...", {}, {},
+                        goal="prefill step ms", effect={"change": 0.30, "noise": 0.06}, outcome="reverted")
+    lines = report.lines(120.0, [kept, reverted], BOOT_WALL)
+    assert lines[-5:] == [
+        "  what each learned choice is worth (its own A/B on this traffic, ± one standard error):",
+        "    kernels, 1 rows a step: int8_serialx1t vs shipped int8x2t (time per row): +41% ±3% (12 paired steps)",
+        # drafting off in 8+ is the default's choice: nothing learned to weigh
+        "    drafting, 1+ sequences a step: on (tokens/s drafting vs plain decoding): +18% ±6% (48 steps)",
+        "    knobs, v3 short requests on h/node0/cpus0-1 (tokens per busy second): +4% ±5% "
+        "(profiles before vs after; kept; within the noise)",
+        # a step time 30% longer is a loss: the sign says better or worse, not up or down
+        "    knobs, v5 long prompts on h/node0/cpus0-1 (prefill step ms): -30% ±6% (profiles before vs after; reverted)",
+    ]
+    worth = report.as_json(120.0, [kept, reverted], BOOT_WALL)["worth"]
+    assert [w["within_noise"] for w in worth] == [False, False, True, False]
+
+
 def test_the_report_says_when_it_is_still_learning():
     report = AdaptiveReport(boot=0.0, window_s=60.0)
     history_of(report, minutes=10)
     change = Decision(3, "h/node0/cpus0-1", BOOT_WALL + 590.0, "change", "short requests", "...", {}, {},
                       outcome="kept")
     lines = report.lines(600.0, [change], BOOT_WALL)
-    assert lines[-1] == "  strategy:             1 changes, 0 reverted; still learning (1 changes in the last 3m)"
+    assert lines[5] == "  strategy:             1 changes, 0 reverted; still learning (1 changes in the last 3m)"
     early = AdaptiveReport(boot=0.0, window_s=60.0)
     history_of(early, minutes=1)
     assert early.lines(60.0, [], BOOT_WALL)[3] == "  effective throughput: 100.0 tok/s (+0% vs boot)"
-    assert "too little traffic" in early.lines(60.0, [], BOOT_WALL)[-1]
+    assert "too little traffic" in early.lines(60.0, [], BOOT_WALL)[5]
     idle = AdaptiveReport(boot=0.0, window_s=60.0)
     assert idle.lines(30.0, [], BOOT_WALL)[1] == "  prefix cache hit-rate: 0.00 (n/a vs boot)"
 

@@ -114,6 +114,7 @@ def test_a_change_that_helps_is_kept_and_the_knobs_converge():
     assert feed(coordinator, MEASURE + 1, **{**SHORT, "output_tokens": 2500, "batch_size_mean": 12.0}) == []
     assert coordinator.history[0].outcome == "kept"
     assert coordinator.history[0].effect["change"] == pytest.approx((1000 + 2500) / (1000 + 1500) - 1, abs=1e-3)
+    assert coordinator.history[0].effect["noise"] == 0.0  # identical windows on either side: no noise
     # The same traffic keeps coming: the window widens to its bound, then nothing more changes.
     for _ in range(10):
         feed(coordinator, CONFIRM + MEASURE + 1, **{**SHORT, "output_tokens": 2500, "batch_size_mean": 15.5})

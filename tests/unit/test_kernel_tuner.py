@@ -11,7 +11,7 @@ import pytest
 
 from worker.engine.kernels.registry import KERNELS, MATMUL, OpTable, bucket_of
 from worker.engine.tuning.kernel_table_store import KernelTableStore, host_signature, reset_tables, saved_tables
-from worker.engine.tuning.kernel_tuner import KernelTuner, TunerSettings
+from worker.engine.tuning.kernel_tuner import KernelTuner, TunerSettings, kernel_profile
 
 CODE_TO_VARIANT = {v.code: v.variant for (op, _), v in KERNELS.items() if op == "matmul"}
 
@@ -93,6 +93,22 @@ def test_promotes_the_faster_arm_and_logs_before_and_after(caplog):
     assert event["kind"] == "promote" and event["after_ms_per_row"] < event["before_ms_per_row"]
     # other buckets were never stepped: they keep the engine's choice
     assert tuner.choices()["33+"] == ("int8", 2)
+
+
+def test_a_learned_choice_is_weighed_against_the_shipped_default_on_its_own_steps():
+    """The report's figure for a kernel choice: the default's re-timed steps against the choice's."""
+    tuner, engine, clock = make()
+    cost = lambda arm, now: 0.006 if arm == ("int8_serial", 1) else 0.010
+    assert tuner.snapshot()["buckets"]["1"]["versus_default"] is None  # nothing learned yet
+    run(tuner, engine, clock, cost, 3000, noise=0.01)
+    versus = tuner.snapshot()["buckets"]["1"]["versus_default"]
+    assert tuner.choices()["1"] == ("int8_serial", 1) and versus["default"] == "int8x2t"
+    # the default's time per row over the choice's (1.67 here), within the 1% noise of a few steps
+    assert 1 + versus["gain"] == pytest.approx(0.010 / 0.006, rel=0.05) and 0 < versus["noise"] < 0.03
+    assert versus["steps"] >= 2
+    flat = kernel_profile(tuner.snapshot())
+    assert flat["ab 1 choice"] == "int8_serialx1t" and flat["ab 1 default"] == "int8x2t"
+    assert flat["ab 1 gain"] == versus["gain"] and "ab 33+ gain" not in flat  # a bucket on its default
 
 
 def test_exploration_is_a_small_share_of_steps_and_decays_while_nothing_wins():

@@ -263,8 +263,11 @@ def test_the_gate_stops_drafting_at_a_batch_size_where_drafted_steps_measure_slo
             gate.observe(1, False, 1, 0.008)  # ... against 125 without
     late = kinds[4 * SAMPLES:]
     assert 0 < sum(late) < 0.2 * len(late)  # mostly plain, still sampling the loser
-    assert gate.allow(1) in (True, False) and gate.snapshot() == {"gate_1+": "on", "gate_2+": "measuring",
-                                                                  "gate_4+": "measuring", "gate_8+": "off"}
+    # The verdicts, and the A/B behind each: drafting's rate over plain decoding's (steady rates: no noise)
+    assert gate.allow(1) in (True, False) and gate.snapshot() == {
+        "gate_1+": "on", "gate_1+_gain": 1.4, "gate_1+_noise": 0.0, "gate_1+_steps": 2.0 * SAMPLES,
+        "gate_2+": "measuring", "gate_4+": "measuring",
+        "gate_8+": "off", "gate_8+_gain": -0.25, "gate_8+_noise": 0.0, "gate_8+_steps": 2.0 * SAMPLES}
     assert any("speculation off for steps of 8+ decoding sequences" in r.getMessage() for r in caplog.records)
 
 

@@ -17,6 +17,7 @@ those steps drafted though drafting gained nothing.
 from __future__ import annotations
 
 import logging
+import math
 import random
 from collections import deque
 from statistics import median
@@ -87,5 +88,21 @@ class DraftGate:
             if len(plain_rates) == SAMPLES and len(drafted_rates) == SAMPLES:
                 self._verdict[b] = median(drafted_rates) >= median(plain_rates) * (1 + ON_MARGIN)
 
-    def snapshot(self) -> dict[str, str]:
-        return {f"gate_{low}+": {None: "measuring", True: "on", False: "off"}[v] for low, v in zip(BUCKETS, self._verdict)}
+    def snapshot(self) -> dict[str, str | float]:
+        """Per bucket its verdict, and once measured the A/B behind it: drafting's step rate over
+        plain decoding's, less one ("gate_N+_gain"), and that ratio's standard error ("_noise")."""
+        out: dict[str, str | float] = {}
+        for low, verdict, (plain, drafted) in zip(BUCKETS, self._verdict, self._rates):
+            out[f"gate_{low}+"] = {None: "measuring", True: "on", False: "off"}[verdict]
+            if verdict is not None and len(plain) >= 2 and len(drafted) >= 2:
+                out[f"gate_{low}+_gain"] = round(median(drafted) / median(plain) - 1, 4)
+                out[f"gate_{low}+_noise"] = round(math.hypot(_median_error(plain), _median_error(drafted)), 4)
+                out[f"gate_{low}+_steps"] = float(len(plain) + len(drafted))
+        return out
+
+
+def _median_error(rates) -> float:
+    """The relative standard error of the median of rates, from their MAD."""
+    m = median(rates)
+    mad = median(abs(r - m) for r in rates)
+    return 1.253 * 1.4826 * mad / math.sqrt(len(rates)) / m if m > 0 else 0.0

@@ -136,6 +136,7 @@ class _Candidate:
     banned: bool = False
     last_step: int = -1
     confirming: bool = False  # won once; the next verdict, on fresh samples, decides
+    lost_by: tuple[float, float, int] | None = None  # its last elimination: log ratio, its error, samples
 
 
 @dataclass
@@ -167,6 +168,7 @@ class _Bucket:
             c.ratios.clear()
             c.seconds.clear()
             c.confirming = False
+            c.lost_by = None  # it lost to the old incumbent
 
 
 class KernelTuner:
@@ -193,6 +195,8 @@ class KernelTuner:
 
         self.buckets = [_Bucket(b, (start[b], self.max_threads), arms_of(b), settings)
                         for b in range(len(BUCKET_NAMES))]
+        # What `--adaptive off` runs: the report weighs each learned choice against it.
+        self.defaults = {b.name: b.incumbent for b in self.buckets}
         self._tables: dict[tuple[str, ...], OpTable] = {}
         self._step: tuple[_Bucket, Arm, bool, int] | None = None
         self.events: list[dict] = []  # promotions and rollbacks, newest last (snapshot)
@@ -378,6 +382,7 @@ class KernelTuner:
             # leaves. Not longer per repeated loss: that delayed noticing a neighbour by 16 s.
             pause = s.recheck_s * min(MAX_PAUSE, max(1.0, math.exp(m) / 3.0)) * 2 ** bucket.decay
             c.paused_until, c.confirming = now + pause, False
+            c.lost_by = (m, se, n)
             self._lost(bucket, arm)
             c.ratios.clear()
             c.seconds.clear()
@@ -586,9 +591,27 @@ class KernelTuner:
             buckets[b.name] = {"choice": arm_name(b.incumbent), "variant": b.incumbent[0],
                                "threads": b.incumbent[1], "steps": b.steps, "watching_switch": b.switch is not None,
                                "explore_budget": 0.5 ** b.decay,
-                               "arms": arms}
+                               "arms": arms, "versus_default": self._versus_default(b)}
         return {"enabled": self.settings.enabled, "numerics": self.numerics, "buckets": buckets,
                 "promotions": self.promotions, "rollbacks": self.rollbacks, "events": list(self.events)}
+
+
+    def _versus_default(self, bucket: _Bucket) -> dict | None:
+        """What the bucket's choice is worth against the shipped default, from the default's own
+        exploration steps (each paired with the choice's recent steps, as every candidate is): the
+        default's time per row over the choice's, less one, with the standard error of that median.
+        None while the choice is the default or the default has not been re-timed since."""
+        default = self.defaults[bucket.name]
+        c = bucket.candidates.get(default)
+        if bucket.incumbent == default or c is None:
+            return None
+        if len(c.ratios) >= 2:  # being re-timed now
+            m, se, n = median(c.ratios), _spread(list(c.ratios)), len(c.ratios)
+        elif c.lost_by is not None:  # its last elimination (the window is cleared then)
+            m, se, n = c.lost_by
+        else:
+            return None
+        return {"default": arm_name(default), "gain": round(math.expm1(m), 4), "noise": round(se, 4), "steps": n}
 
 
 class FixedKernels:
@@ -624,8 +647,19 @@ class FixedKernels:
 
 def kernel_profile(snapshot: dict) -> dict[str, float | str]:
     """A snapshot as the worker profile's flat "kernels" section: the matmul choice per rows
-    bucket ("gemm", what the adaptive report prints) and the promotion and rollback counts."""
+    bucket ("gemm", what the adaptive report prints), the promotion and rollback counts, and per
+    bucket whose choice is not the default, its A/B against it ("ab <bucket> ...": the default's
+    arm, the gain, its standard error and the paired steps behind them)."""
     if not snapshot.get("enabled"):
         return {"gemm": "fixed"}
     choices = " ".join(f"{name}:{bucket['choice']}" for name, bucket in snapshot["buckets"].items())
-    return {"gemm": choices, "promotions": float(snapshot["promotions"]), "rollbacks": float(snapshot["rollbacks"])}
+    flat: dict[str, float | str] = {"gemm": choices, "promotions": float(snapshot["promotions"]),
+                                    "rollbacks": float(snapshot["rollbacks"])}
+    for name, bucket in snapshot["buckets"].items():
+        versus = bucket.get("versus_default")
+        if versus:
+            flat[f"ab {name} choice"] = bucket["choice"]
+            flat[f"ab {name} default"] = versus["default"]
+            for key in ("gain", "noise", "steps"):
+                flat[f"ab {name} {key}"] = float(versus[key])
+    return flat
