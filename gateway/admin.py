@@ -13,17 +13,15 @@ changes the one strategy all of them share (503 while it is unreachable).
 """
 from __future__ import annotations
 
-from pathlib import Path
-
 import orjson
 from aiohttp import web
 
 from gateway.errors import ConflictError
+from gateway.html_pages import page_response
 from gateway.json_response import json_response
 from gateway.state import STATE
 from shared.errors import ConfigError, InvalidRequestError
 
-DASHBOARD = Path(__file__).with_name("dashboard.html")
 MAX_STRATEGY_BYTES = 1 << 20
 
 
@@ -77,8 +75,7 @@ async def series(request: web.Request) -> web.Response:
 
 
 async def dashboard(request: web.Request) -> web.Response:
-    return web.Response(body=DASHBOARD.read_bytes(), content_type="text/html", charset="utf-8",
-                        headers={"Cache-Control": "no-store"})
+    return page_response("dashboard.html")
 
 
 def add_admin_routes(app: web.Application) -> None:

@@ -38,6 +38,7 @@ from aiohttp import web
 from gateway.auth import auth_middleware, load_tenants
 from gateway.errors import (ConflictError, ModelNotFoundError, PayloadTooLargeError, ServiceUnavailableError,
                             error_middleware)
+from gateway.html_pages import page_response
 from gateway.json_response import json_response
 from gateway.metrics import CONTENT_TYPE
 from gateway.model_backends import Backend, estimate_bytes
@@ -55,7 +56,6 @@ log = logging.getLogger("reame.front")
 _HOP_HEADERS = frozenset({"host", "content-length", "transfer-encoding", "connection", "keep-alive"})
 EXPIRY_CHECK_S = 1.0
 SCRAPE_TIMEOUT_S = 5.0  # a model's gateway answers /metrics in milliseconds; a stuck one is left out
-DASHBOARD = Path(__file__).with_name("models_dashboard.html")
 
 
 @dataclass
@@ -221,8 +221,7 @@ def _passed_key(request: web.Request) -> dict[str, str]:
 
 
 async def dashboard(request: web.Request) -> web.Response:
-    return web.Response(body=DASHBOARD.read_bytes(), content_type="text/html", charset="utf-8",
-                        headers={"Cache-Control": "no-store"})
+    return page_response("models_dashboard.html")
 
 
 async def health(request: web.Request) -> web.Response:
