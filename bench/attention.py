@@ -65,7 +65,7 @@ def measure(batch: int, context: int, dtype: str, repeats: int) -> float:
     out = np.empty_like(q)
     weights = np.ones((LAYERS, WEIGHTS_PER_LAYER), np.uint8)
     scale = np.float32(1.0 / np.sqrt(HEAD_DIM))
-    paged_attention_decode(q, k, v, 0, tables, positions, 0, scale, 512, out)  # compile / load
+    paged_attention_decode(q, k, v, 0, tables, positions, 0, scale, 512, out, numba.get_num_threads())  # compile
     _read(weights[0])
     steps = []
     for _ in range(repeats):
@@ -73,7 +73,7 @@ def measure(batch: int, context: int, dtype: str, repeats: int) -> float:
         for layer in range(LAYERS):
             _read(weights[layer])
             started = time.perf_counter()
-            paged_attention_decode(q, k, v, layer, tables, positions, 0, scale, 512, out)
+            paged_attention_decode(q, k, v, layer, tables, positions, 0, scale, 512, out, numba.get_num_threads())
             spent += time.perf_counter() - started
         steps.append(spent)
     return statistics.median(steps)
@@ -94,11 +94,11 @@ def measure_chunk(rows: int, context: int, dtype: str, repeats: int, tiles: list
     scale = np.float32(1.0 / np.sqrt(HEAD_DIM))
 
     def per_row(layer):
-        paged_attention_decode(q, k, v, layer, table_rows, positions, 0, scale, 512, out)
+        paged_attention_decode(q, k, v, layer, table_rows, positions, 0, scale, 512, out, numba.get_num_threads())
 
     def tiled(tile):
         return lambda layer: paged_attention_runs(q, k, v, layer, table_rows, positions, runs, 0, scale, 512, tile,
-                                                  out)
+                                                  out, numba.get_num_threads())
 
     kernels = [per_row] + [tiled(t) for t in tiles]
     for kernel in kernels:  # compile / load

@@ -156,6 +156,7 @@ def numba_split(engine, args, numba_total: float, repeats: int = 15) -> dict[str
     buf = model.buffers.ensure(rows, logit_rows.shape[0])
     mm = (model.w.tab, ops, buf.scratch)
     mats = model.w.mats
+    threads = engine.threads
 
     def layers_matmul():
         for m in mats:
@@ -169,7 +170,7 @@ def numba_split(engine, args, numba_total: float, repeats: int = 15) -> dict[str
             return
         for layer in range(mats.shape[0]):
             paged_attention_decode(buf.q[:rows], kv.k, kv.v, layer, tables, positions, 0,
-                                   np.float32(model.scale), chunk, buf.att[:rows])
+                                   np.float32(model.scale), chunk, buf.att[:rows], threads)
 
     def output():
         output_logits_rows(mm, model.w.output, model.w.output_norm, np.float32(model.hp.rms_eps), buf, logit_rows)

@@ -16,7 +16,8 @@ import pytest
 from numba import njit
 
 from tests.kernels.yardsticks import paged_attention
-from worker.engine.kernels.attention import kv_load, kv_store_value, paged_attention_decode, store_kv
+from worker.engine.kernels.attention import (attend_group, heads_per_item, kv_load, kv_store_value,
+                                             paged_attention_decode, store_kv)
 from worker.engine.kernels.half import f16_to_f32, f32_to_f16
 
 N_LAYERS = 2
@@ -380,3 +381,35 @@ def test_balanced_item_order_covers_every_pair_once_alternating_ends():
         assert sorted(pairs) == [(s, i) for s in range(3) for i in range(n)]
         assert [i for s, i in pairs[:n]] == [(k >> 1) if k % 2 == 0 else n - 1 - (k >> 1) for k in range(n)]
     assert [balanced_item(item, 4)[1] for item in range(4)] == [0, 3, 1, 2]
+
+
+@pytest.mark.parametrize("n_b, n_kv, group, threads, expected", [
+    (1, 2, 6, 2, 6),  # Qwen2.5-1.5B, one sequence: one item per kv head, one per thread
+    (1, 2, 7, 2, 7),  # Qwen2.5-0.5B
+    (1, 3, 3, 2, 1),  # SmolLM2: 3 items on 2 threads is 2:1; 9 heads alone are 5:4
+    (1, 1, 4, 2, 2),  # Gemma 3 270M: two halves of the group, each reading the KV once
+    (8, 3, 3, 2, 3),  # a batch: whole groups
+    (1, 2, 6, 1, 6),  # one thread: nothing to balance
+    (1, 2, 6, 4, 3),  # four threads: halves of each group
+])
+def test_query_heads_stay_together_as_far_as_the_threads_allow(n_b, n_kv, group, threads, expected):
+    assert heads_per_item(n_b, n_kv, group, threads) == expected
+
+
+def test_a_head_has_the_same_bits_attended_alone_or_with_its_group():
+    """Whatever heads_per_item chooses (it follows the batch and the thread count), each head's
+    arithmetic is its own: attended alone or with the other five of its group, the same bits."""
+    rng = np.random.default_rng(5)
+    n_heads, n_kv, d, bs, context = 12, 2, 32, 16, 300
+    pool_shape = (context // bs + 2, 1, n_kv)
+    k_pool = rng.standard_normal(pool_shape + (d, bs)).astype(np.float32)
+    v_pool = rng.standard_normal(pool_shape + (bs, d)).astype(np.float32)
+    table = np.arange(pool_shape[0], dtype=np.int32)
+    q = rng.standard_normal(n_heads * d).astype(np.float32)
+    group = n_heads // n_kv
+    together, alone = np.zeros_like(q), np.zeros_like(q)
+    for kvh in range(n_kv):
+        attend_group(q, kvh * group, group, k_pool, v_pool, 0, kvh, table, 0, context, np.float32(0.2), 64, together)
+        for h in range(kvh * group, (kvh + 1) * group):
+            attend_group(q, h, 1, k_pool, v_pool, 0, kvh, table, 0, context, np.float32(0.2), 64, alone)
+    assert np.array_equal(together, alone)

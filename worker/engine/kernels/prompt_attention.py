@@ -22,7 +22,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from worker.engine.kernels.attention import balanced_item, group_scratch, score_width, softmax_chunk, write_head
+from worker.engine.kernels.attention import (balanced_item, group_scratch, heads_per_item, score_width, softmax_chunk,
+                                             write_head)
 from worker.engine.kernels.key_scores import block_scores
 from worker.engine.kernels.kv_q8 import k_slab, slab_scratch, v_slab
 from worker.engine.kernels.value_sums import value_sums
@@ -68,14 +69,14 @@ def _row_lo(p, window):
 
 @njit(parallel=True, **_JIT)
 def paged_attention_runs(q, k_pool, v_pool, layer, block_tables, positions, runs, window, scale, chunk, tile,
-                         out):
+                         out, threads=1):
     """paged_attention_decode's result for every row (the same bits), with the rows of each run
     computed a tile at a time.
 
     q, block_tables, positions, out: as paged_attention_decode's (one row per query); runs: row
     bounds from row_runs (consecutive positions of one sequence, tables agreeing on what each row
     reads). chunk >= 1 keys per online-softmax chunk; tile >= 1 rows per tile. Items are (tile,
-    kv head), or (tile, query head) when there are fewer than 4 of those, so both threads work.
+    kv head), its query heads split only as far as `threads` need (attention.heads_per_item).
     """
     if chunk < 1 or tile < 1:
         raise ValueError("paged_attention_runs: chunk and tile must be >= 1")
@@ -100,7 +101,7 @@ def paged_attention_runs(q, k_pool, v_pool, layer, block_tables, positions, runs
         for r in range(runs[i], runs[i + 1], tile):
             ends[at] = min(r + tile, runs[i + 1])
             at += 1
-    per_item = group if n_tiles * n_kv >= 4 else 1
+    per_item = heads_per_item(n_tiles, n_kv, group, threads)
     n_sets = n_heads // per_item
     sc = np.float32(scale)
     for item in prange(n_tiles * n_sets):

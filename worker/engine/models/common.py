@@ -144,6 +144,7 @@ class StepRows(NamedTuple):
     positions: np.ndarray  # int64 (R,)
     block_tables: np.ndarray  # int32 (R, most blocks); padded with 0, never read
     logit_rows: np.ndarray  # int64 (L,): the rows whose logits the step returns, in order
+    threads: int  # threads the step runs on (numba's setting of the calling thread): attention splits by it
 
 
 class RowBuffers(NamedTuple):

@@ -193,7 +193,7 @@ def rope_rows(buf, positions, cos, sin, n_heads, n_kv_heads, head_dim, neox, row
 
 
 @njit(**_JIT)
-def attention_rows(buf, k_pool, v_pool, pool_layer, block_tables, positions, window, scale, chunk, rows):
+def attention_rows(buf, k_pool, v_pool, pool_layer, block_tables, positions, window, scale, chunk, rows, threads):
     """Store every row's K/V in its blocks, then attend each query over its sequence: buf.att.
 
     Runs of consecutive rows of one sequence (prompt chunks, verification rows) take the tiled
@@ -207,10 +207,10 @@ def attention_rows(buf, k_pool, v_pool, pool_layer, block_tables, positions, win
     runs = row_runs(block_tables, positions, rows, v_pool.shape[3])
     if runs.shape[0] - 1 == rows:
         paged_attention_decode(buf.q[:rows], k_pool, v_pool, pool_layer, block_tables, positions, window, scale,
-                               chunk, buf.att[:rows])
+                               chunk, buf.att[:rows], threads)
     else:
         paged_attention_runs(buf.q[:rows], k_pool, v_pool, pool_layer, block_tables, positions, runs, window, scale,
-                             chunk, PROMPT_TILE, buf.att[:rows])
+                             chunk, PROMPT_TILE, buf.att[:rows], threads)
 
 
 @njit(**_JIT)

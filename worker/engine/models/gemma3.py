@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
-from numba import njit
+from numba import get_num_threads, njit
 
 from worker.engine.batch import RaggedBatch
 from worker.engine.gguf_file import GGUFFile
@@ -159,7 +159,7 @@ class Gemma3:
             window_tables = block_tables
         buf = self.buffers.ensure(tokens.shape[0], logit_rows.shape[0])
         pools = KVPools(kv.k, kv.v, kv.k_window, kv.v_window, kv.in_window, kv.pool_layer, window_tables)
-        _gemma3_rows(StepRows(tokens, positions, block_tables, logit_rows), self.step_weights, self.step_config,
+        _gemma3_rows(StepRows(tokens, positions, block_tables, logit_rows, get_num_threads()), self.step_weights, self.step_config,
                      pools, attention_chunk, ops, buf)
         return buf.logits[:logit_rows.shape[0], :self.hp.vocab_size]
 
@@ -190,10 +190,10 @@ def _gemma3_rows(step, w, hp, kv, chunk, ops, buf):
         window = 0 if hp.is_global[layer] else hp.sliding_window
         if kv.in_window[layer]:  # a local layer whose K/V live in the window pool's slots
             attention_rows(buf, kv.k_window, kv.v_window, kv.pool_layer[layer], kv.window_tables, step.positions,
-                           window, hp.scale, chunk, rows)
+                           window, hp.scale, chunk, rows, step.threads)
         else:
             attention_rows(buf, kv.k, kv.v, kv.pool_layer[layer], step.block_tables, step.positions,
-                           window, hp.scale, chunk, rows)
+                           window, hp.scale, chunk, rows, step.threads)
         matmul(mm, m[ATTN_OUT], buf.att[:rows], buf.proj[:rows])
         for b in range(rows):
             rmsnorm(buf.proj[b, :d], w.post_attn_norm[layer], hp.eps, buf.proj[b, :d])

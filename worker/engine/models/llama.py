@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
-from numba import njit
+from numba import get_num_threads, njit
 
 from shared.errors import ModelLoadError
 from worker.engine.batch import RaggedBatch
@@ -161,7 +161,7 @@ class Llama:
         layers in one numba call; returns logits (len(logit_rows), vocab), a view of the buffers.
         ops: the op table's codes (registry.OpTable.codes), which kernel variants to run."""
         buf = self.buffers.ensure(tokens.shape[0], logit_rows.shape[0])
-        _llama_rows(StepRows(tokens, positions, block_tables, logit_rows), self.step_weights, self.step_config,
+        _llama_rows(StepRows(tokens, positions, block_tables, logit_rows, get_num_threads()), self.step_weights, self.step_config,
                     (kv.k, kv.v), attention_chunk, ops, buf)
         return buf.logits[:logit_rows.shape[0], :self.hp.vocab_size]
 
@@ -186,7 +186,8 @@ def _llama_rows(step, w, hp, kv_pools, chunk, ops, buf):
             head_norm_rows(buf, hp.n_heads, hp.n_kv_heads, hp.head_dim, w.q_norm[layer], w.k_norm[layer], hp.eps,
                            rows)
         rope_rows(buf, step.positions, w.cos, w.sin, hp.n_heads, hp.n_kv_heads, hp.head_dim, hp.rope_neox, rows)
-        attention_rows(buf, k_pool, v_pool, layer, step.block_tables, step.positions, 0, hp.scale, chunk, rows)
+        attention_rows(buf, k_pool, v_pool, layer, step.block_tables, step.positions, 0, hp.scale, chunk, rows,
+                       step.threads)
         matmul(mm, m[ATTN_OUT], buf.att[:rows], buf.proj[:rows])
         add_rows(buf.x, buf.proj, rows)
         swiglu_ffn_rows(mm, m, w.ffn_norm[layer], hp.eps, buf, rows)
