@@ -7,6 +7,7 @@ import random
 import pytest
 
 from worker.speculative.archive import NgramArchive
+from worker.speculative.gate import DraftGate
 from worker.speculative.prompt_lookup import PromptLookup
 from worker.speculative.speculator import FIRST_BACKOFF, Speculator, StepCost, draft_length
 
@@ -269,6 +270,32 @@ def test_the_gate_stops_drafting_at_a_batch_size_where_drafted_steps_measure_slo
         "gate_2+": "measuring", "gate_4+": "measuring",
         "gate_8+": "off", "gate_8+_gain": -0.25, "gate_8+_noise": 0.0, "gate_8+_steps": 2.0 * SAMPLES}
     assert any("speculation off for steps of 8+ decoding sequences" in r.getMessage() for r in caplog.records)
+
+
+def test_the_gate_does_not_turn_over_between_sides_equal_within_their_noise(caplog):
+    """Drafted and plain steps of the same rate distribution (±15% per step): after the first
+    verdict, noise alone must not flip it back and forth (bare medians flipped it dozens of times)."""
+    gate = DraftGate(random.Random(3))
+    noise = random.Random(11)
+    with caplog.at_level(logging.INFO, logger="reame.speculator"):
+        for _ in range(6000):
+            drafting = gate.allow(2)
+            gate.observe(2, drafting, 4, 0.040 * noise.uniform(0.85, 1.15))
+    flips = [r for r in caplog.records if r.getMessage().startswith("speculation ")]
+    assert 1 <= len(flips) <= 2, [r.getMessage() for r in flips]
+
+
+def test_a_clear_change_still_overturns_a_verdict():
+    """Drafting pays (2x), then stops paying (0.5x): the verdict follows, noise or not."""
+    gate = DraftGate(random.Random(3))
+    noise = random.Random(11)
+    for i in range(4000):
+        drafting = gate.allow(1)
+        drafted_rate = 200.0 if i < 2000 else 50.0
+        gate.observe(1, drafting, 1, 1 / ((drafted_rate if drafting else 100.0) * noise.uniform(0.85, 1.15)))
+        if i == 1999:
+            assert gate.snapshot()["gate_1+"] == "on"
+    assert gate.snapshot()["gate_1+"] == "off"
 
 
 def test_a_gated_step_gets_no_draft_and_a_speculator_without_adaptation_has_no_gate():

@@ -9,8 +9,9 @@ tokens emitted per second; drafting continues only where it measures at least as
 of steps keeps sampling the losing side, so a verdict follows the traffic as it changes.
 
 A verdict needs evidence to change: drafting turns on only when its median beats plain decoding
-by ON_MARGIN, and off when it falls below plain; and a verdict stands for at least FRESH new
-steps of the side it runs less. Comparing bare medians flipped the verdict 251 times in 6 minutes
+by ON_MARGIN, and off when it falls below plain, in both cases by more than NOISE_Z standard
+errors of the two medians; and a verdict stands for at least FRESH new steps of the side it runs
+less. Comparing bare medians flipped the verdict 251 times in 6 minutes
 of agentic traffic at temperature 0.7 (+3% one moment, -1% the next: noise), so about half of
 those steps drafted though drafting gained nothing.
 """
@@ -29,6 +30,7 @@ SAMPLES = 24  # steps of each kind a verdict needs (and the window it reads)
 EXPLORE = 0.1  # share of steps that run the losing side once a verdict stands
 ON_MARGIN = 0.03  # drafting must beat plain decoding by this much to turn on (or stay on when new)
 FRESH = SAMPLES // 2  # new steps of the less-run side before a verdict may change again
+NOISE_Z = 3.0  # standard errors of the rates' medians a difference must exceed to overturn a verdict
 
 
 def bucket_of(sequences: int) -> int:
@@ -66,8 +68,19 @@ class DraftGate:
         if current is not None and self._fresh[b] < FRESH:
             return
         plain, spec = median(plain_rates), median(drafted_rates)
-        verdict = spec >= plain if current else spec >= plain * (1 + ON_MARGIN)
-        if verdict != current:
+        if current is None:
+            verdict = spec >= plain * (1 + ON_MARGIN)
+        else:
+            # A standing verdict turns over only on a difference beyond the rates' own noise: per
+            # step rates vary ±10-20% (a drafted step emits 1 to max_draft+1 tokens), and between
+            # near-equal sides bare medians still flipped 28 times in two minutes (SmolLM2, two
+            # streams, 12-06), each flip a stretch of the slower side.
+            gain = spec / plain - 1
+            beyond_noise = abs(gain) > NOISE_Z * math.hypot(_median_error(plain_rates), _median_error(drafted_rates))
+            verdict = (gain > ON_MARGIN and beyond_noise) if not current else not (gain < 0 and beyond_noise)
+        if verdict == current:
+            self._fresh[b] = 0  # judged again only on FRESH new steps: each test is a chance of a false flip
+        else:
             log.info("speculation %s for steps of %d+ decoding sequences: %.0f tok/s drafting vs %.0f "
                      "without (%+.0f%%, medians of the last %d steps each)", "on" if verdict else "off",
                      BUCKETS[b], spec, plain, 100 * (spec / plain - 1), SAMPLES)
