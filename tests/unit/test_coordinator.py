@@ -262,6 +262,20 @@ def test_a_cpu_set_that_costs_throughput_is_reverted_and_one_that_helps_is_kept(
     assert restored.strategy_for(WORKER, [0, 1]).knobs.cpus == ()
 
 
+def test_a_cpu_set_whose_gain_is_within_the_noise_is_reverted():
+    """Moving off a CPU must prove itself: +10% on windows that vary ±40% is no proof."""
+    busy = dict(cpu_others_each=[0.02, 0.8], cpu_others=0.4)
+    coordinator = Coordinator(DEFAULTS)
+    for i in range(CONFIRM + MEASURE + 1):  # noisy windows before the move
+        feed(coordinator, 1, start=5 * i, **{**busy, "output_tokens": 1500 + (900 if i % 2 else -900)})
+    assert coordinator.history and coordinator.history[0].policy == "busy CPUs"
+    for i in range(MEASURE + 2):  # after it: 10% more on average, as noisy
+        feed(coordinator, 1, start=500 + 5 * i, **{**busy, "output_tokens": 1750 + (900 if i % 2 else -900)})
+    move = coordinator.history[0]
+    assert move.outcome == "reverted" and move.effect["change"] > 0 and move.effect["noise"] > 0.1
+    assert coordinator.slots[slot_of(WORKER, [0, 1])].knobs.cpus == ()
+
+
 def test_adaptive_off_never_moves_a_worker():
     coordinator = Coordinator(DEFAULTS, adaptive=False)
     assert feed(coordinator, 20, cpu_others_each=[0.02, 0.9], numa_nodes=2) == []
