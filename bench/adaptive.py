@@ -41,6 +41,7 @@ import json
 import os
 import random
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -454,8 +455,10 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="reame-adaptive-") as tmp:
         for repeat in range(args.repeats):
             for mode in (modes if repeat % 2 == 0 else modes[::-1]):
-                run = run_mode(model, args.threads, mode, scenario, args.minute, args.clients,
-                               Path(tmp) / f"{mode}-{repeat}")
+                directory = Path(tmp) / f"{mode}-{repeat}"
+                run = run_mode(model, args.threads, mode, scenario, args.minute, args.clients, directory)
+                for log_file in directory.glob("*.log"):  # beside the JSON: what the tuner said, and why
+                    shutil.copy(log_file, out.with_name(f"{out.stem}-{mode}-{repeat}-{log_file.name}"))
                 name = mode if args.repeats == 1 else f"{mode} #{repeat + 1}"
                 rows = buckets(run, scenario.minutes * args.minute, bucket)
                 series[name] = rows
