@@ -195,7 +195,7 @@ def test_the_step_matmul_runs_the_function_its_table_entry_names(variant, rows):
     scratch = (batch_scratch(width // TILE, rows, COLS), batch_scratch_i8(width // TILE, rows, COLS))
     mats = np.array([0])
     got = np.zeros((rows, width), np.float32)
-    tab = (table.data, table.scales, table.scales16, table.meta)
+    tab = table.arrays
     other = "float32" if KERNELS[("matmul", variant)].numerics == "int8" else "int8"
     ops = OpTable.of(matmul=other).with_variant("matmul", bucket_of(rows), variant)
     matmul((tab, ops.codes, scratch), mats, xs, got)
@@ -285,7 +285,7 @@ def test_the_step_embedding_runs_the_row_variant_of_its_table(layout):
     from gguf import GGMLQuantizationType as QT
     from worker.engine.models.decode_parts import embed_rows
     table = packed_table([(random_tensor(QT.Q6_K, ROWS, COLS, 9), QT.Q6_K)], layout)
-    tab = (table.data, table.scales, table.scales16, table.meta)
+    tab = table.arrays
     tokens = np.array([3, 0, 99, 3])
     for variant in variants_of("row").values():
         ops = OpTable.of(row=variant.variant)

@@ -7,9 +7,9 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 
 from tests.kernels.quant_cases import batch_inputs, packed_table, random_tensor
-from worker.engine.kernels.matmul_i8 import (ROW_BLOCK, _quantize_rows, batch_scratch_i8, linear_batch_i8,
-                                             linear_batch_i8_blocked, linear_batch_i8_serial, quantize_reference,
-                                             scratch_size_i8)
+from worker.engine.kernels.matmul_i8 import (ROW_BLOCK, QuantizedRows, _quantize_rows, batch_scratch_i8,
+                                             linear_batch_i8, linear_batch_i8_blocked, linear_batch_i8_serial,
+                                             quantize_reference, scratch_size_i8)
 from worker.engine.kernels.packing import LAYOUT_QUADS, LAYOUT_ROWS, M_NARROW, TILE
 from worker.engine.kernels.registry import ALL_QUANT_TYPES
 from worker.engine.quants import dequantize
@@ -40,7 +40,7 @@ def test_in_kernel_quantization_equals_the_numpy_reference():
     xq, xs = np.zeros((b, k), np.int8), np.zeros((b, k // 32), np.float32)
     f16, f32 = np.zeros((b, k // 16), np.float32), np.zeros((b, k // 32), np.float32)
     c16, c32 = np.zeros((b, k // 16), np.int32), np.zeros((b, k // 32), np.int32)
-    _quantize_rows(x, xq, xs, f16, f32, c16, c32)
+    _quantize_rows(x, QuantizedRows(xq, xs, f16, f32, c16, c32))
     q, d = quantize_reference(x)
     assert np.array_equal(xq, q) and np.array_equal(xs, d)
     assert np.abs(q).max() == 127

@@ -2,13 +2,18 @@
 matmul_i8's int8 `_i8_step`): the switch on the row count, the prefetch of the codes ahead, array
 addressing, and the multiply by a factored matrix's units (packing: step × unit).
 
-A subclass names its arguments' positions (DATA, SCALES16), sets the fields read here (b, context,
-tys, arrays; fmt, group; d_off, m_off, u_off, half, rows) and gives `_rows(n)` and
-`_halves_of(offset, v)`, its way of loading vector v of TILE float16 parameters.
+Both steps take their operands in bundles: the table's arrays (packing.TableArrays), where the
+group is (GroupAt), the activations, `out`, and the rows. A subclass sets the fields read here (b,
+context; fmt, group; the arrays through `_take_arrays`, GroupAt's fields through `_take_group`;
+rows) and gives `_rows(n)` and `_halves_of(offset, v)`, its way of loading vector v of TILE
+float16 parameters.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from llvmlite import ir
+from numba import types
 from numba.core import cgutils
 
 from worker.engine.kernels.packing import FMT_Q4, TILE
@@ -20,8 +25,19 @@ _F32S = ir.VectorType(ir.FloatType(), VEC)
 _HALVES = ir.VectorType(ir.HalfType(), VEC)
 
 
+class GroupAt(NamedTuple):
+    """Where one group of one tile is, for a group step (each an int64)."""
+    d_off: int  # byte offset of the group's codes in data
+    s_off: int  # offset of its TILE scales in scales16 (half != 0) or scales
+    m_off: int  # offset of its TILE biases, likewise; < 0 for none
+    u_off: int  # offset of its units in scales16 when its matrix is factored (packing.unit_offset), else < 0
+    half: int  # != 0: its parameters are float16 (scales16)
+    k0: int  # its first input: the column of x (or the quantized activations) it starts at
+    g: int  # its index in the row: the column of the group sums
+    col0: int  # the tile's first output column in out
+
+
 class GroupStepEmitter:
-    DATA = SCALES16 = -1  # argument positions, set by each subclass
     step_rows: tuple[int, ...] = ()  # the row counts compiled, one straight-line case each
     name = "step"  # basic-block names in the IR
 
@@ -57,7 +73,7 @@ class GroupStepEmitter:
             "llvm.prefetch.p0i8")
         start = b.add(self.d_off, self._c(PREFETCH_GROUPS * group_bytes))
         for line in range(0, group_bytes, 64):
-            at = b.bitcast(self._ptr(self.DATA, b.add(start, self._c(line))), ir.IntType(8).as_pointer())
+            at = b.bitcast(self._ptr("data", b.add(start, self._c(line))), ir.IntType(8).as_pointer())
             b.call(fn, [at, ir.Constant(ir.IntType(32), 0), ir.Constant(ir.IntType(32), 3),
                         ir.Constant(ir.IntType(32), 1)])
 
@@ -75,11 +91,29 @@ class GroupStepEmitter:
         phi.add_incoming(scaled, scaled_block)
         return phi
 
+    def _take_arrays(self, ty, value, names):
+        """Make the named members of a (named) tuple argument of arrays addressable by name
+        (self.arrays, which the subclass starts empty); a bare array argument (ty an Array) under
+        names[0]."""
+        if isinstance(ty, types.Array):
+            members = {names[0]: (ty, value)}
+        else:
+            members = dict(zip(ty.fields, zip(ty.types, cgutils.unpack_tuple(self.b, value))))
+        for name in names:
+            t, v = members[name]
+            self.arrays[name] = (t, self.context.make_array(t)(self.context, self.b, v))
+
+    def _take_group(self, ty, value):
+        """GroupAt's fields as int64 attributes (d_off, s_off, ...)."""
+        for name, t, v in zip(ty.fields, ty.types, cgutils.unpack_tuple(self.b, value)):
+            setattr(self, name, self.context.cast(self.b, v, t, types.int64))
+
     def _c(self, n):
         return ir.Constant(_I64, n)
 
-    def _ptr(self, arg, *indices):
-        return cgutils.get_item_pointer(self.context, self.b, self.tys[arg], self.arrays[arg], list(indices))
+    def _ptr(self, name, *indices):
+        ty, ary = self.arrays[name]
+        return cgutils.get_item_pointer(self.context, self.b, ty, ary, list(indices))
 
-    def _vptr(self, arg, vtype, *indices):
-        return self.b.bitcast(self._ptr(arg, *indices), vtype.as_pointer())
+    def _vptr(self, name, vtype, *indices):
+        return self.b.bitcast(self._ptr(name, *indices), vtype.as_pointer())

@@ -44,10 +44,10 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from worker.engine.kernels.group_step_ir import GroupStepEmitter
+from worker.engine.kernels.group_step_ir import GroupAt, GroupStepEmitter
 from worker.engine.kernels.group_step_ir import VEC as _VEC
 from worker.engine.kernels.packing import (FMT_F32, FMT_Q4, FMT_Q8, LAYOUT_ROWS, M_BIAS, M_DATA, M_FMT, M_GROUP,
-                                           M_HALF, M_K, M_LAYOUT, M_SCALE, M_TILES, TILE, unit_offset)
+                                           M_HALF, M_K, M_LAYOUT, M_SCALE, M_TILES, TILE, TableArrays, unit_offset)
 
 _JIT = dict(fastmath=True, cache=True, nogil=True)
 
@@ -84,20 +84,17 @@ def _chain_pattern(fmt: int) -> tuple[tuple[int, int, int], ...]:
 
 
 @intrinsic(prefer_literal=True)
-def _group_step(typingctx, data, d_off, x, b0, k0, sums, g, scales, scales16, s_off, m_off, u_off, half, out,
-                col0, rows, fmt, group):
+def _group_step(typingctx, tab, at, x, sums, out, b0, rows, fmt, group):
     """out[b0 + r, col0:col0 + TILE] += one group's contribution, for r < rows (runtime, one of
     _STEP_ROWS), exactly as matvec adds it.
 
-    d_off: byte offset of the group's codes in data; x[b, k0 + e]: the group's inputs;
-    sums[b, g]: Σ x over the group; s_off / m_off: offsets of the group's TILE scales / biases in
-    scales16 (half != 0) or scales, m_off < 0 for none; u_off: their units' offset in scales16
-    when the parameters are factored (packing.unit_offset), else < 0. fmt and group must be literals.
+    tab: packing.TableArrays (its codes and parameters); at: group_step_ir.GroupAt, where the
+    group is (its inputs are x[b, k0 + e], its output columns col0 + t); sums[b, g]: Σ x over the
+    group. fmt and group must be literals.
     """
     if not (isinstance(fmt, types.IntegerLiteral) and isinstance(group, types.IntegerLiteral)):
         return None
-    sig = types.void(data, d_off, x, b0, k0, sums, g, scales, scales16, s_off, m_off, u_off, half, out, col0,
-                     rows, fmt, group)
+    sig = types.void(tab, at, x, sums, out, b0, rows, fmt, group)
 
     def codegen(context, builder, signature, args):
         _StepEmitter(context, builder, signature, args, fmt.literal_value, group.literal_value).emit()
@@ -106,14 +103,10 @@ def _group_step(typingctx, data, d_off, x, b0, k0, sums, g, scales, scales16, s_
     return sig, codegen
 
 
-# Positions of _group_step's array arguments.
-_DATA, _X, _SUMS, _SCALES, _SCALES16, _OUT = 0, 2, 5, 7, 8, 13
-
 
 class _StepEmitter(GroupStepEmitter):
     """The IR of one `_group_step` call: a switch on the row count, one straight FMA chain each."""
 
-    DATA, SCALES16 = _DATA, _SCALES16
     step_rows = _STEP_ROWS
     name = "step"
     _V = ir.VectorType(ir.FloatType(), _VEC)
@@ -123,12 +116,14 @@ class _StepEmitter(GroupStepEmitter):
 
     def __init__(self, context, builder, signature, args, fmt, group):
         self.context, self.b = context, builder
-        self.tys = signature.args
         self.fmt, self.group = fmt, group
-        self.arrays = {i: context.make_array(self.tys[i])(context, builder, args[i])
-                       for i in (_DATA, _X, _SUMS, _SCALES, _SCALES16, _OUT)}
-        (self.d_off, self.b0, self.k0, self.g, self.s_off, self.m_off, self.u_off, self.half, self.col0,
-         self.rows) = (args[i] for i in (1, 3, 4, 6, 9, 10, 11, 12, 14, 15))
+        tys = signature.args
+        self.arrays = {}
+        self._take_arrays(tys[0], args[0], ("data", "scales", "scales16"))
+        for i, name in ((2, "x"), (3, "sums"), (4, "out")):
+            self._take_arrays(tys[i], args[i], (name,))
+        self._take_group(tys[1], args[1])
+        self.b0, self.rows = args[5], args[6]
         self.fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(self._V, [self._V] * 3),
                                                   "llvm.fma.v16f32")
 
@@ -143,7 +138,7 @@ class _StepEmitter(GroupStepEmitter):
         """Vector v (16 outputs) of code row `row` of the group, as float32 codes."""
         b = self.b
         at = b.add(self.d_off, b.add(b.mul(row, self._c(TILE)), b.mul(v, self._c(_VEC))))
-        raw = b.load(self._vptr(_DATA, self._V8, at), align=1)
+        raw = b.load(self._vptr("data", self._V8, at), align=1)
         if self.fmt != FMT_Q4:
             return b.sitofp(raw, self._V)
         nibble = b.lshr(raw, ir.Constant(self._V8, 4)) if high else b.and_(raw, ir.Constant(self._V8, 15))
@@ -151,7 +146,7 @@ class _StepEmitter(GroupStepEmitter):
 
     def _halves_of(self, offset, v):
         at = self.b.add(offset, self.b.mul(v, self._c(_VEC)))
-        return self.b.bitcast(self.b.load(self._vptr(_SCALES16, self._V16, at), align=2), self._VH)
+        return self.b.bitcast(self.b.load(self._vptr("scales16", self._V16, at), align=2), self._VH)
 
     def _param(self, offset, v):
         """Vector v of the TILE group parameters at offset, from scales16 or scales."""
@@ -162,7 +157,7 @@ class _StepEmitter(GroupStepEmitter):
                 half_block = b.block
             with otherwise:
                 at = b.add(offset, b.mul(v, self._c(_VEC)))
-                from_f32 = b.load(self._vptr(_SCALES, self._V, at), align=4)
+                from_f32 = b.load(self._vptr("scales", self._V, at), align=4)
                 f32_block = b.block
         phi = b.phi(self._V)
         phi.add_incoming(from_half, half_block)
@@ -185,7 +180,7 @@ class _StepEmitter(GroupStepEmitter):
                 for mul, add, offset in _chain_pattern(self.fmt):
                     row = b.add(b.mul(pass_.index, c(mul)), c(add))
                     k = b.add(self.k0, b.add(row, c(offset)))
-                    xk = [self._splat(b.load(self._ptr(_X, b.add(self.b0, c(r)), k))) for r in range(n)]
+                    xk = [self._splat(b.load(self._ptr("x", b.add(self.b0, c(r)), k))) for r in range(n)]
                     for vi, v in enumerate(vs):
                         w = self._weights(row, v, offset == 16)
                         for r in range(n):
@@ -200,13 +195,13 @@ class _StepEmitter(GroupStepEmitter):
         col = b.add(self.col0, b.mul(v, c(_VEC)))
         partial = []
         for r, gacc in enumerate(gaccs):
-            at = self._vptr(_OUT, self._V, b.add(self.b0, c(r)), col)
+            at = self._vptr("out", self._V, b.add(self.b0, c(r)), col)
             partial.append((at, b.call(self.fma, [s, gacc, b.load(at, align=4)])))
         with b.if_else(self.has_bias) as (then, otherwise):
             with then:
                 m = self._times_unit(self._param(self.m_off, v), v, TILE)
                 for r, (at, o) in enumerate(partial):
-                    xs = self._splat(b.load(self._ptr(_SUMS, b.add(self.b0, c(r)), self.g)))
+                    xs = self._splat(b.load(self._ptr("sums", b.add(self.b0, c(r)), self.g)))
                     b.store(b.call(self.fma, [m, xs, o]), at, align=4)
             with otherwise:
                 for at, o in partial:
@@ -236,8 +231,8 @@ def _group_sums_32(x, sums):
 
 
 @njit(**_JIT)
-def _tile_quant(data, scales, scales16, meta, tile, x, sums, out, col0):
-    """out[:, col0:col0 + TILE] = tile `tile` of a q4/q8 matrix times every row of x."""
+def _tile_quant(tab, meta, tile, x, sums, out, col0):
+    """out[:, col0:col0 + TILE] = tile `tile` of a q4/q8 matrix (metadata row meta) times every row of x."""
     k = meta[M_K]
     group = meta[M_GROUP]
     groups = k // group
@@ -251,24 +246,20 @@ def _tile_quant(data, scales, scales16, meta, tile, x, sums, out, col0):
             o[t] = 0.0
     for g in range(groups):
         d_off = base + g * group_bytes
-        at = (tile * groups + g) * TILE
-        s_off = meta[M_SCALE] + at
-        m_off = meta[M_BIAS] + at if meta[M_BIAS] >= 0 else -1
-        u_off = unit_offset(meta, tile, g)
+        p = (tile * groups + g) * TILE
+        m_off = meta[M_BIAS] + p if meta[M_BIAS] >= 0 else -1
+        at = GroupAt(d_off, meta[M_SCALE] + p, m_off, unit_offset(meta, tile, g), meta[M_HALF], g * group, g, col0)
         b0 = 0
         while b0 < batch:  # blocks of BLOCK rows; 5-7 left go as 4 + the rest
             rows = min(BLOCK, batch - b0)
             if 4 < rows < BLOCK:
                 rows = 4
             if q4:
-                _group_step(data, d_off, x, b0, g * 32, sums, g, scales, scales16, s_off, m_off, u_off, meta[M_HALF],
-                            out, col0, rows, FMT_Q4, 32)
+                _group_step(tab, at, x, sums, out, b0, rows, FMT_Q4, 32)
             elif group == 32:
-                _group_step(data, d_off, x, b0, g * 32, sums, g, scales, scales16, s_off, m_off, u_off, meta[M_HALF],
-                            out, col0, rows, FMT_Q8, 32)
+                _group_step(tab, at, x, sums, out, b0, rows, FMT_Q8, 32)
             else:
-                _group_step(data, d_off, x, b0, g * 16, sums, g, scales, scales16, s_off, m_off, u_off, meta[M_HALF],
-                            out, col0, rows, FMT_Q8, 16)
+                _group_step(tab, at, x, sums, out, b0, rows, FMT_Q8, 16)
             b0 += rows
 
 
@@ -350,14 +341,14 @@ def locate_tile(first_tile, tg):
 
 
 @njit(**_JIT)
-def _one_tile(data, scales, scales16, meta, mats, first_tile, tg, x, sums, out):
+def _one_tile(tab, mats, first_tile, tg, x, sums, out):
     """Tile tg of the listed matrices (counted across them) times every row of x."""
     i, tile = locate_tile(first_tile, tg)
-    m = meta[mats[i]]
+    m = tab.meta[mats[i]]
     if m[M_FMT] == FMT_F32:
-        _tile_f32(data, m, tile, x, out, tg * TILE)
+        _tile_f32(tab.data, m, tile, x, out, tg * TILE)
     else:
-        _tile_quant(data, scales, scales16, m, tile, x, sums[_sum_slot(m)], out, tg * TILE)
+        _tile_quant(tab, m, tile, x, sums[_sum_slot(m)], out, tg * TILE)
 
 
 @njit(parallel=True, **_JIT)
@@ -371,8 +362,9 @@ def linear_batch(data, scales, scales16, meta, mats, x, out, scratch):
     and never depends on the other rows.
     """
     first_tile, sums = _prepare(meta, mats, x, out, scratch)
+    tab = TableArrays(data, scales, scales16, meta)
     for tg in prange(first_tile[mats.shape[0]]):
-        _one_tile(data, scales, scales16, meta, mats, first_tile, tg, x, sums, out)
+        _one_tile(tab, mats, first_tile, tg, x, sums, out)
 
 
 @njit(**_JIT)
@@ -383,5 +375,6 @@ def linear_batch_serial(data, scales, scales16, meta, mats, x, out, scratch):
     neighbour holds one of the cores, or a step's matmuls are small (one decode row), one
     thread without the fork/join can beat two."""
     first_tile, sums = _prepare(meta, mats, x, out, scratch)
+    tab = TableArrays(data, scales, scales16, meta)
     for tg in range(first_tile[mats.shape[0]]):
-        _one_tile(data, scales, scales16, meta, mats, first_tile, tg, x, sums, out)
+        _one_tile(tab, mats, first_tile, tg, x, sums, out)

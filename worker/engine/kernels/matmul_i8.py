@@ -55,6 +55,7 @@ batch_scratch_i8); it receives the quantized activations, block scales and group
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import numpy as np
 from llvmlite import ir
@@ -63,11 +64,11 @@ from numba.core import cgutils, config
 from numba.extending import intrinsic
 
 from worker.engine.kernels.group_step_ir import VEC as _VEC
-from worker.engine.kernels.group_step_ir import GroupStepEmitter
+from worker.engine.kernels.group_step_ir import GroupAt, GroupStepEmitter
 from worker.engine.kernels.matmul_batch import _tile_f32, locate_tile
 from worker.engine.kernels.packing import (FMT_F32, FMT_Q4, FMT_Q8, LAYOUT_QUADS, M_BIAS, M_DATA, M_FMT, M_GROUP,
-                                           M_HALF, M_K, M_LAYOUT, M_NARROW, M_SCALE, M_TILES, TILE, quad_lanes,
-                                           unit_offset)
+                                           M_HALF, M_K, M_LAYOUT, M_NARROW, M_SCALE, M_TILES, TILE, TableArrays,
+                                           quad_lanes, unit_offset)
 
 
 def _instruction_set() -> str:
@@ -187,8 +188,19 @@ def _block_amax(x, amax):
             amax[b, blk] = m
 
 
+class QuantizedRows(NamedTuple):
+    """A call's activations as the int8 steps read them (views of its scratch, one row per row of x)."""
+    xq: np.ndarray  # int8 (B, K): codes, rint(x / d)
+    xs: np.ndarray  # float32 (B, K / 32): d = max|x| / 127 of each 32-input block
+    fsum16: np.ndarray  # float32 (B, K / 16): d · Σ q over each 16-input group
+    fsum32: np.ndarray  # float32 (B, K / 32): the same over each 32-input group
+    corr16: np.ndarray  # int32 (B, K / 16): -128 Σ q over each 16-input group (q8 codes are read as c + 128)
+    corr32: np.ndarray  # int32 (B, K / 32): the same over each 32-input group
+
+
 @njit(**_JIT)
-def _quantize_rows(x, xq, xs, fsum16, fsum32, corr16, corr32):
+def _quantize_rows(x, acts):
+    xq, xs, fsum16, fsum32, corr16, corr32 = acts
     batch, k = x.shape
     _block_amax(x, xs)
     for b in range(batch):
@@ -216,21 +228,19 @@ def _quantize_rows(x, xq, xs, fsum16, fsum32, corr16, corr32):
 # ---- the micro-kernel -------------------------------------------------------------------------
 
 @intrinsic(prefer_literal=True)
-def _i8_step(typingctx, data, d_off, xq, xs, fsum, corr, b0, k0, blk, g, scales, scales16, s_off, m_off,
-             u_off, half, out, col0, rows, fmt, group, narrow):
+def _i8_step(typingctx, tab, acts, at, out, b0, rows, fmt, group, narrow):
     """out[b0 + r, col0:col0 + TILE] (permuted order) += one group's contribution, r < rows.
 
-    d_off: byte offset of the group's codes in data; xq[b, k0 + e]: the group's int8 activations,
-    xs[b, blk] their scale; fsum[b, g] = Σ of the dequantized activations over the group, corr[b, g]
-    = -128 Σ q (used by q8); s_off / m_off: offsets of the group's TILE scales / biases in scales16
-    (half != 0) or scales, m_off < 0 for none; u_off: their units' offset in scales16 when the
-    parameters are factored (packing.unit_offset), else < 0. fmt, group and narrow (1: a q8 matrix whose group
-    sums fit int16, packing.narrow_codes) must be literals.
+    tab: packing.TableArrays (the group's codes and parameters); acts: QuantizedRows, of which the
+    step reads xq[b, k0 + e], the group's int8 activations, xs[b, k0 // 32] their scale, and of
+    the sums for its group size (fsum16/corr16 or fsum32/corr32) fsum[b, g] = Σ of the dequantized
+    activations over the group and corr[b, g] = -128 Σ q (used by q8); at: group_step_ir.GroupAt,
+    where the group is. fmt, group and narrow (1: a q8 matrix whose group sums fit int16,
+    packing.narrow_codes) must be literals.
     """
     if not all(isinstance(a, types.IntegerLiteral) for a in (fmt, group, narrow)):
         return None
-    sig = types.void(data, d_off, xq, xs, fsum, corr, b0, k0, blk, g, scales, scales16, s_off, m_off, u_off,
-                     half, out, col0, rows, fmt, group, narrow)
+    sig = types.void(tab, acts, at, out, b0, rows, fmt, group, narrow)
 
     def codegen(context, builder, signature, args):
         _I8Emitter(context, builder, signature, args, fmt.literal_value, group.literal_value,
@@ -239,8 +249,6 @@ def _i8_step(typingctx, data, d_off, xq, xs, fsum, corr, b0, k0, blk, g, scales,
 
     return sig, codegen
 
-
-_DATA, _XQ, _XS, _FSUM, _CORR, _SCALES, _SCALES16, _OUT = 0, 2, 3, 4, 5, 10, 11, 16
 
 _I8, _I16, _I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
 _VB = ir.VectorType(_I8, 64)
@@ -253,18 +261,21 @@ _YB, _YW, _YD = ir.VectorType(_I8, 32), ir.VectorType(_I16, 16), ir.VectorType(_
 class _I8Emitter(GroupStepEmitter):
     """IR of one `_i8_step` call: a switch on the row count, straight-line code per case."""
 
-    DATA, SCALES16 = _DATA, _SCALES16
     step_rows = _STEP_ROWS
     name = "i8"
 
     def __init__(self, context, builder, signature, args, fmt, group, narrow):
         self.context, self.b = context, builder
-        self.tys = signature.args
         self.fmt, self.group, self.narrow = fmt, group, narrow
-        self.arrays = {i: context.make_array(self.tys[i])(context, builder, args[i])
-                       for i in (_DATA, _XQ, _XS, _FSUM, _CORR, _SCALES, _SCALES16, _OUT)}
-        (self.d_off, self.b0, self.k0, self.blk, self.g, self.s_off, self.m_off, self.u_off, self.half,
-         self.col0, self.rows) = (args[i] for i in (1, 6, 7, 8, 9, 12, 13, 14, 15, 17, 18))
+        tys = signature.args
+        self.arrays = {}
+        self._take_arrays(tys[0], args[0], ("data", "scales", "scales16"))
+        self._take_arrays(tys[1], args[1], ("xq", "xs", f"fsum{group}", f"corr{group}"))
+        self.arrays["fsum"], self.arrays["corr"] = self.arrays[f"fsum{group}"], self.arrays[f"corr{group}"]
+        self._take_arrays(tys[3], args[3], ("out",))
+        self._take_group(tys[2], args[2])
+        self.blk = builder.lshr(self.k0, self._c(5))  # the activations' 32-input block
+        self.b0, self.rows = args[4], args[5]
         self.fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VF, [_VF] * 3),
                                                   "llvm.fma.v16f32")
         if NATIVE_VNNI:
@@ -303,19 +314,19 @@ class _I8Emitter(GroupStepEmitter):
         """Vectors v in vs (as <64 x i8>) of quad p of the group: LAYOUT_QUADS stores them ready,
         lane j = the quad's 4 bytes of output quad_lanes()[v, j] (packing.quad_lanes)."""
         b = self.b
-        return {v: b.load(self._vptr(_DATA, _VB, b.add(self.d_off, self._c((4 * p + v) * TILE))), align=1)
+        return {v: b.load(self._vptr("data", _VB, b.add(self.d_off, self._c((4 * p + v) * TILE))), align=1)
                 for v in vs}
 
     def _act(self, r, k):
         """Dword of xq[b0 + r, k:k + 4] broadcast to 16 lanes."""
         b = self.b
-        word = b.load(self._vptr(_XQ, _I32, b.add(self.b0, self._c(r)), k), align=1)
+        word = b.load(self._vptr("xq", _I32, b.add(self.b0, self._c(r)), k), align=1)
         return self._splat(word, _VD)
 
     def _halves_of(self, offset, v):
         """The float16 parameters of the outputs of interleaved vector v (permuted order)."""
         b = self.b
-        pieces = [b.load(self._vptr(_SCALES16, ir.VectorType(_I16, 4), b.add(offset, self._c(16 * lane + 4 * v))),
+        pieces = [b.load(self._vptr("scales16", ir.VectorType(_I16, 4), b.add(offset, self._c(16 * lane + 4 * v))),
                          align=2) for lane in range(4)]
         return b.bitcast(self._concat4(pieces), ir.VectorType(ir.HalfType(), _VEC))
 
@@ -330,7 +341,7 @@ class _I8Emitter(GroupStepEmitter):
             with otherwise:
                 for lane in range(4):
                     at = b.add(offset, self._c(16 * lane + 4 * v))
-                    pieces_f.append(b.load(self._vptr(_SCALES, ir.VectorType(ir.FloatType(), 4), at), align=4))
+                    pieces_f.append(b.load(self._vptr("scales", ir.VectorType(ir.FloatType(), 4), at), align=4))
                 from_f32 = self._concat4(pieces_f)
                 f32_block = b.block
         phi = b.phi(_VF)
@@ -431,7 +442,7 @@ class _I8Emitter(GroupStepEmitter):
         at_once = _vectors_at_once(n)
         rows_b = [b.add(self.b0, c(r)) for r in range(n)]
         if self.fmt == FMT_Q8:
-            init = [self._splat(b.load(self._ptr(_CORR, rb, self.g)), _VD) for rb in rows_b]
+            init = [self._splat(b.load(self._ptr("corr", rb, self.g)), _VD) for rb in rows_b]
         else:
             init = [ir.Constant(_VD, None)] * n
         flip = ir.Constant(_VB, 0x80)
@@ -462,19 +473,19 @@ class _I8Emitter(GroupStepEmitter):
     def _finish(self, vs, rows_b, acc):
         """out[b, slot v] = fma(m, Σx, fma(float(acc), s·d_b, out)) (the fma(m, ...) only with a bias)."""
         b, c = self.b, self._c
-        d = [self._splat(b.load(self._ptr(_XS, rb, self.blk)), _VF) for rb in rows_b]
+        d = [self._splat(b.load(self._ptr("xs", rb, self.blk)), _VF) for rb in rows_b]
         partial = []
         for v in vs:
             s = self._times_unit(self._param(self.s_off, v), v, 0)
             col = b.add(self.col0, c(_VEC * v))
             for r, rb in enumerate(rows_b):
-                at = self._vptr(_OUT, _VF, rb, col)
+                at = self._vptr("out", _VF, rb, col)
                 f = b.sitofp(acc[r, v], _VF)
                 partial.append((at, r, v, b.call(self.fma, [f, b.fmul(s, d[r]), b.load(at, align=4)])))
         with b.if_else(self.has_bias) as (then, otherwise):
             with then:
                 ms = {v: self._times_unit(self._param(self.m_off, v), v, TILE) for v in vs}
-                sums = [self._splat(b.load(self._ptr(_FSUM, rb, self.g)), _VF) for rb in rows_b]
+                sums = [self._splat(b.load(self._ptr("fsum", rb, self.g)), _VF) for rb in rows_b]
                 for at, r, v, o in partial:
                     b.store(b.call(self.fma, [ms[v], sums[r], o]), at, align=4)
             with otherwise:
@@ -505,8 +516,9 @@ def _unpermute(typingctx, out, row, col0):
 
 
 @njit(**_JIT)
-def _tile_i8(data, scales, scales16, meta, tile, xq, xs, fsum16, fsum32, corr16, corr32, out, col0, r0, r1):
-    """out[r0:r1, col0:col0 + TILE] = tile `tile` of a q4/q8 matrix times rows r0..r1 of x (quantized)."""
+def _tile_i8(tab, meta, tile, acts, out, col0, r0, r1):
+    """out[r0:r1, col0:col0 + TILE] = tile `tile` of a q4/q8 matrix (metadata row meta) times rows r0..r1 of
+    x, quantized in acts."""
     k = meta[M_K]
     group = meta[M_GROUP]
     groups = k // group
@@ -520,28 +532,22 @@ def _tile_i8(data, scales, scales16, meta, tile, xq, xs, fsum16, fsum32, corr16,
             o[t] = 0.0
     for g in range(groups):
         d_off = base + g * group_bytes
-        at = (tile * groups + g) * TILE
-        s_off = meta[M_SCALE] + at
-        m_off = meta[M_BIAS] + at if meta[M_BIAS] >= 0 else -1
-        u_off = unit_offset(meta, tile, g)
+        p = (tile * groups + g) * TILE
+        m_off = meta[M_BIAS] + p if meta[M_BIAS] >= 0 else -1
+        at = GroupAt(d_off, meta[M_SCALE] + p, m_off, unit_offset(meta, tile, g), meta[M_HALF], g * group, g, col0)
         b0 = r0
         while b0 < r1:  # blocks of BLOCK rows
             rows = min(BLOCK, r1 - b0)
             if q4:
-                _i8_step(data, d_off, xq, xs, fsum32, corr32, b0, g * 32, g, g, scales, scales16, s_off, m_off, u_off,
-                         meta[M_HALF], out, col0, rows, FMT_Q4, 32, 0)
+                _i8_step(tab, acts, at, out, b0, rows, FMT_Q4, 32, 0)
             elif group == 32 and narrow:
-                _i8_step(data, d_off, xq, xs, fsum32, corr32, b0, g * 32, g, g, scales, scales16, s_off, m_off, u_off,
-                         meta[M_HALF], out, col0, rows, FMT_Q8, 32, 1)
+                _i8_step(tab, acts, at, out, b0, rows, FMT_Q8, 32, 1)
             elif group == 32:
-                _i8_step(data, d_off, xq, xs, fsum32, corr32, b0, g * 32, g, g, scales, scales16, s_off, m_off, u_off,
-                         meta[M_HALF], out, col0, rows, FMT_Q8, 32, 0)
+                _i8_step(tab, acts, at, out, b0, rows, FMT_Q8, 32, 0)
             elif narrow:
-                _i8_step(data, d_off, xq, xs, fsum16, corr16, b0, g * 16, g // 2, g, scales, scales16, s_off,
-                         m_off, u_off, meta[M_HALF], out, col0, rows, FMT_Q8, 16, 1)
+                _i8_step(tab, acts, at, out, b0, rows, FMT_Q8, 16, 1)
             else:
-                _i8_step(data, d_off, xq, xs, fsum16, corr16, b0, g * 16, g // 2, g, scales, scales16, s_off,
-                         m_off, u_off, meta[M_HALF], out, col0, rows, FMT_Q8, 16, 0)
+                _i8_step(tab, acts, at, out, b0, rows, FMT_Q8, 16, 0)
             b0 += rows
     for b in range(r0, r1):
         _unpermute(out, b, col0)
@@ -550,7 +556,8 @@ def _tile_i8(data, scales, scales16, meta, tile, xq, xs, fsum16, fsum32, corr16,
 @njit(**_JIT)
 def _prepare_i8(meta, mats, x, out, scratch):
     """Check the shapes of a linear_batch_i8 call and quantize x into scratch: (tile offsets of
-    the listed matrices (n_mats + 1,), xq, xs, fsum16, fsum32, corr16, corr32)."""
+    the listed matrices (n_mats + 1,), then QuantizedRows' arrays, in its order). Not the named tuple
+    itself: a parallel loop can take one only from a call of its class in the same function."""
     n_mats = mats.shape[0]
     batch, k = x.shape
     first_tile = np.zeros(n_mats + 1, np.int64)
@@ -584,20 +591,19 @@ def _prepare_i8(meta, mats, x, out, scratch):
     corr32 = flat[at + 4 * nb:at + 5 * nb].view(np.int32).reshape(batch, blocks)
     corr16 = flat[at + 5 * nb:at + 7 * nb].view(np.int32).reshape(batch, 2 * blocks)
     if quantized:
-        _quantize_rows(x, xq, xs, fsum16, fsum32, corr16, corr32)
+        _quantize_rows(x, QuantizedRows(xq, xs, fsum16, fsum32, corr16, corr32))
     return first_tile, xq, xs, fsum16, fsum32, corr16, corr32
 
 
 @njit(**_JIT)
-def _one_tile_i8(data, scales, scales16, meta, mats, first_tile, tg, x, xq, xs, fsum16, fsum32, corr16, corr32,
-                 out, r0, r1):
+def _one_tile_i8(tab, mats, first_tile, tg, x, acts, out, r0, r1):
     """Tile tg of the listed matrices (counted across them) times rows r0..r1 of x."""
     i, tile = locate_tile(first_tile, tg)
-    m = meta[mats[i]]
+    m = tab.meta[mats[i]]
     if m[M_FMT] == FMT_F32:
-        _tile_f32(data, m, tile, x[r0:r1], out[r0:r1], tg * TILE)
+        _tile_f32(tab.data, m, tile, x[r0:r1], out[r0:r1], tg * TILE)
     else:
-        _tile_i8(data, scales, scales16, m, tile, xq, xs, fsum16, fsum32, corr16, corr32, out, tg * TILE, r0, r1)
+        _tile_i8(tab, m, tile, acts, out, tg * TILE, r0, r1)
 
 
 @njit(parallel=True, **_JIT)
@@ -610,9 +616,10 @@ def linear_batch_i8(data, scales, scales16, meta, mats, x, out, scratch):
     matmul_batch's float path (x not quantized). out[b] depends on x[b] only.
     """
     first_tile, xq, xs, fsum16, fsum32, corr16, corr32 = _prepare_i8(meta, mats, x, out, scratch)
+    acts = QuantizedRows(xq, xs, fsum16, fsum32, corr16, corr32)
+    tab = TableArrays(data, scales, scales16, meta)
     for tg in prange(first_tile[mats.shape[0]]):
-        _one_tile_i8(data, scales, scales16, meta, mats, first_tile, tg, x, xq, xs, fsum16, fsum32, corr16, corr32,
-                     out, 0, x.shape[0])
+        _one_tile_i8(tab, mats, first_tile, tg, x, acts, out, 0, x.shape[0])
 
 
 @njit(parallel=True, **_JIT)
@@ -625,13 +632,14 @@ def linear_batch_i8_blocked(data, scales, scales16, meta, mats, x, out, scratch)
     tiles: one of 2 threads gets 5; 9 × 16 blocks of a 512-row chunk split 72/72). Items run tile
     by tile, so a thread's consecutive blocks reuse the tile's weights from L2."""
     first_tile, xq, xs, fsum16, fsum32, corr16, corr32 = _prepare_i8(meta, mats, x, out, scratch)
+    acts = QuantizedRows(xq, xs, fsum16, fsum32, corr16, corr32)
+    tab = TableArrays(data, scales, scales16, meta)
     batch = x.shape[0]
     blocks = (batch + ROW_BLOCK - 1) // ROW_BLOCK
     for item in prange(first_tile[mats.shape[0]] * blocks):
         tg = item // blocks
         r0 = (item % blocks) * ROW_BLOCK
-        _one_tile_i8(data, scales, scales16, meta, mats, first_tile, tg, x, xq, xs, fsum16, fsum32, corr16, corr32,
-                     out, r0, min(r0 + ROW_BLOCK, batch))
+        _one_tile_i8(tab, mats, first_tile, tg, x, acts, out, r0, min(r0 + ROW_BLOCK, batch))
 
 
 @njit(**_JIT)
@@ -639,6 +647,7 @@ def linear_batch_i8_serial(data, scales, scales16, meta, mats, x, out, scratch):
     """linear_batch_i8 with every tile on the calling thread (same contract, same bits): no
     fork/join barrier, which pays for one-row calls and when a neighbour holds a core."""
     first_tile, xq, xs, fsum16, fsum32, corr16, corr32 = _prepare_i8(meta, mats, x, out, scratch)
+    acts = QuantizedRows(xq, xs, fsum16, fsum32, corr16, corr32)
+    tab = TableArrays(data, scales, scales16, meta)
     for tg in range(first_tile[mats.shape[0]]):
-        _one_tile_i8(data, scales, scales16, meta, mats, first_tile, tg, x, xq, xs, fsum16, fsum32, corr16, corr32,
-                     out, 0, x.shape[0])
+        _one_tile_i8(tab, mats, first_tile, tg, x, acts, out, 0, x.shape[0])

@@ -41,6 +41,7 @@ F32 matrices are stored as LAYOUT_ROWS in either table (the int8 kernels run the
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 from gguf import GGMLQuantizationType as QT
@@ -194,6 +195,14 @@ def _as_half_if_exact(scale: np.ndarray, bias: np.ndarray | None):
     return None
 
 
+class TableArrays(NamedTuple):
+    """A MatrixTable's arrays as the kernels take them (one argument instead of four)."""
+    data: np.ndarray  # uint8: every matrix's codes
+    scales: np.ndarray  # float32 group scales and biases of matrices whose parameters are not float16
+    scales16: np.ndarray  # uint16 (float16 bits): float16 group parameters and factored matrices' units
+    meta: np.ndarray  # int64 (n_matrices, META_COLS): each matrix's row of M_* columns
+
+
 class MatrixTable:
     """All packed matrices of a model in three arenas; matrices are addressed by index."""
 
@@ -242,6 +251,10 @@ class MatrixTable:
         self.scales16 = halves.view(np.uint16)
         self.meta = meta
         self._parts = []
+
+    @property
+    def arrays(self) -> TableArrays:
+        return TableArrays(self.data, self.scales, self.scales16, self.meta)
 
     @property
     def nbytes(self) -> int:

@@ -11,7 +11,7 @@ from shared.errors import ModelLoadError
 from worker.engine.batch import RaggedBatch
 from worker.engine.gguf_file import GGUFFile, TensorRef
 from worker.engine.kernels.attention import store_kv
-from worker.engine.kernels.packing import LAYOUT_ROWS, TILE, MatrixTable, pack
+from worker.engine.kernels.packing import LAYOUT_ROWS, TILE, MatrixTable, TableArrays, pack
 from worker.engine.kernels.registry import scratches
 from worker.engine.layers import causal_attention
 from worker.engine.paged_kv import PagedKVCache
@@ -89,10 +89,9 @@ class PackedWeights:
     tensors: list[TensorRef]  # the GGUF tensor behind each table index (for the reference set)
 
     @property
-    def tab(self) -> tuple:
-        """The table's arrays as the kernels take them: (data, scales, scales16, meta)."""
-        t = self.table
-        return (t.data, t.scales, t.scales16, t.meta)
+    def tab(self) -> TableArrays:
+        """The table's arrays as the kernels take them."""
+        return self.table.arrays
 
 
 def vector(g: GGUFFile, name: str) -> np.ndarray:

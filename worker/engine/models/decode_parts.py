@@ -3,8 +3,8 @@
 A step's rows are tokens: one per decoding sequence, or the consecutive tokens of a prompt
 chunk; each row carries its own position and block table, so one code path serves both.
 
-Every matmul takes `mm` = (tab, ops, scratch): the MatrixTable's arrays (data, scales, scales16,
-meta), the op table's codes (registry.OpTable.codes) and the kernels' scratch pair
+Every matmul takes `mm` = (tab, ops, scratch): the MatrixTable's arrays (packing.TableArrays),
+the op table's codes (registry.OpTable.codes) and the kernels' scratch pair
 (RowBuffers.scratch). Buffers come as one RowBuffers record `buf`.
 """
 from __future__ import annotations
@@ -67,7 +67,7 @@ def _matmul_runner(entry):
 
     @njit(**_CHAIN)
     def run(tab, mats, x, out, scratch):
-        fn(tab[0], tab[1], tab[2], tab[3], mats, x, out, scratch[slot])
+        fn(tab.data, tab.scales, tab.scales16, tab.meta, mats, x, out, scratch[slot])
     return run
 
 
@@ -76,7 +76,7 @@ def _row_runner(entry):
 
     @njit(**_CHAIN)
     def run(tab, meta_row, token, out):
-        fn(tab[0], tab[1], tab[2], meta_row, token, out)
+        fn(tab.data, tab.scales, tab.scales16, meta_row, token, out)
     return run
 
 
@@ -145,7 +145,7 @@ def embed_rows(mm, token_embd, tokens, x):
     """x[b] = row tokens[b] of matrix token_embd, with the row variant of the op table."""
     tab, ops, _ = mm
     for b in range(tokens.shape[0]):
-        _row_call(ops[ROW, 0], tab, tab[3][token_embd], tokens[b], x[b])
+        _row_call(ops[ROW, 0], tab, tab.meta[token_embd], tokens[b], x[b])
 
 
 @njit(**_JIT)

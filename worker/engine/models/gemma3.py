@@ -16,7 +16,7 @@ from numba import get_num_threads, njit
 from worker.engine.batch import RaggedBatch
 from worker.engine.gguf_file import GGUFFile
 from worker.engine.kernels.ops import gelu_tanh_mul, rmsnorm
-from worker.engine.kernels.packing import LAYOUT_ROWS
+from worker.engine.kernels.packing import LAYOUT_ROWS, TableArrays
 from worker.engine.layers import gelu_tanh, rms_norm
 from worker.engine.models.common import (ATTN_OUT, DOWN, FFN_DOWN, GATE, GATE_UP, K, O, Q, UP, V, BatchBuffers,
                                          BlockHParams, StepRows, attend, load_packed)
@@ -58,7 +58,7 @@ class Gemma3HParams(BlockHParams):
 
 class Gemma3Weights(NamedTuple):
     """The weights as the numba step takes them; per-layer vectors are (n_layers, n) float32."""
-    tab: tuple  # PackedWeights.tab: the packed matrices
+    tab: TableArrays  # PackedWeights.tab: the packed matrices
     mats: np.ndarray  # int64 (n_layers, 7): table index of each LAYER_MATRICES entry
     token_embd: int
     output: int

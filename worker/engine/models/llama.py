@@ -25,7 +25,7 @@ from numba import get_num_threads, njit
 from shared.errors import ModelLoadError
 from worker.engine.batch import RaggedBatch
 from worker.engine.gguf_file import GGUFFile
-from worker.engine.kernels.packing import LAYOUT_ROWS
+from worker.engine.kernels.packing import LAYOUT_ROWS, TableArrays
 from worker.engine.layers import rms_norm, silu
 from worker.engine.models.common import (ATTN_OUT, DOWN, GATE, K, O, Q, UP, V, BatchBuffers, BlockHParams, StepRows,
                                          attend, layer_vectors, load_packed, vector)
@@ -75,7 +75,7 @@ def _linear_rope_factor(g: GGUFFile) -> float:
 
 class LlamaWeights(NamedTuple):
     """The weights as the numba step takes them; per-layer vectors are (n_layers, n) float32."""
-    tab: tuple  # PackedWeights.tab: the packed matrices
+    tab: TableArrays  # PackedWeights.tab: the packed matrices
     mats: np.ndarray  # int64 (n_layers, 7): table index of each LAYER_MATRICES entry
     token_embd: int
     output: int
