@@ -16,8 +16,8 @@ import pytest
 from numba import njit
 
 from tests.kernels.yardsticks import paged_attention
-from worker.engine.kernels.attention import (attend_group, heads_per_item, kv_load, kv_store_value,
-                                             paged_attention_decode, store_kv)
+from worker.engine.kernels.attention import (AttentionParams, HeadGroup, KVLayer, attend_group, heads_per_item,
+                                             kv_load, kv_store_value, paged_attention_decode, store_kv)
 from worker.engine.kernels.half import f16_to_f32, f32_to_f16
 
 N_LAYERS = 2
@@ -408,8 +408,9 @@ def test_a_head_has_the_same_bits_attended_alone_or_with_its_group():
     q = rng.standard_normal(n_heads * d).astype(np.float32)
     group = n_heads // n_kv
     together, alone = np.zeros_like(q), np.zeros_like(q)
+    kv, params = KVLayer(k_pool, v_pool, 0), AttentionParams(0, np.float32(0.2), 64, 1)
     for kvh in range(n_kv):
-        attend_group(q, kvh * group, group, k_pool, v_pool, 0, kvh, table, 0, context, np.float32(0.2), 64, together)
+        attend_group(q, HeadGroup(kvh * group, group, kvh), kv, table, 0, context, params, together)
         for h in range(kvh * group, (kvh + 1) * group):
-            attend_group(q, h, 1, k_pool, v_pool, 0, kvh, table, 0, context, np.float32(0.2), 64, alone)
+            attend_group(q, HeadGroup(h, 1, kvh), kv, table, 0, context, params, alone)
     assert np.array_equal(together, alone)

@@ -120,3 +120,55 @@ def test_chunk_and_tile_must_be_positive():
         paged_attention_runs(q, *args, 0, 16, np.zeros_like(q))
     with pytest.raises(ValueError):
         paged_attention_runs(q, *args, 16, 0, np.zeros_like(q))
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "float16", "q8_0"])
+def test_every_attention_variant_of_the_registry_gives_the_decode_kernels_bits(kv_dtype):
+    """Each registered attention variant, run through the fused steps' attention_rows by its code
+    in the op table, stores the step's K/V and gives every row paged_attention_decode's bits, on a
+    step of prompt runs and decode rows, over each K/V element type (one entry serves them all)."""
+    from worker.engine.kernels.attention import AttentionParams, KVLayer, store_kv
+    from worker.engine.kernels.registry import OpTable, variants_of
+    from worker.engine.models.common import BatchBuffers
+    from worker.engine.models.decode_parts import attention_rows
+    from worker.engine.paged_kv import KVShape, PagedKVCache
+    n_heads, n_kv, d, bs, layer = 6, 2, 64, 16, 1
+    sequences = [(0, 21), (30, 1), (13, 19), (50, 3)]  # (first position of the step's rows, rows)
+    rng = np.random.default_rng(11)
+    rows = sum(n for _, n in sequences)
+    tables, positions, earlier = [], [], []
+    next_block = 0
+    for start, n in sequences:
+        used = -(-(start + n) // bs)
+        table = np.arange(next_block, next_block + used, dtype=np.int32)[::-1].copy()  # blocks out of order
+        next_block += used
+        earlier.append((table, rng.standard_normal((start, n_kv * d)).astype(np.float32),
+                        rng.standard_normal((start, n_kv * d)).astype(np.float32)))
+        tables += [np.pad(table, (0, 8 - used))] * n
+        positions += list(range(start, start + n))
+    tables, positions = np.array(tables, np.int32), np.array(positions, np.int64)
+    assert row_runs(tables, positions, rows, bs).shape[0] - 1 < rows  # runs as well as decode rows
+    buf = BatchBuffers(64, n_heads * d, n_kv * d, 64, 64).ensure(rows, 1)
+    for a in (buf.q, buf.k, buf.v):
+        a[:rows] = rng.standard_normal((rows, a.shape[1]))
+    params = AttentionParams(0, np.float32(1 / np.sqrt(d)), 7, 2)
+
+    def filled_cache():
+        cache = PagedKVCache(KVShape(3, n_kv, d, bs), next_block, kv_dtype)
+        for table, k, v in earlier:
+            store_kv(cache.k, cache.v, layer, table, 0, k, v)
+        return cache
+
+    outputs = {}
+    for variant in variants_of("attention"):
+        cache = filled_cache()
+        buf.att[:] = np.nan
+        attention_rows((np.zeros(1), OpTable.of(attention=variant).codes, ()), buf, KVLayer(cache.k, cache.v, layer),
+                       tables, positions, params, rows)
+        outputs[variant] = buf.att[:rows].copy()
+    expected = np.full((rows, n_heads * d), np.nan, np.float32)
+    paged_attention_decode(buf.q[:rows], cache.k, cache.v, layer, tables, positions, 0, params.scale, params.chunk,
+                           expected)
+    assert not np.isnan(expected).any()
+    for variant, got in outputs.items():
+        assert np.array_equal(got, expected), variant

@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from worker.engine.kernels.attention import attend_group, balanced_item
+from worker.engine.kernels.attention import AttentionParams, HeadGroup, KVLayer, attend_group, balanced_item
 from worker.engine.kernels.half import f16_to_f32
 from worker.engine.kernels.packing import (FMT_F32, FMT_Q4, LAYOUT_ROWS, M_BIAS, M_DATA, M_FMT, M_GROUP,
                                            M_HALF, M_K, M_LAYOUT, M_SCALE, M_TILES, TILE, unit_offset)
@@ -197,9 +197,10 @@ def paged_attention(q, k_pool, v_pool, layer, block_table, start, window, scale,
     n_t = q.shape[0]
     n_heads = q.shape[1] // d
     group = n_heads // n_kv
-    sc = np.float32(scale)
+    kv = KVLayer(k_pool, v_pool, layer)
+    params = AttentionParams(window, np.float32(scale), chunk, 1)
     for item in prange(n_t * n_heads):
         h, t = balanced_item(item, n_t)  # head-major; within a head, short and long contexts alternate
         p = start + t
         lo = max(0, p - window + 1) if window > 0 else 0
-        attend_group(q[t], h, 1, k_pool, v_pool, layer, h // group, block_table, lo, p + 1, sc, chunk, out[t])
+        attend_group(q[t], HeadGroup(h, 1, h // group), kv, block_table, lo, p + 1, params, out[t])

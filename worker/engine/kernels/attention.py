@@ -24,6 +24,8 @@ order is chosen for balance and cache reuse (see each kernel).
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 from numba import njit, prange
 
@@ -34,10 +36,33 @@ from worker.engine.kernels.kv_q8 import k_slab, slab_scratch, store_k_head, stor
 from worker.engine.kernels.prefetch import prefetch
 from worker.engine.kernels.value_sums import value_sums
 
-__all__ = ["balanced_item", "kv_load", "kv_store_value", "store_kv", "paged_attention_decode", "attend_group",
-           "group_scratch", "score_width", "softmax_chunk", "write_head"]
+__all__ = ["AttentionParams", "HeadGroup", "KVLayer", "attention_per_row", "balanced_item", "kv_load",
+           "kv_store_value", "store_kv", "paged_attention_decode", "attend_group", "group_scratch", "score_width",
+           "softmax_chunk", "write_head"]
 
 _JIT = dict(fastmath=True, cache=True, nogil=True)
+
+
+class KVLayer(NamedTuple):
+    """One layer's K/V, as attention reads them."""
+    k_pool: np.ndarray  # (n_blocks, n_layers, n_kv_heads, head_dim, block_size): keys, each block transposed
+    v_pool: np.ndarray  # (n_blocks, n_layers, n_kv_heads, block_size, head_dim): values
+    layer: int  # the layer's index in the pools (a window pool numbers its layers apart)
+
+
+class AttentionParams(NamedTuple):
+    """What a layer's queries see, and how their work is cut."""
+    window: int  # keys a query sees, itself included; <= 0: every earlier key
+    scale: float  # the q·k factor, float32
+    chunk: int  # keys scored at once by the online softmax (>= 1)
+    threads: int  # threads the step runs on: how far a kv head's query heads are split (heads_per_item)
+
+
+class HeadGroup(NamedTuple):
+    """Query heads first .. first + count - 1, which all read kv head kv_head (GQA)."""
+    first: int
+    count: int
+    kv_head: int
 
 # Blocks ahead whose K slab attend_group prefetches (it prefetches a block's V slab when it scores
 # its K, for the value pass after the chunk's softmax).
@@ -101,7 +126,8 @@ def paged_attention_decode(q, k_pool, v_pool, layer, block_tables, positions, wi
     group = n_heads // n_kv
     per_item = heads_per_item(n_b, n_kv, group, threads)
     n_sets = n_heads // per_item
-    sc = np.float32(scale)
+    kv = KVLayer(k_pool, v_pool, layer)
+    params = AttentionParams(window, np.float32(scale), chunk, threads)
     for item in prange(n_b * n_sets):
         # Head-set-major (all sequences of head set 0, then set 1, ...): numba splits the range
         # statically into one contiguous part per thread, so each thread gets ~n_sets/threads
@@ -114,8 +140,15 @@ def paged_attention_decode(q, k_pool, v_pool, layer, block_tables, positions, wi
         p = positions[b]
         lo = max(0, p - window + 1) if window > 0 else 0
         h0 = hs * per_item
-        attend_group(q[b], h0, per_item, k_pool, v_pool, layer, h0 // group, block_tables[b], lo, p + 1, sc,
-                      chunk, out[b])
+        attend_group(q[b], HeadGroup(h0, per_item, h0 // group), kv, block_tables[b], lo, p + 1, params, out[b])
+
+
+@njit(**_JIT)
+def attention_per_row(q, kv, block_tables, positions, params, out):
+    """The registry's "per_row" attention: paged_attention_decode for every row, whatever runs of
+    one sequence the rows hold (arguments: decode_parts.attention_rows)."""
+    paged_attention_decode(q, kv.k_pool, kv.v_pool, kv.layer, block_tables, positions, params.window, params.scale,
+                           params.chunk, out, params.threads)
 
 
 @njit(**_JIT)
@@ -147,30 +180,39 @@ def score_width(keys, block_size):
 
 
 @njit(**_JIT)
-def _group_values(v_pool, layer, kvh, table, kb, ks, nc, heads, weights, w0, acc, v_scratch):
-    """acc[hh] += Σ_j weights[hh, w0 + j] v_j over nc consecutive keys from slot ks of table block kb
-    (value_sums: each value row read and converted once for all the heads)."""
-    bs = v_pool.shape[3]
+def _group_values(kv, heads, table, c0, nc, weights, acc, v_scratch):
+    """acc[hh] += Σ_j weights[hh, ks + j] v_j over the nc keys from key c0 (ks: its slot in its
+    block) for the heads of HeadGroup `heads` (value_sums: each value row read and converted once
+    for all of them)."""
+    bs = kv.v_pool.shape[3]
+    kb = c0 // bs
+    ks = c0 - kb * bs
+    w0 = ks
     j = 0
     while j < nc:
         if ks == bs:
             ks = 0
             kb += 1
         run = min(bs - ks, nc - j)
-        value_sums(v_slab(v_pool, table[kb], layer, kvh, v_scratch), ks, run, weights, w0 + j, acc, heads)
+        value_sums(v_slab(kv.v_pool, table[kb], kv.layer, heads.kv_head, v_scratch), ks, run, weights, w0 + j, acc,
+                   heads.count)
         j += run
         ks += run
 
 
 @njit(**_JIT)
-def attend_group(qv, h0, heads, k_pool, v_pool, layer, kvh, table, lo, hi, scale, chunk, ov):
-    """ov[h·d:(h+1)·d] = softmax(scale · q_h·K[lo:hi]) @ V[lo:hi] for the query heads
-    h = h0 .. h0+heads-1, which all read kv head `kvh` (hi > lo).
+def attend_group(qv, group, kv, table, lo, hi, params, ov):
+    """ov[h·d:(h+1)·d] = softmax(scale · q_h·K[lo:hi]) @ V[lo:hi] for the query heads h of
+    HeadGroup `group`, which all read its kv head, over the KVLayer kv through block table
+    `table` (hi > lo; params: AttentionParams, whose window the caller applied in lo).
 
-    Online softmax per head over chunks of at most `chunk` keys; the heads share every read and
-    float16 conversion of K and V (key_scores, value_sums). A chunk's scores are computed for whole blocks (key_scores):
-    scores[hh, x] belongs to key kb0·block_size + x, kb0 the block of the chunk's first key.
-    Scratch: group_scratch (one allocation)."""
+    Online softmax per head over chunks of at most params.chunk keys; the heads share every read
+    and float16 conversion of K and V (key_scores, value_sums). A chunk's scores are computed for
+    whole blocks (key_scores): scores[hh, x] belongs to key kb0·block_size + x, kb0 the block of
+    the chunk's first key. Scratch: group_scratch (one allocation)."""
+    k_pool, v_pool, layer = kv
+    h0, heads, kvh = group
+    scale, chunk = params.scale, params.chunk
     bs = v_pool.shape[3]
     d = v_pool.shape[4]
     total, scores, acc, m, _ = group_scratch(heads, score_width(min(chunk, hi - lo), bs), d)
@@ -192,7 +234,7 @@ def attend_group(qv, h0, heads, k_pool, v_pool, layer, kvh, table, lo, hi, scale
                          heads)
         for hh in range(heads):
             softmax_chunk(scores[hh, ks:ks + nc], c0 == lo, m, total, acc, hh)
-        _group_values(v_pool, layer, kvh, table, kb, ks, nc, heads, scores, ks, acc, v_scratch)
+        _group_values(kv, group, table, c0, nc, scores, acc, v_scratch)
         c0 += nc
     for hh in range(heads):
         write_head(acc, total, hh, ov, (h0 + hh) * d)

@@ -1,9 +1,9 @@
 """Every kernel variant, by (op, variant), with the quant types it serves; and the op table the
 fused model steps dispatch through.
 
-Tests parametrize over KERNELS so a new variant cannot land untested. Each op's reference twin is
-plain float32 math on weights dequantized by `worker.engine.quants.dequantize` (bit-identical to
-gguf.quants).
+Tests parametrize over KERNELS so a new variant cannot land untested. The weight ops' reference
+twin is plain float32 math on weights dequantized by `worker.engine.quants.dequantize`
+(bit-identical to gguf.quants); attention's is float64 attention over the K/V the pool holds.
 
 The fused steps never pick a variant themselves: the engine resolves an OpTable (one variant per
 dispatched op) and passes its codes to every step, where `decode_parts` branches on them (one
@@ -17,7 +17,7 @@ from typing import Callable
 
 import numpy as np
 
-from worker.engine.kernels import matmul_batch, matmul_i8, ops
+from worker.engine.kernels import attention, matmul_batch, matmul_i8, ops, prompt_attention
 from worker.engine.kernels.packing import LAYOUT_QUADS, LAYOUT_ROWS
 from worker.engine.quants import SPECS
 
@@ -35,7 +35,7 @@ class KernelVariant:
     """One variant: declared once in VARIANTS, from which its code and its branch of the fused
     steps' dispatch (decode_parts) are derived."""
     op: str  # one of DISPATCHED_OPS: "matmul": W @ x[b] for B rows; "row": one dequantized row
-    # (embedding lookup)
+    # (embedding lookup); "attention": each row's query over its sequence's paged K/V
     variant: str
     fn: Callable
     description: str
@@ -75,6 +75,18 @@ VARIANTS = (
                   "over the threads (prompt chunks); the bits of int8", "int8",
                   min_rows=matmul_i8.ROW_BLOCK + 1),
     KernelVariant("row", "gather", ops.dequant_row, "dequantize one row (embedding lookup)", "float32"),
+    # Attention: one entry serves every K/V element type (float32, float16 bits, q8_0), because
+    # the pool's dtype is fixed when the engine loads and numba resolves its loads and stores at
+    # typing time (kv_element, kv_q8); what differs between entries is how rows become work items.
+    # Both give every row the same bits (tests/kernels/test_prompt_attention.py), so a tuner may
+    # swap them freely.
+    KernelVariant("attention", "tiled", prompt_attention.attention_tiled,
+                  "runs of consecutive rows of one sequence (prompt chunks, verification rows) a tile of "
+                  "16 rows at a time, each K/V block read once per tile; decode rows one item each",
+                  "float32", min_rows=2),
+    KernelVariant("attention", "per_row", attention.attention_per_row,
+                  "every row its own work items (row x kv head), each streaming its whole context",
+                  "float32"),
 )
 
 
@@ -105,8 +117,8 @@ def scratches(max_tiles: int, rows: int, k_max: int) -> tuple[np.ndarray, ...]:
 
 
 # The ops a fused step dispatches on, in the order of their slots in OpTable.codes.
-DISPATCHED_OPS = ("matmul", "row")
-MATMUL, ROW = range(len(DISPATCHED_OPS))  # slots, read inside the numba steps
+DISPATCHED_OPS = ("matmul", "row", "attention")
+MATMUL, ROW, ATTENTION = range(len(DISPATCHED_OPS))  # slots, read inside the numba steps
 
 # Rows per kernel call, in buckets that each get their own variant: a one-row decode call, a small
 # batch, a large batch, a prompt chunk. The bucket is read per call inside the step (not per step

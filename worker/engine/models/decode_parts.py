@@ -3,8 +3,8 @@
 A step's rows are tokens: one per decoding sequence, or the consecutive tokens of a prompt
 chunk; each row carries its own position and block table, so one code path serves both.
 
-Every matmul takes `mm` = (tab, ops, scratch): the MatrixTable's arrays (packing.TableArrays),
-the op table's codes (registry.OpTable.codes) and the kernels' scratch pair
+Every dispatched op takes `mm` = (tab, ops, scratch): the MatrixTable's arrays
+(packing.TableArrays), the op table's codes (registry.OpTable.codes) and the kernels' scratch pair
 (RowBuffers.scratch). Buffers come as one RowBuffers record `buf`.
 """
 from __future__ import annotations
@@ -12,11 +12,10 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from worker.engine.kernels.attention import paged_attention_decode, store_kv
-from worker.engine.kernels.prompt_attention import PROMPT_TILE, paged_attention_runs, row_runs
+from worker.engine.kernels.attention import store_kv
 from worker.engine.kernels.ops import rmsnorm, rope_halves, rope_pairs, silu_mul
 from worker.engine.kernels.packing import TILE
-from worker.engine.kernels.registry import BUCKET_LIMITS, MATMUL, ROW, variants_of
+from worker.engine.kernels.registry import ATTENTION, BUCKET_LIMITS, MATMUL, ROW, variants_of
 from worker.engine.models.common import FFN_DOWN, GATE_UP, QKV
 
 _JIT = dict(cache=True, nogil=True)
@@ -80,8 +79,13 @@ def _row_runner(entry):
     return run
 
 
+def _attention_runner(entry):
+    return entry.fn  # attention variants take the step's arguments as they are
+
+
 _matmul_call = dispatch("matmul", _matmul_runner)
 _row_call = dispatch("row", _row_runner)
+_attention_call = dispatch("attention", _attention_runner)
 
 
 @njit(**_JIT)
@@ -193,24 +197,14 @@ def rope_rows(buf, positions, cos, sin, n_heads, n_kv_heads, head_dim, neox, row
 
 
 @njit(**_JIT)
-def attention_rows(buf, k_pool, v_pool, pool_layer, block_tables, positions, window, scale, chunk, rows, threads):
-    """Store every row's K/V in its blocks, then attend each query over its sequence: buf.att.
-
-    Runs of consecutive rows of one sequence (prompt chunks, verification rows) take the tiled
-    kernel, which reads each K/V block once per tile instead of once per row; a step of decode rows
-    only takes the per-row one. Both give every row the same bits. Runs are found here, from the
-    positions and tables every step already passes, rather than passed in from Python: the step
-    layout stays as it is, and finding them costs ~1 µs a row against ~0.5 ms for attending a row
-    over 2,000 keys."""
+def attention_rows(mm, buf, kv, block_tables, positions, params, rows):
+    """Store every row's K/V in its blocks of kv (attention.KVLayer), then attend each query over
+    its sequence (params: attention.AttentionParams) into buf.att, with the attention variant the
+    op table names for a step of `rows` rows (tiled or per row: the same bits)."""
     for b in range(rows):
-        store_kv(k_pool, v_pool, pool_layer, block_tables[b], positions[b], buf.k[b:b + 1], buf.v[b:b + 1])
-    runs = row_runs(block_tables, positions, rows, v_pool.shape[3])
-    if runs.shape[0] - 1 == rows:
-        paged_attention_decode(buf.q[:rows], k_pool, v_pool, pool_layer, block_tables, positions, window, scale,
-                               chunk, buf.att[:rows], threads)
-    else:
-        paged_attention_runs(buf.q[:rows], k_pool, v_pool, pool_layer, block_tables, positions, runs, window, scale,
-                             chunk, PROMPT_TILE, buf.att[:rows], threads)
+        store_kv(kv.k_pool, kv.v_pool, kv.layer, block_tables[b], positions[b], buf.k[b:b + 1], buf.v[b:b + 1])
+    _attention_call(mm[1][ATTENTION, bucket_of(rows)], buf.q[:rows], kv, block_tables, positions, params,
+                    buf.att[:rows])
 
 
 @njit(**_JIT)

@@ -15,6 +15,7 @@ from numba import get_num_threads, njit
 
 from worker.engine.batch import RaggedBatch
 from worker.engine.gguf_file import GGUFFile
+from worker.engine.kernels.attention import AttentionParams, KVLayer
 from worker.engine.kernels.ops import gelu_tanh_mul, rmsnorm
 from worker.engine.kernels.packing import LAYOUT_ROWS, TableArrays
 from worker.engine.layers import gelu_tanh, rms_norm
@@ -187,13 +188,13 @@ def _gemma3_rows(step, w, hp, kv, chunk, ops, buf):
         else:
             rope_rows(buf, step.positions, w.cos_local, w.sin_local, hp.n_heads, hp.n_kv_heads, hp.head_dim,
                       True, rows)
-        window = 0 if hp.is_global[layer] else hp.sliding_window
+        params = AttentionParams(0 if hp.is_global[layer] else hp.sliding_window, hp.scale, chunk, step.threads)
         if kv.in_window[layer]:  # a local layer whose K/V live in the window pool's slots
-            attention_rows(buf, kv.k_window, kv.v_window, kv.pool_layer[layer], kv.window_tables, step.positions,
-                           window, hp.scale, chunk, rows, step.threads)
+            attention_rows(mm, buf, KVLayer(kv.k_window, kv.v_window, kv.pool_layer[layer]), kv.window_tables,
+                           step.positions, params, rows)
         else:
-            attention_rows(buf, kv.k, kv.v, kv.pool_layer[layer], step.block_tables, step.positions,
-                           window, hp.scale, chunk, rows, step.threads)
+            attention_rows(mm, buf, KVLayer(kv.k, kv.v, kv.pool_layer[layer]), step.block_tables, step.positions,
+                           params, rows)
         matmul(mm, m[ATTN_OUT], buf.att[:rows], buf.proj[:rows])
         for b in range(rows):
             rmsnorm(buf.proj[b, :d], w.post_attn_norm[layer], hp.eps, buf.proj[b, :d])

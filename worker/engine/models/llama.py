@@ -25,6 +25,7 @@ from numba import get_num_threads, njit
 from shared.errors import ModelLoadError
 from worker.engine.batch import RaggedBatch
 from worker.engine.gguf_file import GGUFFile
+from worker.engine.kernels.attention import AttentionParams, KVLayer
 from worker.engine.kernels.packing import LAYOUT_ROWS, TableArrays
 from worker.engine.layers import rms_norm, silu
 from worker.engine.models.common import (ATTN_OUT, DOWN, GATE, K, O, Q, UP, V, BatchBuffers, BlockHParams, StepRows,
@@ -186,8 +187,8 @@ def _llama_rows(step, w, hp, kv_pools, chunk, ops, buf):
             head_norm_rows(buf, hp.n_heads, hp.n_kv_heads, hp.head_dim, w.q_norm[layer], w.k_norm[layer], hp.eps,
                            rows)
         rope_rows(buf, step.positions, w.cos, w.sin, hp.n_heads, hp.n_kv_heads, hp.head_dim, hp.rope_neox, rows)
-        attention_rows(buf, k_pool, v_pool, layer, step.block_tables, step.positions, 0, hp.scale, chunk, rows,
-                       step.threads)
+        attention_rows(mm, buf, KVLayer(k_pool, v_pool, layer), step.block_tables, step.positions,
+                       AttentionParams(0, hp.scale, chunk, step.threads), rows)
         matmul(mm, m[ATTN_OUT], buf.att[:rows], buf.proj[:rows])
         add_rows(buf.x, buf.proj, rows)
         swiglu_ffn_rows(mm, m, w.ffn_norm[layer], hp.eps, buf, rows)
