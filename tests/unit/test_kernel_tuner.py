@@ -457,9 +457,22 @@ def test_a_worker_moved_to_fewer_cpus_runs_no_more_threads_than_cpus(caplog):
     assert "the worker now runs on 1 CPU" in caplog.text
     seen = run(tuner, engine, clock, two_threads_faster, 2000)  # 2 threads still "measure" faster
     assert {threads for _, threads in seen} == {1}
-    tuner.limit_threads(2)  # the CPU is back: two threads are candidates again, and win again
+    one_thread_choice = tuner.choices()
+    tuner.limit_threads(2)  # the CPU is back: the choices the cut replaced are back at once
+    assert tuner.choices() == {name: (variant, 2) for name, (variant, _) in one_thread_choice.items()}
+    assert engine.threads == 2
     run(tuner, engine, clock, two_threads_faster, 3000)
     assert tuner.choices()["1"][1] == 2
+
+
+def test_a_choice_of_one_thread_made_on_two_cpus_is_not_undone_by_a_placement():
+    """Only what the cut replaced comes back: a bucket that chose one thread itself keeps it."""
+    tuner, engine, clock = make(TunerSettings(explore_share=0.3))
+    run(tuner, engine, clock, lambda arm, now: 0.006 if arm == ("int8_serial", 1) else 0.010, 2000)
+    assert tuner.choices()["1"] == ("int8_serial", 1)
+    tuner.limit_threads(1)
+    tuner.limit_threads(2)
+    assert tuner.choices()["1"] == ("int8_serial", 1) and tuner.choices()["33+"] == ("int8", 2)
 
 
 def test_a_step_after_an_idle_pause_runs_the_incumbent_and_slow_steps_still_get_candidates():

@@ -162,6 +162,7 @@ class _Bucket:
         self.decay = 0  # rounds in a row without a win: exploration runs at 1/2**decay
         self.lost: set = set()  # candidates that lost in the round under way
         self.settled_at: float | None = None  # the incumbent's s/row when the last round ended
+        self.before_limit: Arm | None = None  # its choice before a placement cut its threads
 
     def reset_candidates(self) -> None:
         for c in self.candidates.values():
@@ -239,8 +240,10 @@ class KernelTuner:
         """The worker now runs on `cpus` CPUs (the coordinator moved it): arms with more threads
         than that stop being tried, and a bucket whose choice has more moves to the same variant
         at `cpus` threads (two threads time-sharing one CPU wait on each other at every barrier:
-        the placement that caused it lost 47-98% on AVX2). Raising the limit again makes the
-        higher thread counts candidates once more; the measurements decide. Between steps."""
+        the placement that caused it lost 47-98% on AVX2). Raising the limit again restores the
+        choice the cut replaced (the cut outlives its cause otherwise: after a neighbour left,
+        one-thread arms forced by the placement were still the choice 90 s later and ran at 0.70x
+        of --adaptive off, Qwen2.5-1.5B, 12-06); the measurements go on from there. Between steps."""
         cpus = max(1, min(int(cpus), self.max_threads))
         if cpus == self.thread_limit:
             return
@@ -248,8 +251,14 @@ class KernelTuner:
         for bucket in self.buckets:
             self._wake(bucket, f"the worker now runs on {cpus} CPU{'s' if cpus > 1 else ''}")
             variant, threads = bucket.incumbent
+            target = None
             if threads > cpus:
-                bucket.incumbent = (variant, cpus)
+                bucket.before_limit = bucket.before_limit or bucket.incumbent
+                target = (variant, cpus)
+            elif bucket.before_limit is not None and bucket.before_limit[1] <= cpus:
+                target, bucket.before_limit = bucket.before_limit, None
+            if target is not None and target != bucket.incumbent:
+                bucket.incumbent = target
                 bucket.recent.clear()  # timings of the old arm say nothing about the new one
                 bucket.switch = None
                 bucket.reset_candidates()
