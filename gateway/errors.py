@@ -20,78 +20,57 @@ from shared.errors import InvalidRequestError, ReameError
 log = logging.getLogger("reame.gateway")
 
 
-class AuthenticationError(ReameError):
-    status = 401
-    type = "invalid_request_error"
-    code = "invalid_api_key"
+class AuthenticationError(ReameError, status=401, type="invalid_request_error", code="invalid_api_key"):
+    pass
 
 
-class PermissionDeniedError(ReameError):
+class PermissionDeniedError(ReameError, status=403, type="invalid_request_error", code="permission_denied"):
     """A valid key asked for what only the operator's keys may (gateway.auth.OPERATOR_PATHS)."""
-    status = 403
-    type = "invalid_request_error"
-    code = "permission_denied"
 
 
-class NotFoundError(InvalidRequestError):
-    status = 404
-    code = "not_found"
+class NotFoundError(InvalidRequestError, status=404, code="not_found"):
+    pass
 
 
-class ModelNotFoundError(NotFoundError):
-    code = "model_not_found"
+class ModelNotFoundError(NotFoundError, code="model_not_found"):
+    pass
 
 
-class HostNotAllowedError(InvalidRequestError):
+class HostNotAllowedError(InvalidRequestError, status=403, code="host_not_allowed"):
     """The Host header names this server by a name it was not configured for (DNS rebinding)."""
-    status = 403
-    code = "host_not_allowed"
 
 
-class UnsupportedMediaTypeError(InvalidRequestError):
-    status = 415
-    code = "unsupported_media_type"
+class UnsupportedMediaTypeError(InvalidRequestError, status=415, code="unsupported_media_type"):
+    pass
 
 
-class MethodNotAllowedError(InvalidRequestError):
-    status = 405
-    code = "method_not_allowed"
+class MethodNotAllowedError(InvalidRequestError, status=405, code="method_not_allowed"):
+    pass
 
 
-class RequestTimeoutError(InvalidRequestError):
+class RequestTimeoutError(InvalidRequestError, status=408, code="request_timeout"):
     """The client took longer than `read_timeout` to send its request."""
-    status = 408
-    code = "request_timeout"
 
 
-class PayloadTooLargeError(InvalidRequestError):
-    status = 413
-    code = "request_too_large"
+class PayloadTooLargeError(InvalidRequestError, status=413, code="request_too_large"):
+    pass
 
 
-class ConflictError(InvalidRequestError):
+class ConflictError(InvalidRequestError, status=409):
     """The request is valid but the server's state forbids it (e.g. freezing with adaptivity off)."""
-    status = 409
 
 
-class OverloadedError(ReameError):
-    status = 429
-    type = "rate_limit_error"
-    code = "server_overloaded"
+class OverloadedError(ReameError, status=429, type="rate_limit_error", code="server_overloaded"):
     retry_after = 1
 
 
-class ServiceUnavailableError(ReameError):
+class ServiceUnavailableError(ReameError, status=503, type="server_error", code="service_unavailable"):
     """No worker is ready (starting, restarting, or all gone)."""
-    status = 503
-    type = "server_error"
-    code = "service_unavailable"
     retry_after = 5
 
 
-class WorkerLostError(ServiceUnavailableError):
+class WorkerLostError(ServiceUnavailableError, code="worker_lost"):
     """The worker running a request died and the request could not be moved elsewhere."""
-    code = "worker_lost"
 
 
 def error_from_worker(name: str, message: str, param: str | None, code: str | None) -> ReameError:

@@ -13,6 +13,14 @@ class ReameError(Exception):
     type = "server_error"
     code: str | None = None
 
+    def __init_subclass__(cls, *, status: int | None = None, type: str | None = None,
+                          code: str | None = None, **kwargs):
+        """A kind's OpenAI fields as class keywords: `class X(ReameError, status=404, code="...")`."""
+        super().__init_subclass__(**kwargs)
+        for name, value in (("status", status), ("type", type), ("code", code)):
+            if value is not None:
+                setattr(cls, name, value)
+
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
         super().__init__(message)
         self.message = message
@@ -25,31 +33,25 @@ class ReameError(Exception):
                           "param": self.param, "code": self.code}}
 
 
-class ConfigError(ReameError):
+class ConfigError(ReameError, type="configuration_error"):
     """reame.conf or a command-line flag is wrong; raised at start-up."""
-    type = "configuration_error"
 
 
-class ModelLoadError(ReameError):
+class ModelLoadError(ReameError, type="model_error"):
     """A model file is missing, not GGUF, truncated or uses something we do not support."""
-    type = "model_error"
 
 
-class ModelFetchError(ReameError):
+class ModelFetchError(ReameError, type="model_error"):
     """A model could not be downloaded, assembled or verified."""
-    type = "model_error"
 
 
-class InvalidRequestError(ReameError):
+class InvalidRequestError(ReameError, status=400, type="invalid_request_error"):
     """The caller sent something we cannot serve (bad ids, bad parameters, too long)."""
-    status = 400
-    type = "invalid_request_error"
 
 
-class ContextLengthError(InvalidRequestError):
-    code = "context_length_exceeded"
+class ContextLengthError(InvalidRequestError, code="context_length_exceeded"):
+    pass
 
 
-class TokenizerError(ReameError):
+class TokenizerError(ReameError, type="tokenizer_error"):
     """The tokenizer or chat template in the GGUF cannot be built or rendered."""
-    type = "tokenizer_error"
