@@ -64,11 +64,10 @@ from numba.core import cgutils, config
 from numba.extending import intrinsic
 
 from worker.engine.kernels.group_step_ir import VEC as _VEC
-from worker.engine.kernels.group_step_ir import GroupAt, GroupStepEmitter
-from worker.engine.kernels.matmul_batch import _tile_f32, locate_tile
-from worker.engine.kernels.packing import (FMT_F32, FMT_Q4, FMT_Q8, LAYOUT_QUADS, M_BIAS, M_DATA, M_FMT, M_GROUP,
-                                           M_HALF, M_K, M_LAYOUT, M_NARROW, M_SCALE, M_TILES, TILE, TableArrays,
-                                           quad_lanes, unit_offset)
+from worker.engine.kernels.group_step_ir import GroupStepEmitter
+from worker.engine.kernels.matmul_batch import _tile_f32, group_at, locate_tile, zero_tile_rows
+from worker.engine.kernels.packing import (FMT_F32, FMT_Q4, FMT_Q8, LAYOUT_QUADS, M_FMT, M_GROUP, M_K, M_LAYOUT,
+                                           M_NARROW, M_TILES, TILE, TableArrays, quad_lanes)
 
 
 def _instruction_set() -> str:
@@ -519,22 +518,13 @@ def _unpermute(typingctx, out, row, col0):
 def _tile_i8(tab, meta, tile, acts, out, col0, r0, r1):
     """out[r0:r1, col0:col0 + TILE] = tile `tile` of a q4/q8 matrix (metadata row meta) times rows r0..r1 of
     x, quantized in acts."""
-    k = meta[M_K]
     group = meta[M_GROUP]
-    groups = k // group
+    groups = meta[M_K] // group
     q4 = meta[M_FMT] == FMT_Q4
     narrow = meta[M_NARROW] != 0
-    group_bytes = (group // 2 if q4 else group) * TILE
-    base = meta[M_DATA] + tile * groups * group_bytes
-    for b in range(r0, r1):
-        o = out[b, col0:col0 + TILE]
-        for t in range(TILE):
-            o[t] = 0.0
+    zero_tile_rows(out, r0, r1, col0)
     for g in range(groups):
-        d_off = base + g * group_bytes
-        p = (tile * groups + g) * TILE
-        m_off = meta[M_BIAS] + p if meta[M_BIAS] >= 0 else -1
-        at = GroupAt(d_off, meta[M_SCALE] + p, m_off, unit_offset(meta, tile, g), meta[M_HALF], g * group, g, col0)
+        at = group_at(meta, tile, g, col0)
         b0 = r0
         while b0 < r1:  # blocks of BLOCK rows
             rows = min(BLOCK, r1 - b0)

@@ -29,29 +29,20 @@ def rmsnorm(x, weight, eps, out):
 
 
 @njit(**_JIT)
-def rope_pairs(v, n_heads, head_dim, cos, sin):
-    """Rotate adjacent pairs (2i, 2i+1) of each head in place ("normal" GGUF layout)."""
+def rope(v, n_heads, head_dim, cos, sin, neox):
+    """Rotate each head of v in place: element i with i + head_dim/2 (NEOX layout), or the
+    adjacent pairs (2i, 2i+1) ("normal" GGUF layout)."""
     half = head_dim // 2
+    stride, partner = (1, half) if neox else (2, 1)
     for h in range(n_heads):
         base = h * head_dim
         for i in range(half):
-            a = v[base + 2 * i]
-            b = v[base + 2 * i + 1]
-            v[base + 2 * i] = a * cos[i] - b * sin[i]
-            v[base + 2 * i + 1] = a * sin[i] + b * cos[i]
-
-
-@njit(**_JIT)
-def rope_halves(v, n_heads, head_dim, cos, sin):
-    """Rotate element i with i + head_dim/2 of each head in place (NEOX layout)."""
-    half = head_dim // 2
-    for h in range(n_heads):
-        base = h * head_dim
-        for i in range(half):
-            a = v[base + i]
-            b = v[base + half + i]
-            v[base + i] = a * cos[i] - b * sin[i]
-            v[base + half + i] = a * sin[i] + b * cos[i]
+            ia = base + stride * i
+            ib = ia + partner
+            a = v[ia]
+            b = v[ib]
+            v[ia] = a * cos[i] - b * sin[i]
+            v[ib] = a * sin[i] + b * cos[i]
 
 
 @njit(**_JIT)

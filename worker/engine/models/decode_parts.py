@@ -13,7 +13,7 @@ import numpy as np
 from numba import njit
 
 from worker.engine.kernels.attention import store_kv
-from worker.engine.kernels.ops import rmsnorm, rope_halves, rope_pairs, silu_mul
+from worker.engine.kernels.ops import rmsnorm, rope, silu_mul
 from worker.engine.kernels.packing import TILE
 from worker.engine.kernels.registry import ATTENTION, BUCKET_LIMITS, MATMUL, ROW, variants_of
 from worker.engine.models.common import FFN_DOWN, GATE_UP, QKV
@@ -188,12 +188,8 @@ def rope_rows(buf, positions, cos, sin, n_heads, n_kv_heads, head_dim, neox, row
     """Rotate every row's queries and keys by its position: halves (NEOX) or adjacent pairs."""
     for b in range(rows):
         c, s = cos[positions[b]], sin[positions[b]]
-        if neox:
-            rope_halves(buf.q[b], n_heads, head_dim, c, s)
-            rope_halves(buf.k[b], n_kv_heads, head_dim, c, s)
-        else:
-            rope_pairs(buf.q[b], n_heads, head_dim, c, s)
-            rope_pairs(buf.k[b], n_kv_heads, head_dim, c, s)
+        rope(buf.q[b], n_heads, head_dim, c, s, neox)
+        rope(buf.k[b], n_kv_heads, head_dim, c, s, neox)
 
 
 @njit(**_JIT)
