@@ -22,13 +22,16 @@ from gateway.json_response import json_response
 from gateway.state import STATE
 from shared.errors import ConfigError, InvalidRequestError
 
+ADMIN_ROUTES = web.RouteTableDef()  # the operator's routes (gateway.auth.OPERATOR_PATHS)
 MAX_STRATEGY_BYTES = 1 << 20
 
 
+@ADMIN_ROUTES.get("/admin/strategy")
 async def get_strategy(request: web.Request) -> web.Response:
     return json_response(await request.app[STATE].tuning.call("strategy"))
 
 
+@ADMIN_ROUTES.post("/admin/strategy")
 async def put_strategy(request: web.Request) -> web.Response:
     tuning = request.app[STATE].tuning
     if request.content_length is not None and request.content_length > MAX_STRATEGY_BYTES:
@@ -44,10 +47,12 @@ async def put_strategy(request: web.Request) -> web.Response:
     return json_response(body)
 
 
+@ADMIN_ROUTES.post("/admin/strategy/freeze")
 async def freeze(request: web.Request) -> web.Response:
     return await _set_frozen(request, "freeze")
 
 
+@ADMIN_ROUTES.post("/admin/strategy/unfreeze")
 async def unfreeze(request: web.Request) -> web.Response:
     return await _set_frozen(request, "unfreeze")
 
@@ -59,10 +64,12 @@ async def _set_frozen(request: web.Request, action: str) -> web.Response:
         raise ConflictError(exc.message) from None
 
 
+@ADMIN_ROUTES.get("/admin/report")
 async def report(request: web.Request) -> web.Response:
     return json_response(await request.app[STATE].tuning.call("report"))
 
 
+@ADMIN_ROUTES.get("/admin/series")
 async def series(request: web.Request) -> web.Response:
     raw = request.query.get("bucket", "5")
     try:
@@ -74,15 +81,6 @@ async def series(request: web.Request) -> web.Response:
     return json_response(await request.app[STATE].tuning.call("series", bucket))
 
 
+@ADMIN_ROUTES.get("/dashboard")
 async def dashboard(request: web.Request) -> web.Response:
     return page_response("dashboard.html")
-
-
-def add_admin_routes(app: web.Application) -> None:
-    app.router.add_get("/admin/strategy", get_strategy)
-    app.router.add_post("/admin/strategy", put_strategy)
-    app.router.add_post("/admin/strategy/freeze", freeze)
-    app.router.add_post("/admin/strategy/unfreeze", unfreeze)
-    app.router.add_get("/admin/report", report)
-    app.router.add_get("/admin/series", series)
-    app.router.add_get("/dashboard", dashboard)

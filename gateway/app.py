@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from gateway.admin import add_admin_routes
+from gateway.admin import ADMIN_ROUTES
 from gateway.anthropic_api import add_anthropic_routes, anthropic_middleware
 from gateway.auth import auth_middleware, load_tenants
 from gateway.browsers import browser_middleware
@@ -11,7 +11,7 @@ from gateway.cache_namespace import check_isolation
 from gateway.errors import error_middleware
 from gateway.request_id import add_header, request_id_middleware
 from gateway.responses_api import add_responses_routes
-from gateway.routes import add_routes
+from gateway.routes import ROUTES
 from gateway.state import STATE, GatewayState
 
 
@@ -28,8 +28,8 @@ def build_app(state: GatewayState) -> web.Application:
         middlewares.append(auth_middleware(tenants))
     app = web.Application(middlewares=middlewares, client_max_size=state.config.gateway.max_body_bytes)
     app[STATE] = state
-    add_routes(app)
-    add_admin_routes(app)
+    app.add_routes(ROUTES)
+    app.add_routes(ADMIN_ROUTES)
     add_anthropic_routes(app)
     add_responses_routes(app)
     app.on_response_prepare.append(add_header)

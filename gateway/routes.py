@@ -29,7 +29,10 @@ from gateway.tools import call_constraint, family_of
 from gateway.warm import prefill
 from shared.errors import InvalidRequestError
 
+ROUTES = web.RouteTableDef()  # the OpenAI routes and the server's own (health, metrics, openapi)
 
+
+@ROUTES.post("/v1/chat/completions")
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     arrived = time.perf_counter()
     state = request.app[STATE]
@@ -55,6 +58,7 @@ async def chat_prompt(state: GatewayState, req: CompletionRequest) -> tuple[Comp
     return req, await state.prompts.chat_ids(req.messages, state.pool.n_ctx, tools)
 
 
+@ROUTES.post("/v1/completions")
 async def completions(request: web.Request) -> web.StreamResponse:
     arrived = time.perf_counter()
     state = request.app[STATE]
@@ -71,6 +75,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     return await complete(state, request, req, prompts, arrived)
 
 
+@ROUTES.post("/infill")
 async def infill(request: web.Request) -> web.StreamResponse:
     """llama.cpp's /infill (gateway.infill), answered as a text completion; not streamed, the
     answer also carries llama.cpp's `content` (the first choice's text), which editors read."""
@@ -88,6 +93,7 @@ async def infill(request: web.Request) -> web.StreamResponse:
     return response
 
 
+@ROUTES.post("/v1/warm")
 async def warm(request: web.Request) -> web.Response:
     state = request.app[STATE]
     req = parse_warm(await _read_json(request, state))
@@ -102,12 +108,14 @@ async def warm(request: web.Request) -> web.Response:
                           "cached_tokens": finished.prefix_tokens, "reused_tokens": finished.cached_tokens})
 
 
+@ROUTES.get("/v1/models")
 async def models(request: web.Request) -> web.Response:
     state = request.app[STATE]
     entry = {"id": state.model_id, "object": "model", "created": state.created, "owned_by": "reame"}
     return json_response({"object": "list", "data": [entry]})
 
 
+@ROUTES.get("/health")
 async def health(request: web.Request) -> web.Response:
     state = request.app[STATE]
     ready = len(state.pool.ready)
@@ -115,25 +123,16 @@ async def health(request: web.Request) -> web.Response:
     return json_response(body, status=200 if ready else 503)
 
 
+@ROUTES.get("/metrics")
 async def metrics(request: web.Request) -> web.Response:
     state = request.app[STATE]
     return web.Response(body=state.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
 
+@ROUTES.get("/openapi.json")
 async def openapi(request: web.Request) -> web.Response:
     state = request.app[STATE]
     return json_response(openapi_document(state.config, state.tokenizer.vocab_size))
-
-
-def add_routes(app: web.Application) -> None:
-    app.router.add_post("/v1/chat/completions", chat_completions)
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_post("/infill", infill)
-    app.router.add_post("/v1/warm", warm)
-    app.router.add_get("/v1/models", models)
-    app.router.add_get("/health", health)
-    app.router.add_get("/metrics", metrics)
-    app.router.add_get("/openapi.json", openapi)
 
 
 async def _read_json(request: web.Request, state: GatewayState) -> object:
