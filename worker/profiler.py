@@ -35,6 +35,21 @@ class _Request:
 
 
 @dataclass
+class _Phase:
+    """The steps of one kind (with prompt rows, or decode rows only) and the rows they held."""
+    steps: int = 0
+    seconds: float = 0.0  # the engine's, without scheduling and sampling
+    prompt_rows: int = 0
+    decode_rows: int = 0
+
+    def add(self, stats: StepStats) -> None:
+        self.steps += 1
+        self.seconds += stats.seconds
+        self.prompt_rows += stats.tokens - stats.decode_rows
+        self.decode_rows += stats.decode_rows
+
+
+@dataclass
 class _Window:
     """Everything recorded since the last profile."""
     started: float
@@ -44,19 +59,15 @@ class _Window:
     queue_wait: list[float] = field(default_factory=list)  # seconds
     ttft: list[float] = field(default_factory=list)
     latency: list[float] = field(default_factory=list)
+    prefill: _Phase = field(default_factory=_Phase)
+    decode: _Phase = field(default_factory=_Phase)
     steps: int = 0
-    busy: float = 0.0
+    busy: float = 0.0  # wall seconds of the steps
+    overhead_seconds: float = 0.0  # of which outside the engine
     sequences: int = 0
-    prefill_tokens: int = 0
-    generated: int = 0
-    prefill_steps: int = 0
-    prefill_seconds: float = 0.0
-    decode_steps: int = 0
-    decode_seconds: float = 0.0
-    overhead_seconds: float = 0.0
-    decoders_in_prefill: int = 0
     waiting_sum: int = 0
     kv_used_max: int = 0
+    generated: int = 0
 
 
 class ProfileCollector:
@@ -100,15 +111,7 @@ class ProfileCollector:
                 w.steps += 1
                 w.busy += wall_seconds
                 w.sequences += stats.sequences
-                prefill = stats.tokens - stats.decode_rows
-                w.prefill_tokens += prefill
-                if prefill:
-                    w.prefill_steps += 1
-                    w.prefill_seconds += stats.seconds
-                    w.decoders_in_prefill += stats.decode_rows
-                else:
-                    w.decode_steps += 1
-                    w.decode_seconds += stats.seconds
+                (w.prefill if stats.tokens > stats.decode_rows else w.decode).add(stats)
                 w.overhead_seconds += max(0.0, wall_seconds - stats.seconds)
                 w.waiting_sum += waiting
                 w.kv_used_max = max(w.kv_used_max, kv_used)
@@ -157,11 +160,11 @@ class ProfileCollector:
             queue_wait_ms_p50=1000 * percentile(w.queue_wait, 50), queue_wait_ms_p95=1000 * percentile(w.queue_wait, 95),
             ttft_ms_p95=1000 * percentile(w.ttft, 95), latency_ms_p95=1000 * percentile(w.latency, 95),
             steps=w.steps, busy_seconds=w.busy, batch_size_mean=_mean(w.sequences, w.steps),
-            prefill_tokens=w.prefill_tokens, output_tokens=w.generated,
-            step_ms_prefill=1000 * _mean(w.prefill_seconds, w.prefill_steps),
-            step_ms_decode=1000 * _mean(w.decode_seconds, w.decode_steps),
+            prefill_tokens=w.prefill.prompt_rows, output_tokens=w.generated,
+            step_ms_prefill=1000 * _mean(w.prefill.seconds, w.prefill.steps),
+            step_ms_decode=1000 * _mean(w.decode.seconds, w.decode.steps),
             step_ms_overhead=1000 * _mean(w.overhead_seconds, w.steps),
-            decoders_waiting_on_prefill=_mean(w.decoders_in_prefill, w.prefill_steps),
+            decoders_waiting_on_prefill=_mean(w.prefill.decode_rows, w.prefill.steps),
             waiting_mean=_mean(w.waiting_sum, w.steps), preemptions=max(0, new_preemptions),
             kv_blocks=counters.get("kv_blocks", 0), kv_blocks_used_max=w.kv_used_max,
             kv_block_tokens=counters.get("kv_block_tokens", 0),
