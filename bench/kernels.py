@@ -105,7 +105,7 @@ def variant_table(engine, threads: int, runs: int) -> dict:
 
 def end_to_end(engine, threads: int, runs: int) -> None:
     from shared.sampling import SamplingParams
-    from worker.engine.tuning.kernel_tuner import FixedKernels, KernelTuner, TunerSettings
+    from worker.engine.tuning.kernel_tuner import FixedKernels, KernelTuner, TunerSettings, arm_name
     from worker.sched.one_request import Timing, generate_one, solo_generator
     from worker.sched.tuning_state import SchedulerKnobs
 
@@ -147,7 +147,7 @@ def end_to_end(engine, threads: int, runs: int) -> None:
         print(f"{mode:<8} {p:>14.0f} {d:>13.1f}")
     (tp, td), (fp, fd) = med["tuned"], med["fixed"]
     print(f"tuned/fixed: prefill {tp / fp:.2f}x, decode {td / fd:.2f}x")
-    print("tuned choices: " + ", ".join(f"{b}: {v}x{t}t" for b, (v, t) in tuner.choices().items()))
+    print("tuned choices: " + ", ".join(f"{b}: {arm_name(arm)}" for b, arm in tuner.choices().items()))
 
 
 # ---- busy neighbour -----------------------------------------------------------------------------

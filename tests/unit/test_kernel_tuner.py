@@ -9,11 +9,20 @@ import random
 
 import pytest
 
-from worker.engine.kernels.registry import KERNELS, MATMUL, OpTable, bucket_of
+from worker.engine.kernels.registry import ATTENTION, KERNELS, MATMUL, OpTable, bucket_of
 from worker.engine.tuning.kernel_table_store import KernelTableStore, host_signature, reset_tables, saved_tables
 from worker.engine.tuning.kernel_tuner import KernelTuner, TunerSettings, kernel_profile
 
 CODE_TO_VARIANT = {v.code: v.variant for (op, _), v in KERNELS.items() if op == "matmul"}
+CODE_TO_ATTENTION = {v.code: v.variant for (op, _), v in KERNELS.items() if op == "attention"}
+
+
+def arm_of(ops, rows, threads):
+    """(matmul variant, threads, attention variant) a step of `rows` rows runs with, read the way
+    the fused step reads its table."""
+    bucket = bucket_of(rows)
+    return (CODE_TO_VARIANT[int(ops.codes[MATMUL, bucket])], threads,
+            CODE_TO_ATTENTION[int(ops.codes[ATTENTION, bucket])])
 
 
 class FakeClock:
@@ -52,8 +61,8 @@ class FakeEngine:
         self.thread_calls.append(n)
 
     def arm(self, rows):
-        """(variant, threads) the step of `rows` rows runs with, read the way the fused step reads it."""
-        return CODE_TO_VARIANT[int(self._ops.codes[MATMUL, bucket_of(rows)])], self.threads
+        """(matmul variant, threads, attention variant) the step of `rows` rows runs with."""
+        return arm_of(self._ops, rows, self.threads)
 
 
 def run(tuner, engine, clock, cost, steps, rows=1, noise=0.03, seed=1):
@@ -81,10 +90,10 @@ def make(settings=None, numerics="int8", threads=2, saved=None):
 
 def test_promotes_the_faster_arm_and_logs_before_and_after(caplog):
     tuner, engine, clock = make()
-    cost = lambda arm, now: 0.006 if arm == ("int8_serial", 1) else 0.010
+    cost = lambda arm, now: 0.006 if arm == ("int8_serial", 1, "tiled") else 0.010
     with caplog.at_level(logging.INFO, logger="reame.kernel_tuner"):
         run(tuner, engine, clock, cost, 2000)
-    assert tuner.choices()["1"] == ("int8_serial", 1)
+    assert tuner.choices()["1"] == ("int8_serial", 1, "tiled")
     assert tuner.promotions == 1 and tuner.rollbacks == 0
     lines = [r.getMessage() for r in caplog.records if "promoted" in r.getMessage()]
     assert len(lines) == 1 and "int8x2t -> int8_serial1t" not in lines[0]
@@ -92,17 +101,17 @@ def test_promotes_the_faster_arm_and_logs_before_and_after(caplog):
     event = tuner.snapshot()["events"][0]
     assert event["kind"] == "promote" and event["after_ms_per_row"] < event["before_ms_per_row"]
     # other buckets were never stepped: they keep the engine's choice
-    assert tuner.choices()["33+"] == ("int8", 2)
+    assert tuner.choices()["33+"] == ("int8", 2, "tiled")
 
 
 def test_a_learned_choice_is_weighed_against_the_shipped_default_on_its_own_steps():
     """The report's figure for a kernel choice: the default's re-timed steps against the choice's."""
     tuner, engine, clock = make()
-    cost = lambda arm, now: 0.006 if arm == ("int8_serial", 1) else 0.010
+    cost = lambda arm, now: 0.006 if arm == ("int8_serial", 1, "tiled") else 0.010
     assert tuner.snapshot()["buckets"]["1"]["versus_default"] is None  # nothing learned yet
     run(tuner, engine, clock, cost, 3000, noise=0.01)
     versus = tuner.snapshot()["buckets"]["1"]["versus_default"]
-    assert tuner.choices()["1"] == ("int8_serial", 1) and versus["default"] == "int8x2t"
+    assert tuner.choices()["1"] == ("int8_serial", 1, "tiled") and versus["default"] == "int8x2t"
     # the default's time per row over the choice's (1.67 here), within the 1% noise of a few steps
     assert 1 + versus["gain"] == pytest.approx(0.010 / 0.006, rel=0.05) and 0 < versus["noise"] < 0.03
     assert versus["steps"] >= 2
@@ -114,7 +123,7 @@ def test_a_learned_choice_is_weighed_against_the_shipped_default_on_its_own_step
 def test_exploration_is_a_small_share_of_steps_and_decays_while_nothing_wins():
     tuner, engine, clock = make(TunerSettings(explore_share=0.05))
     seen = run(tuner, engine, clock, lambda arm, now: 0.01, 4000)
-    explored = [arm != ("int8", 2) for arm in seen]
+    explored = [arm != ("int8", 2, "tiled") for arm in seen]
     assert 0.02 * 1000 < sum(explored[:1000]) < 0.08 * 1000  # the full budget while it learns
     assert sum(explored[2000:]) < 0.01 * 2000  # equal arms: rounds without a win halved it
     assert tuner.buckets[0].decay >= 2 and tuner.snapshot()["buckets"]["1"]["explore_budget"] <= 0.25
@@ -192,17 +201,17 @@ def test_every_row_of_a_step_sees_one_table_whatever_its_bucket():
 def test_rolls_back_a_switch_that_regresses_and_bans_it(caplog):
     tuner, engine, clock = make(TunerSettings(explore_share=0.2, ban_s=30.0))
     # int8_serial x1 looks faster while explored, then is slow once it serves every step
-    cost = lambda arm, now: (0.006 if tuner.promotions == 0 else 0.015) if arm == ("int8_serial", 1) else 0.010
+    cost = lambda arm, now: (0.006 if tuner.promotions == 0 else 0.015) if arm == ("int8_serial", 1, "tiled") else 0.010
     with caplog.at_level(logging.INFO, logger="reame.kernel_tuner"):
         run(tuner, engine, clock, cost, 1500)
         assert tuner.promotions == 1 and tuner.rollbacks == 1
-        assert tuner.choices()["1"] == ("int8", 2)
+        assert tuner.choices()["1"] == ("int8", 2, "tiled")
         rolled = [r.getMessage() for r in caplog.records if "rolled back" in r.getMessage()]
         assert len(rolled) == 1 and "banned for 30 s" in rolled[0]
         banned_at = tuner.snapshot()["events"][-1]["at"]
         # banned: the arm does not run again until the ban expires
         seen = run(tuner, engine, clock, cost, 600, seed=2)
-    until = [arm for arm in seen if arm == ("int8_serial", 1)]
+    until = [arm for arm in seen if arm == ("int8_serial", 1, "tiled")]
     assert clock.now < banned_at + 30.0 and not until
 
 
@@ -236,26 +245,26 @@ def test_a_busy_neighbour_moves_to_one_thread_and_back():
 def test_disabled_tuner_never_explores_nor_touches_threads():
     tuner, engine, clock = make(TunerSettings(enabled=False, explore_share=0.5))
     seen = run(tuner, engine, clock, lambda arm, now: 0.006 if arm[1] == 1 else 0.01, 2000)
-    assert set(seen) == {("int8", 2)} and engine.thread_calls == [] and tuner.promotions == 0
+    assert set(seen) == {("int8", 2, "tiled")} and engine.thread_calls == [] and tuner.promotions == 0
     tuner.calibrate(10.0)
     assert engine.thread_calls == []
 
 
 def test_a_frozen_tuner_keeps_its_table_until_unfrozen():
     tuner, engine, clock = make()
-    faster = lambda arm, now: 0.006 if arm == ("int8_serial", 1) else 0.010
+    faster = lambda arm, now: 0.006 if arm == ("int8_serial", 1, "tiled") else 0.010
     tuner.freeze(True)
     seen = run(tuner, engine, clock, faster, 2000)
-    assert set(seen) == {("int8", 2)} and tuner.promotions == 0
+    assert set(seen) == {("int8", 2, "tiled")} and tuner.promotions == 0
     tuner.freeze(False)
     run(tuner, engine, clock, faster, 2000)
-    assert tuner.choices()["1"] == ("int8_serial", 1)
+    assert tuner.choices()["1"] == ("int8_serial", 1, "tiled")
 
 
 def test_only_variants_of_the_engines_numerics_are_tried():
     tuner, engine, clock = make(numerics="float32")
     seen = run(tuner, engine, clock, lambda arm, now: 0.01, 3000)
-    assert {v for v, _ in seen} == {"float32", "float32_serial"}
+    assert {v for v, _, _ in seen} == {"float32", "float32_serial"}
 
 
 def test_a_failed_step_teaches_nothing():
@@ -285,12 +294,12 @@ def test_calibration_starts_each_bucket_on_its_fastest_arm_within_the_budget():
     timed = []
 
     def time_matmul(ops, rows, repeats=3):
-        arm = CODE_TO_VARIANT[int(ops.codes[MATMUL, bucket_of(rows)])], engine.threads
+        arm = arm_of(ops, rows, engine.threads)
         timed.append(arm)
         if rows > 1:
             return rows * 1e-3
         # one row: one thread wins; the serial kernel is fastest, and fast at 2 threads too
-        return {("int8", 2): 1.0, ("int8", 1): 0.6, ("int8_serial", 2): 0.4, ("int8_serial", 1): 0.5}[arm] * 1e-3
+        return {("int8", 2, "tiled"): 1.0, ("int8", 1, "tiled"): 0.6, ("int8_serial", 2, "tiled"): 0.4, ("int8_serial", 1, "tiled"): 0.5}[arm] * 1e-3
 
     engine.time_matmul = time_matmul
     now = [0.0]
@@ -301,8 +310,8 @@ def test_calibration_starts_each_bucket_on_its_fastest_arm_within_the_budget():
 
     tuner.calibrate(budget_s=100.0, timer=timer)
     # threads are judged by the parallel kernel (the step's other loops run on them too)
-    assert tuner.choices()["1"] == ("int8_serial", 1)
-    assert tuner.choices()["2-8"] == ("int8", 2)  # ties keep the engine's choice
+    assert tuner.choices()["1"] == ("int8_serial", 1, "tiled")
+    assert tuner.choices()["2-8"] == ("int8", 2, "tiled")  # ties keep the engine's choice
     assert engine.threads == 2  # restored
     timed.clear()
     now[0] = 0.0
@@ -310,14 +319,38 @@ def test_calibration_starts_each_bucket_on_its_fastest_arm_within_the_budget():
     assert len(timed) < 2 * 16  # stopped at the budget, not after every bucket
 
 
+def test_attention_variants_are_arms_of_the_buckets_they_serve(caplog):
+    """Prompt-sized steps A/B the attention variants like the matmuls: the faster one is promoted,
+    and the table the engine runs carries it in that bucket only. One-row steps have no attention
+    arm to try (the tiled variant runs as per_row there: the same code timed twice)."""
+    tuner, engine, clock = make()
+    assert {arm[2] for arm in tuner.buckets[0].arms} == {"tiled"}
+    assert {arm[2] for arm in tuner.buckets[2].arms} == {"tiled", "per_row"}
+    cost = lambda arm, now: 0.006 if arm[2] == "per_row" else 0.010
+    with caplog.at_level(logging.INFO, logger="reame.kernel_tuner"):
+        run(tuner, engine, clock, cost, 2000, rows=16)
+    assert tuner.choices()["9-32"][2] == "per_row" and tuner.choices()["2-8"][2] == "tiled"
+    assert engine.arm(16)[2] == "per_row" and engine.arm(4)[2] == "tiled"
+    assert "+per_row promoted" in caplog.text
+    assert tuner.snapshot()["buckets"]["9-32"]["attention"] == "per_row"
+
+
+def test_a_choice_saved_before_attention_was_tuned_keeps_the_buckets_attention():
+    tuner, engine, _ = make()
+    assert tuner.adopt({"1": ["int8_serial", 1], "9-32": ["int8", 1]})
+    assert tuner.choices()["1"] == ("int8_serial", 1, "tiled")
+    assert tuner.choices()["9-32"] == ("int8", 1, "tiled")
+    assert not tuner.adopt({"9-32": ["int8", 1, "no_such_attention"]})
+
+
 def test_saved_table_reloads_for_the_same_key_only(tmp_path):
     parts = {"cpu": "AMD EPYC", "cpu_flags": "abc", "model_sha256": "m1", "reame": "0.1.0", "engine_code": "e",
              "numerics": "int8", "threads": "2"}
     store = KernelTableStore(tmp_path, parts)
     tuner, engine, clock = make(saved=store.save)
-    run(tuner, engine, clock, lambda arm, now: 0.006 if arm == ("int8_serial", 1) else 0.010, 2000)
-    assert tuner.choices()["1"] == ("int8_serial", 1)
-    assert store.load()["1"] == ["int8_serial", 1]  # saved once the switch was confirmed
+    run(tuner, engine, clock, lambda arm, now: 0.006 if arm == ("int8_serial", 1, "tiled") else 0.010, 2000)
+    assert tuner.choices()["1"] == ("int8_serial", 1, "tiled")
+    assert store.load()["1"] == ["int8_serial", 1, "tiled"]  # saved once the switch was confirmed
 
     restarted, engine2, _ = make()
     assert restarted.adopt(KernelTableStore(tmp_path, parts).load())
@@ -344,7 +377,7 @@ def test_host_signature_reads_the_cpu_model_and_hashes_the_flags():
 
 def test_snapshot_is_plain_json():
     tuner, engine, clock = make()
-    run(tuner, engine, clock, lambda arm, now: 0.006 if arm == ("int8_serial", 1) else 0.010, 1500)
+    run(tuner, engine, clock, lambda arm, now: 0.006 if arm == ("int8_serial", 1, "tiled") else 0.010, 1500)
     snap = json.loads(json.dumps(tuner.snapshot()))
     assert snap["enabled"] and snap["numerics"] == "int8"
     assert snap["buckets"]["1"]["choice"] == "int8_serialx1t"
@@ -354,7 +387,7 @@ def test_snapshot_is_plain_json():
 def test_a_variant_is_an_arm_only_where_some_call_has_its_minimum_rows():
     # int8_blocked runs as int8 up to ROW_BLOCK (32) rows: an arm in the 33+ bucket only
     tuner, engine, clock = make()
-    arms = {b.name: {variant for variant, _ in b.arms} for b in tuner.buckets}
+    arms = {b.name: {variant for variant, _, _ in b.arms} for b in tuner.buckets}
     assert "int8_blocked" in arms["33+"]
     assert all("int8_blocked" not in arms[name] for name in ("1", "2-8", "9-32"))
     assert all({"int8", "int8_serial"} <= a for a in arms.values())
@@ -400,13 +433,13 @@ def test_worker_tuner_calibrates_once_then_starts_on_the_saved_table(tmp_path):
 
     def time_matmul(ops, rows, repeats=3):
         calls.append(rows)
-        arm = CODE_TO_VARIANT[int(ops.codes[MATMUL, bucket_of(rows)])], engine.threads
+        arm = arm_of(ops, rows, engine.threads)
         return {2: 1.0, 1: 0.6}[arm[1]] * (0.8 if arm[0] == "int8_serial" else 1.0) * rows * 1e-3
 
     engine = FakeEngine()
     engine.gguf, engine.time_matmul = _GGUF(), time_matmul
     tuner = build_kernel_tuner(config, engine)
-    assert calls and all(arm == ("int8_serial", 1) for arm in tuner.choices().values())
+    assert calls and all(arm == ("int8_serial", 1, "tiled") for arm in tuner.choices().values())
 
     calls.clear()
     engine = FakeEngine()
@@ -432,17 +465,17 @@ def test_a_saved_one_thread_table_learned_under_a_hog_is_dropped_at_a_start_with
     engine = FakeEngine()
     engine.gguf, engine.time_matmul = _GGUF(), time_matmul
     learned = build_kernel_tuner(config, engine)  # calibrated with the hog there
-    assert all(threads == 1 for _, threads in learned.choices().values())
+    assert all(threads == 1 for _, threads, _ in learned.choices().values())
 
     hog[0] = False
     engine = FakeEngine()
     engine.gguf, engine.time_matmul = _GGUF(), time_matmul
     with caplog.at_level(logging.INFO, "reame.kernel_tuner"):
         restarted = build_kernel_tuner(config, engine)
-    assert all(threads == 2 for _, threads in restarted.choices().values())
+    assert all(threads == 2 for _, threads, _ in restarted.choices().values())
     assert "the saved int8x1t is dropped for int8x2t" in caplog.text and engine.threads == 2
     [(_, record)] = saved_tables(tmp_path / "state")
-    assert all(threads == 2 for _, threads in record["choices"].values())  # what the next start adopts
+    assert all(threads == 2 for _, threads, _ in record["choices"].values())  # what the next start adopts
 
 
 def test_a_worker_moved_to_fewer_cpus_runs_no_more_threads_than_cpus(caplog):
@@ -456,10 +489,10 @@ def test_a_worker_moved_to_fewer_cpus_runs_no_more_threads_than_cpus(caplog):
     assert all(arm[1] == 1 for arm in tuner.choices().values()) and engine.threads == 1
     assert "the worker now runs on 1 CPU" in caplog.text
     seen = run(tuner, engine, clock, two_threads_faster, 2000)  # 2 threads still "measure" faster
-    assert {threads for _, threads in seen} == {1}
+    assert {threads for _, threads, _ in seen} == {1}
     one_thread_choice = tuner.choices()
     tuner.limit_threads(2)  # the CPU is back: the choices the cut replaced are back at once
-    assert tuner.choices() == {name: (variant, 2) for name, (variant, _) in one_thread_choice.items()}
+    assert tuner.choices() == {name: (variant, 2, attention) for name, (variant, _, attention) in one_thread_choice.items()}
     assert engine.threads == 2
     run(tuner, engine, clock, two_threads_faster, 3000)
     assert tuner.choices()["1"][1] == 2
@@ -468,11 +501,11 @@ def test_a_worker_moved_to_fewer_cpus_runs_no_more_threads_than_cpus(caplog):
 def test_a_choice_of_one_thread_made_on_two_cpus_is_not_undone_by_a_placement():
     """Only what the cut replaced comes back: a bucket that chose one thread itself keeps it."""
     tuner, engine, clock = make(TunerSettings(explore_share=0.3))
-    run(tuner, engine, clock, lambda arm, now: 0.006 if arm == ("int8_serial", 1) else 0.010, 2000)
-    assert tuner.choices()["1"] == ("int8_serial", 1)
+    run(tuner, engine, clock, lambda arm, now: 0.006 if arm == ("int8_serial", 1, "tiled") else 0.010, 2000)
+    assert tuner.choices()["1"] == ("int8_serial", 1, "tiled")
     tuner.limit_threads(1)
     tuner.limit_threads(2)
-    assert tuner.choices()["1"] == ("int8_serial", 1) and tuner.choices()["33+"] == ("int8", 2)
+    assert tuner.choices()["1"] == ("int8_serial", 1, "tiled") and tuner.choices()["33+"] == ("int8", 2, "tiled")
 
 
 def test_a_step_after_an_idle_pause_runs_the_incumbent_and_slow_steps_still_get_candidates():

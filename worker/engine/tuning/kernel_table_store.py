@@ -20,7 +20,7 @@ from pathlib import Path
 from shared import saved_state
 from shared.config import Config
 from shared.private_state import make_private
-from worker.engine.tuning.kernel_tuner import FixedKernels, KernelTuner, TunerSettings
+from worker.engine.tuning.kernel_tuner import FixedKernels, KernelTuner, TunerSettings, arm_name
 
 log = logging.getLogger("reame.kernel_tuner")
 
@@ -64,7 +64,7 @@ class KernelTableStore:
         self.path = self.directory / f"{FILE_PREFIX}{digest}.json"
 
     def load(self) -> dict | None:
-        """The saved choices {bucket: [variant, threads]}, or None (none saved, another key, unreadable).
+        """The saved choices {bucket: [matmul variant, threads, attention variant]}, or None (none saved, another key, unreadable).
         ConfigError when the directory belongs to another user (start-up is refused)."""
         try:
             make_private(self.directory, "[tuning] state_path", log)
@@ -139,7 +139,7 @@ def build_kernel_tuner(config: Config, engine) -> KernelTuner | FixedKernels:
     if choices is not None and tuner.adopt(choices):
         tuner.verify()
         log.info("kernel tuner: starting on the saved table %s (%s)", store.path,
-                 ", ".join(f"{b} rows: {v}x{t}t" for b, (v, t) in tuner.choices().items()))
+                 ", ".join(f"{b} rows: {arm_name(arm)}" for b, arm in tuner.choices().items()))
     else:
         log.info("kernel tuner: no saved table for this host and model; calibrating (at most %.0f s)",
                  settings.calibration_s)

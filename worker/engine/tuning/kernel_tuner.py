@@ -1,7 +1,8 @@
 """Kernel variant and thread count per rows bucket, chosen by timing them on live steps.
 
-An *arm* is one choice for one bucket of rows per step (registry.BUCKET_NAMES): a matmul variant
-and a thread count. Each bucket has an incumbent arm; the engine runs `engine.ops`, an immutable
+An *arm* is one choice for one bucket of rows per step (registry.BUCKET_NAMES): a matmul variant,
+a thread count and an attention variant (a step calls attention once a layer with all its rows, so
+the step's bucket is its attention call's). Each bucket has an incumbent arm; the engine runs `engine.ops`, an immutable
 OpTable holding every bucket's incumbent. Around each step the generator calls
 
     tuner.before_step(rows)    # picks the table (and threads) the step runs with
@@ -40,7 +41,7 @@ busy (note_neighbours: a neighbour leaving barely moves a one-thread step), the 
 change, or a promotion or rollback.
 
 Only variants of the engine's numerics (float32 or int8 activations) are arms: they give the same
-bits, so tuning never changes an output. Threads are arms too (1 to the engine's threads): with a
+bits, so tuning never changes an output (both attention variants give every row the same bits). Threads are arms too (1 to the engine's threads): with a
 busy neighbour on one of two cores, a two-thread step waits at every barrier for the thread that
 shares its core, and one thread wins until the neighbour leaves.
 
@@ -63,7 +64,7 @@ from worker.engine.kernels.registry import BUCKET_NAMES, OpTable, bucket_of, ser
 
 log = logging.getLogger("reame.kernel_tuner")
 
-Arm = tuple[str, int]  # (matmul variant, threads)
+Arm = tuple[str, int, str]  # (matmul variant, threads, attention variant)
 MAX_PAUSE = 6.0  # the longest pause of an eliminated arm, in recheck_s
 CONFIRM_WITHIN = 4  # a first win lapses unless confirmed within this many min_samples of fresh steps
 REFERENCE_STEPS = 5  # incumbent steps whose median is a candidate step's yardstick
@@ -118,7 +119,9 @@ class TunerSettings:
 
 
 def arm_name(arm: Arm) -> str:
-    return f"{arm[0]}x{arm[1]}t"
+    """"int8x2t"; "int8x2t+per_row" where the attention variant is not the shipped one."""
+    shipped = next(iter(variants_of("attention")))
+    return f"{arm[0]}x{arm[1]}t" + (f"+{arm[2]}" if arm[2] != shipped else "")
 
 
 def _spread(values: list[float]) -> float:
@@ -186,15 +189,20 @@ class KernelTuner:
         self._save = saved
         self.numerics = engine.ops.numerics("matmul")
         variants = variants_of("matmul", self.numerics)
+        attentions = variants_of("attention")
         self.max_threads = max(1, int(engine.threads))
-        start = engine.ops.names("matmul")
+        start, start_attention = engine.ops.names("matmul"), engine.ops.names("attention")
 
         def arms_of(bucket: int) -> list[Arm]:
-            """The variants that differ from the others on some call of the bucket's size, at each thread count."""
+            """The variants that differ from the others on some call of the bucket's size, at each
+            thread count, with each attention variant that does."""
             names = [n for n, v in variants.items() if serves_bucket(v, bucket) or n == start[bucket]]
-            return [(n, t) for n in names for t in range(self.max_threads, 0, -1)]
+            kinds = [start_attention[bucket]]
+            if serves_bucket(attentions[kinds[0]], bucket):  # else it runs as another variant: nothing to try
+                kinds += [a for a, v in attentions.items() if serves_bucket(v, bucket) and a != kinds[0]]
+            return [(n, t, a) for a in kinds for n in names for t in range(self.max_threads, 0, -1)]
 
-        self.buckets = [_Bucket(b, (start[b], self.max_threads), arms_of(b), settings)
+        self.buckets = [_Bucket(b, (start[b], self.max_threads, start_attention[b]), arms_of(b), settings)
                         for b in range(len(BUCKET_NAMES))]
         # What `--adaptive off` runs: the report weighs each learned choice against it.
         self.defaults = {b.name: b.incumbent for b in self.buckets}
@@ -250,11 +258,11 @@ class KernelTuner:
         self.thread_limit = cpus
         for bucket in self.buckets:
             self._wake(bucket, f"the worker now runs on {cpus} CPU{'s' if cpus > 1 else ''}")
-            variant, threads = bucket.incumbent
+            variant, threads, attention = bucket.incumbent
             target = None
             if threads > cpus:
                 bucket.before_limit = bucket.before_limit or bucket.incumbent
-                target = (variant, cpus)
+                target = (variant, cpus, attention)
             elif bucket.before_limit is not None and bucket.before_limit[1] <= cpus:
                 target, bucket.before_limit = bucket.before_limit, None
             if target is not None and target != bucket.incumbent:
@@ -263,7 +271,8 @@ class KernelTuner:
                 bucket.switch = None
                 bucket.reset_candidates()
                 log.info("bucket %s rows: %s -> %s: the worker now runs on %d CPU%s", bucket.name,
-                         arm_name((variant, threads)), arm_name(bucket.incumbent), cpus, "s" if cpus > 1 else "")
+                         arm_name((variant, threads, attention)), arm_name(bucket.incumbent), cpus,
+                         "s" if cpus > 1 else "")
         self._install(self.buckets[0].incumbent[1])
 
     # ---- the step hooks ------------------------------------------------------------------------
@@ -288,7 +297,7 @@ class KernelTuner:
                 arm, exploring = candidate, True
                 bucket.busy = 0.0
         self._step = (bucket, arm, exploring, max(1, rows))
-        self._install(arm[1], bucket.index, arm[0])
+        self._install(arm[1], bucket.index, arm)
 
     def after_step(self, seconds: float | None) -> None:
         """Record the step's cost and act on what the measurements now say (None: the step
@@ -470,32 +479,36 @@ class KernelTuner:
 
     # ---- tables and threads --------------------------------------------------------------------
 
-    def _install(self, threads: int, bucket: int | None = None, variant: str | None = None) -> None:
-        """Point the engine at the incumbents' table (one bucket's variant replaced when given)
-        and set its threads; both take effect at the next execute."""
-        names = [b.incumbent[0] for b in self.buckets]
+    def _install(self, threads: int, bucket: int | None = None, arm: Arm | None = None) -> None:
+        """Point the engine at the incumbents' table (one bucket's variants those of `arm` when
+        given) and set its threads; both take effect at the next execute."""
+        arms = [b.incumbent for b in self.buckets]
         if bucket is not None:
-            names[bucket] = variant
-        key = tuple(names)
+            arms[bucket] = arm
+        key = (tuple(a[0] for a in arms), tuple(a[2] for a in arms))
         table = self._tables.get(key)
         if table is None:
-            table = self._tables[key] = OpTable.of(matmul=key)
+            table = self._tables[key] = OpTable.of(matmul=key[0], attention=key[1])
         self.engine.ops = table
         if threads != self.engine.threads:
             self.engine.set_threads(threads)
 
     def choices(self) -> dict[str, Arm]:
-        """Each bucket's incumbent: {bucket name: (variant, threads)}."""
+        """Each bucket's incumbent: {bucket name: (matmul variant, threads, attention variant)}."""
         return {b.name: b.incumbent for b in self.buckets}
 
     def adopt(self, choices: dict[str, list | tuple]) -> bool:
         """Start from saved choices (from table_store); False (nothing changed) when one names a
-        variant or thread count this engine does not have."""
+        variant or thread count this engine does not have. A choice saved before attention was
+        tuned, [variant, threads], keeps the bucket's attention variant."""
         by_name = {b.name: b for b in self.buckets}
         wanted = {}
         for name, arm in choices.items():
-            arm = (str(arm[0]), int(arm[1]))
-            if name not in by_name or arm not in by_name[name].candidates:
+            if name not in by_name or len(arm) not in (2, 3):
+                return False
+            attention = str(arm[2]) if len(arm) == 3 else by_name[name].incumbent[2]
+            arm = (str(arm[0]), int(arm[1]), attention)
+            if arm not in by_name[name].candidates:
                 return False
             wanted[name] = arm
         for name, arm in wanted.items():
@@ -518,13 +531,13 @@ class KernelTuner:
         original, changed = self.engine.threads, False
         for bucket, rows in zip(self.buckets, CALIBRATION_ROWS):
             saved = bucket.incumbent
-            full = (saved[0], self.max_threads)
+            full = (saved[0], self.max_threads, saved[2])
             if saved[1] >= self.max_threads or full not in bucket.candidates:
                 continue
             timings = {}
             for arm in (saved, full):
                 self.engine.set_threads(arm[1])
-                table = OpTable.of(matmul=arm[0])
+                table = OpTable.of(matmul=arm[0], attention=arm[2])
                 self.engine.time_matmul(table, rows, repeats=1)  # first touch
                 timings[arm] = self.engine.time_matmul(table, rows, repeats=5) / rows
             kept = timings[saved] < timings[full] * (1.0 - self.settings.min_gain)
@@ -543,7 +556,8 @@ class KernelTuner:
     def calibrate(self, budget_s: float | None = None, timer: Callable[[], float] = time.perf_counter) -> None:
         """Time every arm of every bucket on one layer's matmuls (engine.time_matmul) and start on
         the fastest; stops at the budget (the buckets not reached keep the engine's choice).
-        Progress and the result go to the log."""
+        Matmuls say nothing of attention: only arms with the bucket's attention variant are
+        timed, and the online A/B weighs the others. Progress and the result go to the log."""
         budget = self.settings.calibration_s if budget_s is None else budget_s
         if not self.settings.enabled or budget <= 0:
             return
@@ -552,15 +566,16 @@ class KernelTuner:
         original = self.engine.threads
         for bucket, rows in zip(self.buckets, CALIBRATION_ROWS):
             timings = {}
-            for arm in bucket.arms:
+            arms = [a for a in bucket.arms if a[2] == bucket.incumbent[2]]
+            for arm in arms:
                 if timer() > deadline:
                     break
                 if arm[1] != self.engine.threads:
                     self.engine.set_threads(arm[1])
-                table = OpTable.of(matmul=arm[0])
+                table = OpTable.of(matmul=arm[0], attention=arm[2])
                 self.engine.time_matmul(table, rows, repeats=1)  # first touch: caches, page faults
                 timings[arm] = self.engine.time_matmul(table, rows, repeats=5) / rows
-            if len(timings) < len(bucket.arms):
+            if len(timings) < len(arms):
                 log.info("kernel calibration: out of time (%.0f s) at bucket %s rows; the rest keep %s", budget,
                          bucket.name, arm_name(bucket.incumbent))
                 break
@@ -598,7 +613,7 @@ class KernelTuner:
                                            "paused_s": round(max(0.0, c.paused_until - now), 1),
                                            "banned": c.banned and c.paused_until > now}
             buckets[b.name] = {"choice": arm_name(b.incumbent), "variant": b.incumbent[0],
-                               "threads": b.incumbent[1], "steps": b.steps, "watching_switch": b.switch is not None,
+                               "threads": b.incumbent[1], "attention": b.incumbent[2], "steps": b.steps, "watching_switch": b.switch is not None,
                                "explore_budget": 0.5 ** b.decay,
                                "arms": arms, "versus_default": self._versus_default(b)}
         return {"enabled": self.settings.enabled, "numerics": self.numerics, "buckets": buckets,
