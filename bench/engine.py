@@ -3,7 +3,7 @@ beside llama.cpp (through llama-cpp-python) on the same file when it is installe
 
     python bench/engine.py [--models smollm2-135m gemma3-270m] [--threads 1 2] [--runs 3]
                            [--peer-bench PATH/TO/llama-bench]
-                           [--prompt-tokens 512 2048]
+                           [--prompt-tokens 512 2048] [--kv-dtype float16|q8_0]
 
 Prompts longer than 512 tokens go in 512-token chunks (the server's default prefill_chunk, and
 llama.cpp's n_batch here); the table then also gives each length's prefill rate as a share of the
@@ -17,7 +17,9 @@ across runs.
 --peer-bench runs the native llama-bench instead, in the same run as Reame's measurement: prefill
 `-p N -n 0` and decode `-p 0 -n 128 -d N` (its decode after N tokens of context, as Reame's follows
 the prompt: from an empty context its decode skips the attention a server's requests pay), each
-`-r RUNS -o json`, its mean tokens/s.
+`-r RUNS -o json`, its mean tokens/s. --kv-dtype q8_0 gives both sides a q8_0 K/V cache (`[engine]
+kv_dtype`; llama-bench's `-ctk q8_0 -ctv q8_0`, flash attention left at its default, auto, which
+its quantized V cache needs and the CPU back end has).
 
 The peer without a pip build of llama-cpp-python: its Python package from the sdist plus a
 llama.cpp built natively (cmake -DGGML_NATIVE=ON) are enough:
@@ -97,7 +99,11 @@ def matmul_work(engine) -> tuple[int, int]:
     return int(table.nbytes * macs / weights), macs
 
 
-def bench_reame(path: Path, threads: int, runs: int, tokens: int) -> tuple[float, float, int, int, float]:
+PEER_CACHE_TYPES = {"float16": "f16", "q8_0": "q8_0"}  # [engine] kv_dtype -> llama-bench's -ctk/-ctv
+
+
+def bench_reame(path: Path, threads: int, runs: int, tokens: int,
+                kv_dtype: str = "float16") -> tuple[float, float, int, int, float]:
     import numba
     from threadpoolctl import threadpool_limits
 
@@ -107,7 +113,8 @@ def bench_reame(path: Path, threads: int, runs: int, tokens: int) -> tuple[float
     from worker.sched.one_request import Timing, generate_ids, generate_one, solo_generator
     from worker.sched.tuning_state import SchedulerKnobs
 
-    engine = load_engine(path, EngineSection(threads=threads, context_length=context_for(tokens)), progress=say)
+    engine = load_engine(path, EngineSection(threads=threads, context_length=context_for(tokens), kv_dtype=kv_dtype),
+                         progress=say)
     numba.set_num_threads(threads)
     ids = prompt_ids(engine.vocab_size, tokens)
     params = SamplingParams(max_tokens=DECODE_TOKENS + 1, temperature=0.0)
@@ -128,7 +135,10 @@ def bench_reame(path: Path, threads: int, runs: int, tokens: int) -> tuple[float
     return statistics.median(prefill), statistics.median(decode), read_bytes, macs, read_bandwidth()
 
 
-def bench_llama_cpp(path: Path, threads: int, runs: int, tokens: int) -> tuple[float, float] | None:
+def bench_llama_cpp(path: Path, threads: int, runs: int, tokens: int,
+                    kv_dtype: str = "float16") -> tuple[float, float] | None:
+    if kv_dtype != "float16":
+        raise SystemExit("--kv-dtype other than float16 needs the native peer (--peer-bench)")
     try:
         from llama_cpp import Llama
     except ImportError:
@@ -154,14 +164,16 @@ def bench_llama_cpp(path: Path, threads: int, runs: int, tokens: int) -> tuple[f
     return statistics.median(prefill), statistics.median(decode)
 
 
-def bench_llama_bench(binary: Path, path: Path, threads: int, runs: int, tokens: int) -> tuple[float, float]:
+def bench_llama_bench(binary: Path, path: Path, threads: int, runs: int, tokens: int,
+                      kv_dtype: str = "float16") -> tuple[float, float]:
     """(prefill, decode) tokens/s of the native llama-bench on the same file and thread count; the
     prompt goes in batches of PROMPT_CHUNK tokens, as Reame's does."""
     rate = {}
     for kind, test in (("prefill", ["-p", str(tokens), "-n", "0"]),
                        ("decode", ["-p", "0", "-n", str(DECODE_TOKENS), "-d", str(tokens)])):
         cmd = [str(binary), "-m", str(path), "-t", str(threads), *test, "-b", str(PROMPT_CHUNK),
-               "-ub", str(PROMPT_CHUNK), "-r", str(runs), "-o", "json"]
+               "-ub", str(PROMPT_CHUNK), "-ctk", PEER_CACHE_TYPES[kv_dtype], "-ctv", PEER_CACHE_TYPES[kv_dtype],
+               "-r", str(runs), "-o", "json"]
         say("  " + " ".join(cmd))
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         if proc.returncode != 0:
@@ -180,10 +192,10 @@ def environment() -> str:
             f"numba {numba.__version__}, threading layer {numba.threading_layer()}")
 
 
-def measure_in_subprocess(engine: str, path: Path, threads: int, runs: int, tokens: int):
+def measure_in_subprocess(engine: str, path: Path, threads: int, runs: int, tokens: int, kv_dtype: str):
     """One measurement in a fresh process; (prefill, decode) medians, or None (peer missing)."""
-    proc = subprocess.run([sys.executable, __file__, "--one", engine, str(path), str(threads), str(runs), str(tokens)],
-                          stdout=subprocess.PIPE, text=True)
+    proc = subprocess.run([sys.executable, __file__, "--one", engine, str(path), str(threads), str(runs), str(tokens),
+                           kv_dtype], stdout=subprocess.PIPE, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"{engine} benchmark failed (exit {proc.returncode})")
     result = json.loads(proc.stdout)
@@ -198,13 +210,15 @@ def main() -> int:
     parser.add_argument("--peer-bench", type=Path, help="the native llama-bench binary to run as the peer")
     parser.add_argument("--prompt-tokens", nargs="+", type=int, default=[512], help="prompt lengths to prefill")
     parser.add_argument("--no-peer", action="store_true", help="measure Reame only")
-    parser.add_argument("--one", nargs=5, metavar=("ENGINE", "PATH", "THREADS", "RUNS", "TOKENS"),
+    parser.add_argument("--kv-dtype", choices=tuple(PEER_CACHE_TYPES), default="float16",
+                        help="the K/V cache's element type, on both sides (default float16)")
+    parser.add_argument("--one", nargs=6, metavar=("ENGINE", "PATH", "THREADS", "RUNS", "TOKENS", "KV_DTYPE"),
                         help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
-        engine, path, threads, runs, tokens = args.one
+        engine, path, threads, runs, tokens, kv_dtype = args.one
         bench = bench_reame if engine == "reame" else bench_llama_cpp
-        print(json.dumps(bench(Path(path), int(threads), int(runs), int(tokens))))
+        print(json.dumps(bench(Path(path), int(threads), int(runs), int(tokens), kv_dtype)))
         return 0
     if any(n < 1 for n in args.prompt_tokens):
         parser.error("--prompt-tokens: every length must be >= 1")
@@ -216,17 +230,17 @@ def main() -> int:
         for threads in args.threads:
             for tokens in args.prompt_tokens:
                 say(f"{name}, {threads} thread(s), {tokens}-token prompt")
-                ours = measure_in_subprocess("reame", path, threads, args.runs, tokens)
+                ours = measure_in_subprocess("reame", path, threads, args.runs, tokens, args.kv_dtype)
                 if args.no_peer:
                     peer = None
                 elif args.peer_bench:
-                    peer = bench_llama_bench(args.peer_bench, path, threads, args.runs, tokens)
+                    peer = bench_llama_bench(args.peer_bench, path, threads, args.runs, tokens, args.kv_dtype)
                 else:
-                    peer = measure_in_subprocess("llama.cpp", path, threads, args.runs, tokens)
+                    peer = measure_in_subprocess("llama.cpp", path, threads, args.runs, tokens, args.kv_dtype)
                 rows.append((name, threads, tokens, ours, peer))
 
     print(f"\nprompts {', '.join(map(str, args.prompt_tokens))} tokens (chunks of {PROMPT_CHUNK}), "
-          f"decode {DECODE_TOKENS} tokens, median of {args.runs} runs")
+          f"decode {DECODE_TOKENS} tokens, median of {args.runs} runs, K/V cache {args.kv_dtype}")
     print(environment())
     print(blas_env.describe())
     peer_note = "" if any(r[4] for r in rows) else " (not run or llama-cpp-python not installed: no peer numbers)"
