@@ -69,6 +69,11 @@ MAX_PAUSE = 6.0  # the longest pause of an eliminated arm, in recheck_s
 CONFIRM_WITHIN = 4  # a first win lapses unless confirmed within this many min_samples of fresh steps
 REFERENCE_STEPS = 5  # incumbent steps whose median is a candidate step's yardstick
 CALIBRATION_ROWS = (1, 4, 16, 64)  # rows timed per bucket at start-up
+# Rounds over a bucket's arms, each arm timed once a round; an arm's time is its median round. A
+# neighbour that holds a core for a moment slows one round, not one arm's whole measurement: timed
+# arm after arm, int8x2t once measured 84 ms a row (50x its cost) under a 3 s scan on the other
+# core, and bucket 1 started on one thread (Qwen2.5-1.5B, 12-06).
+CALIBRATION_ROUNDS = 3
 MAX_DECAY = 4  # rounds without a win halve exploration at most this often (to 1/16)
 DRIFT = 0.25  # |log| change of the incumbent's time per row (~±25%) that is a new profile
 BUSY_NEIGHBOURS, QUIET_NEIGHBOURS = 0.5, 0.15  # other processes' share of the CPUs (the coordinator's bounds)
@@ -565,16 +570,19 @@ class KernelTuner:
         deadline = started + budget
         original = self.engine.threads
         for bucket, rows in zip(self.buckets, CALIBRATION_ROWS):
-            timings = {}
             arms = [a for a in bucket.arms if a[2] == bucket.incumbent[2]]
-            for arm in arms:
-                if timer() > deadline:
-                    break
-                if arm[1] != self.engine.threads:
-                    self.engine.set_threads(arm[1])
-                table = OpTable.of(matmul=arm[0], attention=arm[2])
-                self.engine.time_matmul(table, rows, repeats=1)  # first touch: caches, page faults
-                timings[arm] = self.engine.time_matmul(table, rows, repeats=5) / rows
+            rounds: dict[Arm, list[float]] = {arm: [] for arm in arms}
+            for round_ in range(CALIBRATION_ROUNDS):
+                for arm in arms:
+                    if timer() > deadline:
+                        break
+                    if arm[1] != self.engine.threads:
+                        self.engine.set_threads(arm[1])
+                    table = OpTable.of(matmul=arm[0], attention=arm[2])
+                    if round_ == 0:
+                        self.engine.time_matmul(table, rows, repeats=1)  # first touch: caches, page faults
+                    rounds[arm].append(self.engine.time_matmul(table, rows, repeats=2) / rows)
+            timings = {arm: median(times) for arm, times in rounds.items() if len(times) == CALIBRATION_ROUNDS}
             if len(timings) < len(arms):
                 log.info("kernel calibration: out of time (%.0f s) at bucket %s rows; the rest keep %s", budget,
                          bucket.name, arm_name(bucket.incumbent))
