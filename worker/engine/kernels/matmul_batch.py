@@ -240,28 +240,35 @@ def zero_tile_rows(out, r0, r1, col0):
 
 
 @njit(**_JIT)
-def group_at(meta, tile, g, col0):
-    """Where group g of tile `tile` of a q4/q8 matrix (metadata row meta) keeps its codes, scales,
-    biases and units, for the rows' output columns col0..col0 + TILE."""
+def tile_groups(meta, tile):
+    """(groups, bytes of one group's codes, where tile `tile`'s codes start) of a q4/q8 matrix
+    (metadata row meta): once a tile, outside its groups' loop."""
     group = meta[M_GROUP]
     groups = meta[M_K] // group
     group_bytes = (group // 2 if meta[M_FMT] == FMT_Q4 else group) * TILE
+    return groups, group_bytes, meta[M_DATA] + tile * groups * group_bytes
+
+
+@njit(**_JIT)
+def group_at(meta, tile, g, groups, group_bytes, base, col0):
+    """Where group g of the tile (its tile_groups: groups, group_bytes, base) keeps its codes,
+    scales, biases and units, for the rows' output columns col0..col0 + TILE."""
     p = (tile * groups + g) * TILE
     m_off = meta[M_BIAS] + p if meta[M_BIAS] >= 0 else -1
-    return GroupAt(meta[M_DATA] + (tile * groups + g) * group_bytes, meta[M_SCALE] + p, m_off,
-                   unit_offset(meta, tile, g), meta[M_HALF], g * group, g, col0)
+    return GroupAt(base + g * group_bytes, meta[M_SCALE] + p, m_off, unit_offset(meta, tile, g), meta[M_HALF],
+                   g * meta[M_GROUP], g, col0)
 
 
 @njit(**_JIT)
 def _tile_quant(tab, meta, tile, x, sums, out, col0):
     """out[:, col0:col0 + TILE] = tile `tile` of a q4/q8 matrix (metadata row meta) times every row of x."""
     group = meta[M_GROUP]
-    groups = meta[M_K] // group
+    groups, group_bytes, base = tile_groups(meta, tile)
     batch = x.shape[0]
     q4 = meta[M_FMT] == FMT_Q4
     zero_tile_rows(out, 0, batch, col0)
     for g in range(groups):
-        at = group_at(meta, tile, g, col0)
+        at = group_at(meta, tile, g, groups, group_bytes, base, col0)
         b0 = 0
         while b0 < batch:  # blocks of BLOCK rows; 5-7 left go as 4 + the rest
             rows = min(BLOCK, batch - b0)

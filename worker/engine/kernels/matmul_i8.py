@@ -65,7 +65,7 @@ from numba.extending import intrinsic
 
 from worker.engine.kernels.group_step_ir import VEC as _VEC
 from worker.engine.kernels.group_step_ir import GroupStepEmitter
-from worker.engine.kernels.matmul_batch import _tile_f32, group_at, locate_tile, zero_tile_rows
+from worker.engine.kernels.matmul_batch import _tile_f32, group_at, locate_tile, tile_groups, zero_tile_rows
 from worker.engine.kernels.packing import (FMT_F32, FMT_Q4, FMT_Q8, LAYOUT_QUADS, M_FMT, M_GROUP, M_K, M_LAYOUT,
                                            M_NARROW, M_TILES, TILE, TableArrays, quad_lanes)
 
@@ -519,12 +519,12 @@ def _tile_i8(tab, meta, tile, acts, out, col0, r0, r1):
     """out[r0:r1, col0:col0 + TILE] = tile `tile` of a q4/q8 matrix (metadata row meta) times rows r0..r1 of
     x, quantized in acts."""
     group = meta[M_GROUP]
-    groups = meta[M_K] // group
+    groups, group_bytes, base = tile_groups(meta, tile)
     q4 = meta[M_FMT] == FMT_Q4
     narrow = meta[M_NARROW] != 0
     zero_tile_rows(out, r0, r1, col0)
     for g in range(groups):
-        at = group_at(meta, tile, g, col0)
+        at = group_at(meta, tile, g, groups, group_bytes, base, col0)
         b0 = r0
         while b0 < r1:  # blocks of BLOCK rows
             rows = min(BLOCK, r1 - b0)

@@ -64,8 +64,8 @@ class KernelTableStore:
         self.path = self.directory / f"{FILE_PREFIX}{digest}.json"
 
     def load(self) -> dict | None:
-        """The saved choices {bucket: [matmul variant, threads, attention variant]}, or None (none saved, another key, unreadable).
-        ConfigError when the directory belongs to another user (start-up is refused)."""
+        """The saved choices {bucket: [matmul variant, threads, attention variant]}, or None (none
+        saved, another key, unreadable). ConfigError when the directory belongs to another user (start-up is refused)."""
         try:
             make_private(self.directory, "[tuning] state_path", log)
             data = self.path.read_bytes()

@@ -123,10 +123,12 @@ class TunerSettings:
             raise ValueError("[tuning] kernel_ban_seconds and kernel_calibration_seconds must be >= 0")
 
 
+SHIPPED_ATTENTION = next(iter(variants_of("attention")))  # the registry's first: OpTable.of's default
+
+
 def arm_name(arm: Arm) -> str:
     """"int8x2t"; "int8x2t+per_row" where the attention variant is not the shipped one."""
-    shipped = next(iter(variants_of("attention")))
-    return f"{arm[0]}x{arm[1]}t" + (f"+{arm[2]}" if arm[2] != shipped else "")
+    return f"{arm[0]}x{arm[1]}t" + (f"+{arm[2]}" if arm[2] != SHIPPED_ATTENTION else "")
 
 
 def _spread(values: list[float]) -> float:
