@@ -121,6 +121,7 @@ def _warm(engine) -> None:
     """Two short requests batched together, so every kernel of the hot path (prompt chunks, the
     one- and many-row decode steps) is compiled or loaded from the numba cache before serving."""
     from shared.sampling import SamplingParams
+    from worker.engine import heap
     from worker.sched.one_request import generate_ids, solo_generator
 
     log.info("warming up: loading the compiled kernels from %s, or compiling them on a first start "
@@ -132,6 +133,7 @@ def _warm(engine) -> None:
     while generator.has_work:
         generator.step()
     generate_ids(generator, [1, 2, 3, 4], 2)  # and one alone
+    heap.trim()  # what loading the kernels freed
     log.info("warmed up in %.1fs", time.perf_counter() - started)
 
 

@@ -23,6 +23,7 @@ from shared.errors import ConfigError, ContextLengthError, InvalidRequestError, 
 from shared.knobs import batch_ceiling
 from worker.engine.batch import RaggedBatch, StepChunk, row_arrays, window_row_tables
 from worker.engine.dense import ReferenceDense
+from worker.engine import heap
 from worker.engine.gguf_file import GGUFFile
 from worker.engine.models import build_model
 from worker.engine.paged_kv import (WINDOW_KV_MODES, KVShape, PagedKVCache, WindowLayout, pool_blocks,
@@ -197,6 +198,7 @@ def load_engine(path, settings: EngineSection = _ENGINE, attention_chunk: int = 
     # Every weight now lives in the packed table (or the reference set's arrays): the file's pages
     # would only double the resident memory (1.5B Qwen: 2.7 -> 1.6 GB after load).
     g.release_pages()
+    heap.trim()  # packing's freed temporaries (heap.py: 346 MB on the 1.5B file)
     import psutil
     hp = model.hp
     shape = KVShape(hp.n_layers, hp.n_kv_heads, hp.head_dim, kv_block_size)
