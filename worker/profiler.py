@@ -16,9 +16,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-import psutil
-
 from shared.protocol import Profile
+from worker.cpu_share import CpuShare
 from worker.placement import Placement
 from worker.sched.generation import Event, FinishEvent, StepStats, TokenEvent
 
@@ -85,7 +84,7 @@ class ProfileCollector:
         self._failed_sources: set[str] = set()
         self._last_counters: dict[str, int] = {}
         self._preemptions_seen = 0
-        self._cpu = _CpuShare(self.cpus)
+        self._cpu = CpuShare(self.cpus)
 
     def add_source(self, name: str, fn: Callable[[], dict[str, SourceValue]]) -> None:
         """Add a section to every profile (e.g. "kernels": KernelTuner.snapshot)."""
@@ -191,56 +190,6 @@ class ProfileCollector:
                     self._failed_sources.add(name)
                     log.exception("profile: the %r section failed; profiles go without it", name)
         return sections
-
-
-class _CpuShare:
-    """Who used this worker's CPUs since the last sample: the worker, other processes, the hypervisor;
-    in all over the CPUs it runs on now, and the share of other processes on each of its CPUs."""
-
-    def __init__(self, cpus: list[int]):
-        self.cpus = cpus
-        self._process = psutil.Process()
-        self._last = self._read()
-
-    def _read(self) -> tuple[list[tuple[float, float, float]], float]:
-        """([(total, busy, steal) per CPU of self.cpus], the process's own CPU seconds)."""
-        try:
-            per_cpu = psutil.cpu_times(percpu=True)
-            own = self._process.cpu_times()
-        except (psutil.Error, OSError):
-            return [], 0.0
-        chosen = [per_cpu[c] for c in self.cpus if c < len(per_cpu)]
-        if len(chosen) != len(self.cpus):  # CPU numbers psutil does not list: the whole host instead
-            chosen = per_cpu
-        each = []
-        for t in chosen:
-            total, steal = sum(t), getattr(t, "steal", 0.0)
-            each.append((total, total - t.idle - getattr(t, "iowait", 0.0) - steal, steal))
-        return each, own.user + own.system
-
-    def sample(self, in_use: list[int] | None = None) -> tuple[float, float, float, list[float]]:
-        """(own, others, steal) shares of the time of the CPUs in use since the last sample, and
-        the share other processes used on each CPU of self.cpus; each in [0, 1]."""
-        (each, own), (last_each, last_own) = self._read(), self._last
-        self._last = (each, own)
-        if not each or len(each) != len(last_each):
-            return 0.0, 0.0, 0.0, []
-        delta = [tuple(a - b for a, b in zip(now, then)) for now, then in zip(each, last_each)]
-        use = set(in_use or self.cpus)
-        mine = [d for cpu, d in zip(self.cpus, delta) if cpu in use] if len(delta) == len(self.cpus) else delta
-        total = sum(d[0] for d in mine)
-        if total <= 0:
-            return 0.0, 0.0, 0.0, []
-        own_share = _share(own - last_own, total)
-        others = _share(sum(d[1] for d in mine), total) - own_share
-        # The worker's own time is spread over the CPUs it runs on (psutil has no per-CPU split of it).
-        others_each = [max(0.0, _share(d[1], d[0]) - (own_share if cpu in use else 0.0))
-                       for cpu, d in zip(self.cpus, delta)] if len(delta) == len(self.cpus) else []
-        return own_share, max(0.0, others), _share(sum(d[2] for d in mine), total), others_each
-
-
-def _share(part: float, whole: float) -> float:
-    return min(1.0, max(0.0, part / whole)) if whole > 0 else 0.0
 
 
 def percentile(values: list[float], q: float) -> float:
