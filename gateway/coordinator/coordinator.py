@@ -109,6 +109,7 @@ class _Slot:
     worker_id: str = ""
     streak: tuple[str, Knobs] | None = None
     streak_count: int = 0
+    streak_profiles: list = field(default_factory=list)  # the streak's profiles with traffic: a trial's "before"
     recent: deque = field(default_factory=lambda: deque(maxlen=MEASURE))  # profiles with traffic
     trial: _Trial | None = None
     blocked: dict[str, float] = field(default_factory=dict)  # policy → monotonic time it may fire again
@@ -179,17 +180,22 @@ class Coordinator:
         proposals = [p for p in propose(profile, slot.knobs, self.defaults)
                      if slot.blocked.get(p.policy, 0.0) <= now or self._drifted(slot, p.policy, profile)]
         if not proposals:
-            slot.streak, slot.streak_count = None, 0
+            slot.streak, slot.streak_count, slot.streak_profiles = None, 0, []
             retest = self._retest_if_drifted(slot, profile, now)
             return [retest] if retest is not None else []
         first = proposals[0]
         key = (first.policy, first.knobs)
-        slot.streak_count = slot.streak_count + 1 if slot.streak == key else 1
+        if slot.streak != key:
+            slot.streak_count, slot.streak_profiles = 0, []
+        slot.streak_count += 1
         slot.streak = key
+        if busy:
+            slot.streak_profiles.append(profile)
         if slot.streak_count < CONFIRM or len(slot.recent) < 1:
             return []
-        slot.streak, slot.streak_count = None, 0
-        return [self._change(slot, first, profile)]
+        before = slot.streak_profiles or list(slot.recent)
+        slot.streak, slot.streak_count, slot.streak_profiles = None, 0, []
+        return [self._change(slot, first, profile, before)]
 
     # ---- operator controls ---------------------------------------------------------------------
 
@@ -308,12 +314,18 @@ class Coordinator:
 
     # ---- changes and their measurement ---------------------------------------------------------
 
-    def _change(self, slot: _Slot, proposal: Proposal, profile: Profile | None = None) -> Outgoing:
+    def _change(self, slot: _Slot, proposal: Proposal, profile: Profile | None = None,
+                before: list[Profile] | None = None) -> Outgoing:
+        """Act on `proposal`; its trial measures against `before`, the profiles that proposed it
+        (default: the recent ones). Not the recent ones then: a neighbour that arrived two
+        profiles ago left a quiet profile among them, and a CPU placement measured against that
+        was reverted as a loss (-23% ±54%) while it was a gain (neighbour scenario, 2026-12-06,
+        AMD Zen 3)."""
         self.version += 1
         name = self._name_of(slot)
         decision = Decision(self.version, name, self.wall(), "change", proposal.policy, proposal.reason,
                             slot.knobs.as_dict(), proposal.knobs.as_dict(), goal=proposal.goal, outcome="measuring")
-        slot.trial = _Trial(decision, slot.knobs, list(slot.recent), cause=slot.cause)
+        slot.trial = _Trial(decision, slot.knobs, list(slot.recent) if before is None else before, cause=slot.cause)
         slot.cause = self._cause_after(slot, proposal, profile)
         log.info("coordinator: %s v%d: %s (%s), because %s; measuring %s", name, self.version,
                  proposal.knobs.describe(slot.knobs), proposal.policy, proposal.reason, proposal.goal)

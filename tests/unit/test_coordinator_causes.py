@@ -271,3 +271,20 @@ def test_learned_knobs_that_still_win_on_the_new_mix_stay_and_are_not_retested_a
     [back] = feed(coordinator, clock, MEASURE + 1, **AGENTIC, output_tokens=900)  # the defaults lose 24%
     assert back.strategy.knobs.prefill_chunk == 256 and coordinator.history[-1].kind == "revert"
     assert feed(coordinator, clock, 40, **AGENTIC) == []  # this mix is now the one they were checked on
+
+
+def test_a_placement_is_measured_against_the_profiles_that_showed_the_hog_not_the_quiet_ones_before():
+    # The neighbour run of 2026-12-06 (AMD Zen 3, 1.5B): ~20 tok/s before the hog, ~4 under it,
+    # ~10 once moved off its CPU. The hog is seen within two profiles, so a trial against the last
+    # MEASURE profiles compared the move with a quiet profile and reverted it (-23% ±54%).
+    clock = Clock()
+    coordinator = Coordinator(DEFAULTS, wall=clock)
+    # Tokens per busy second (prompt and output tokens over 4 busy seconds): 650 quiet, 330 under
+    # the hog, 450 once moved.
+    assert feed(coordinator, clock, MEASURE, output_tokens=1600, **GONE) == []
+    [move] = feed(coordinator, clock, CONFIRM, output_tokens=320, **HOG)
+    assert move.strategy.knobs.cpus == (0,)
+    assert feed(coordinator, clock, MEASURE + 1, output_tokens=800, **HOG) == []
+    kept = coordinator.history[-1]
+    assert kept.effect["before"] == 330.0 and kept.effect["after"] == 450.0
+    assert kept.outcome == "kept" and knobs(coordinator).cpus == (0,)
