@@ -101,7 +101,9 @@ class CpuShare:
 
     def _read(self):
         try:
-            return self._cpu_times(self.cpus), self._own_seconds(), self._other_threads()
+            # One CPU: no placement can move the worker off it, so no per-CPU count is needed.
+            threads = self._other_threads() if len(self.cpus) > 1 else {}
+            return self._cpu_times(self.cpus), self._own_seconds(), threads
         except (psutil.Error, OSError):
             return [], 0.0, {}
 

@@ -97,3 +97,10 @@ def test_other_processes_threads_are_read_from_proc():
     finally:
         child.kill()
         child.wait()
+
+
+def test_a_worker_on_one_cpu_reads_no_other_threads():
+    read = []
+    share = CpuShare([0], lambda _: cpus(1.0), lambda: 0.0, lambda: read.append(1) or {})
+    share.sample()
+    assert read == []

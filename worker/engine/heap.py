@@ -4,8 +4,10 @@ Packing a model frees thousands of numpy temporaries. Once a big block has been 
 raises its mmap threshold (up to 32 MB), so the later temporaries come from the brk heap. Freed
 there between long-lived allocations, their pages stay resident: on Qwen2.5-Coder-1.5B the
 loaded engine held 346 MB of such free heap (1854 MB resident after load, 1508 MB after a trim;
-AMD Zen 3, AVX2, 2026-12-06), which alone broke issue 35.4's memory bound. malloc_trim(0)
-releases every whole free page, those in the middle of the heap too, in under a millisecond.
+AMD Zen 3, AVX2, 2026-12-06). A serving worker's RSS did not move (2830 vs 2841 MB): the kernels
+it loads at warm-up and the tuner's calibration reuse that heap, so the trim helps engines loaded
+in-process (benchmarks, tools). malloc_trim(0) releases every whole free page, those in the
+middle of the heap too, in under a millisecond.
 """
 from __future__ import annotations
 
