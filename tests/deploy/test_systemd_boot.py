@@ -279,7 +279,7 @@ def test_a_worker_restart_rejoins_and_stop_drains_cleanly(host):
     units = "reame-gateway.service reame-worker@0.service reame-worker@1.service"
     deadline = time.monotonic() + 180
     while (states := host.run(f"systemctl is-active {units}", check=False).stdout.split()) != ["inactive"] * 3:
-        assert time.monotonic() < deadline, states
+        assert time.monotonic() < deadline, f"{states}\n{_journal(host, 'reame-worker@1')}"
         time.sleep(0.5)
     assert "draining" in _journal(host, "reame-worker@1")
     assert host.run("systemctl --failed --no-legend", check=False).stdout.strip() == ""

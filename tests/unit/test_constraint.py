@@ -190,3 +190,13 @@ def test_the_mask_thread_rests_after_a_costly_mask_as_long_as_it_took():
         assert rests == [pytest.approx(0.04)]
     finally:
         constraints.close()
+
+
+def test_closing_waits_for_the_token_table_being_built(smollm2_gguf):
+    """from_gguf builds the table on a thread at once; a process that exits while that thread is
+    inside llguidance's native code crashes (SIGSEGV, reproduced by exiting 0.4 s after from_gguf),
+    so close() — the worker's last step before it exits — returns only once the build is over."""
+    constraints = Constraints.from_gguf(str(smollm2_gguf), 49152, capacity=2)
+    assert any(t.name == "grammar-table" for t in threading.enumerate())  # the build is under way
+    constraints.close()
+    assert not any(t.name == "grammar-table" for t in threading.enumerate())

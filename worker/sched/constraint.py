@@ -150,6 +150,7 @@ class Constraints:
         self._order = itertools.count()
         self._wake = threading.Condition()
         self._thread: threading.Thread | None = None
+        self._table_thread: threading.Thread | None = None  # from_gguf's early build of the table
         self._closed = False
         self.mask_seconds = 0.0  # total time spent computing masks (bench/structured.py reads it)
         self.masks_computed = 0
@@ -166,7 +167,8 @@ class Constraints:
         constraints = cls(load, vocab_size, capacity)
         # Built now, beside the worker's warm-up: it is Python (it holds the GIL ~1 s on a busy host),
         # and built at the first constrained request it stalled every stream of the worker.
-        threading.Thread(target=constraints.table, name="grammar-table", daemon=True).start()
+        constraints._table_thread = threading.Thread(target=constraints.table, name="grammar-table", daemon=True)
+        constraints._table_thread.start()
         return constraints
 
     def compile(self, grammar: str, end_ids: tuple[int, ...]) -> GrammarConstraint:
@@ -297,3 +299,9 @@ class Constraints:
             self._wake.notify()
         if self._thread is not None:
             self._thread.join(5.0)  # a mask still being computed ends with the process (a daemon thread)
+        if self._table_thread is not None:
+            # The process must not exit while the table is being built: a daemon thread inside
+            # llguidance's native code at interpreter exit crashed it (SIGSEGV, exit 139; a worker
+            # stopped ~0.5 s after its start, and systemd marked the unit failed). The build
+            # takes 0.3-1 s; the bound only covers a build that never ends.
+            self._table_thread.join(60.0)
