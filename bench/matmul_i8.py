@@ -63,7 +63,7 @@ def hidden_states(e, tokens):
     def rms(x, gain):
         return x / np.sqrt((x * x).mean(axis=1, keepdims=True) + hp.rms_eps) * gain
 
-    x = mat(w.token_embd)[tokens]
+    x = w.embed(tokens, mat).astype(np.float64)
     group = hp.n_heads // hp.n_kv_heads
     for layer in range(hp.n_layers):
         m = w.mats[layer]

@@ -129,7 +129,7 @@ class Gemma3:
     def forward(self, batch: RaggedBatch, kv: PagedKVCache, dense, logits_of_rows, attention_chunk: int) -> np.ndarray:
         hp, w, vec = self.hp, self.w, self.w.vectors
         t = batch.num_tokens
-        x = dense(w.token_embd)[batch.tokens].astype(np.float32) * self.embed_scale
+        x = w.embed(batch.tokens, dense) * self.embed_scale
         for layer in range(hp.n_layers):
             m = w.mats[layer]
             cos, sin = self.rope_global if self.is_global[layer] else self.rope_local
@@ -160,6 +160,8 @@ class Gemma3:
             window_tables = block_tables
         buf = self.buffers.ensure(tokens.shape[0], logit_rows.shape[0])
         pools = KVPools(kv.k, kv.v, kv.k_window, kv.v_window, kv.in_window, kv.pool_layer, window_tables)
+        if self.w.embedding is not None:
+            self.w.embedding.fill(tokens, buf.x)
         _gemma3_rows(StepRows(tokens, positions, block_tables, logit_rows, get_num_threads()), self.step_weights, self.step_config,
                      pools, attention_chunk, ops, buf)
         return buf.logits[:logit_rows.shape[0], :self.hp.vocab_size]
@@ -173,7 +175,8 @@ def _gemma3_rows(step, w, hp, kv, chunk, ops, buf):
     d = buf.x.shape[1]
     ff = buf.act.shape[1]
     mm = (w.tab, ops, buf.scratch)
-    embed_rows(mm, w.token_embd, step.tokens, buf.x)
+    if w.token_embd >= 0:  # else forward_rows filled buf.x from the file (FileEmbedding)
+        embed_rows(mm, w.token_embd, step.tokens, buf.x)
     for b in range(rows):
         for i in range(d):
             buf.x[b, i] *= hp.embed_scale

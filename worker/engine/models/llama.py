@@ -136,7 +136,7 @@ class Llama:
         hp, w, vec, bias = self.hp, self.w, self.w.vectors, self.bias
         t = batch.num_tokens
         rope = apply_rope_halves if hp.rope_neox else apply_rope_pairs
-        x = dense(w.token_embd)[batch.tokens].astype(np.float32)  # (T, d)
+        x = w.embed(batch.tokens, dense)  # (T, d)
         cos, sin = self.cos[batch.positions], self.sin[batch.positions]
         for layer in range(hp.n_layers):
             m = w.mats[layer]
@@ -162,6 +162,8 @@ class Llama:
         layers in one numba call; returns logits (len(logit_rows), vocab), a view of the buffers.
         ops: the op table's codes (registry.OpTable.codes), which kernel variants to run."""
         buf = self.buffers.ensure(tokens.shape[0], logit_rows.shape[0])
+        if self.w.embedding is not None:
+            self.w.embedding.fill(tokens, buf.x)
         _llama_rows(StepRows(tokens, positions, block_tables, logit_rows, get_num_threads()), self.step_weights, self.step_config,
                     (kv.k, kv.v), attention_chunk, ops, buf)
         return buf.logits[:logit_rows.shape[0], :self.hp.vocab_size]
@@ -169,11 +171,12 @@ class Llama:
 
 @njit(cache=True, nogil=True)
 def _llama_rows(step, w, hp, kv_pools, chunk, ops, buf):
-    """embed → per layer (norm, qkv, rope, attention, residual, ffn) → norm → logits, every row."""
+    """embed (unless filled) → per layer (norm, qkv, rope, attention, residual, ffn) → norm → logits, every row."""
     rows = step.tokens.shape[0]
     k_pool, v_pool = kv_pools
     mm = (w.tab, ops, buf.scratch)
-    embed_rows(mm, w.token_embd, step.tokens, buf.x)
+    if w.token_embd >= 0:  # else forward_rows filled buf.x from the file (FileEmbedding)
+        embed_rows(mm, w.token_embd, step.tokens, buf.x)
     for layer in range(w.mats.shape[0]):
         m = w.mats[layer]
         rmsnorm_rows(buf.x, w.attn_norm[layer], hp.eps, buf.h, rows)
