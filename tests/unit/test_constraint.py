@@ -196,7 +196,9 @@ def test_closing_waits_for_the_token_table_being_built(smollm2_gguf):
     """from_gguf builds the table on a thread at once; a process that exits while that thread is
     inside llguidance's native code crashes (SIGSEGV, reproduced by exiting 0.4 s after from_gguf),
     so close() — the worker's last step before it exits — returns only once the build is over."""
+    before = set(threading.enumerate())
     constraints = Constraints.from_gguf(str(smollm2_gguf), 49152, capacity=2)
-    assert any(t.name == "grammar-table" for t in threading.enumerate())  # the build is under way
+    builds = [t for t in threading.enumerate() if t.name == "grammar-table" and t not in before]
+    assert len(builds) == 1 and builds[0].is_alive()  # the build is under way
     constraints.close()
-    assert not any(t.name == "grammar-table" for t in threading.enumerate())
+    assert not builds[0].is_alive()
