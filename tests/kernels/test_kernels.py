@@ -10,7 +10,7 @@ from tests.kernels.yardsticks import linear as matvec
 from worker.engine.gguf_file import GGUFFile
 from worker.engine.kernels.matmul_batch import batch_scratch
 from worker.engine.kernels.matmul_i8 import batch_scratch_i8, quantize_reference
-from worker.engine.kernels.packing import FMT_F32, LAYOUT_QUADS, LAYOUT_ROWS, M_FMT, TILE, pack
+from worker.engine.kernels.packing import FMT_F32, LAYOUT_QUADS, LAYOUT_ROWS, M_FMT, PARAM_F16, PARAM_STEP8, TILE, pack
 from worker.engine.kernels.registry import (ALL_QUANT_TYPES, BUCKET_LIMITS, BUCKET_NAMES, DISPATCHED_OPS, KERNELS,
                                             MATMUL, KernelVariant, OpTable, bucket_of, layout_for, variants_of)
 from worker.engine.quants import dequantize
@@ -113,19 +113,20 @@ def test_one_launch_computes_several_matrices_of_different_formats():
 def test_scales_are_stored_as_float16_only_when_exact():
     from gguf import GGMLQuantizationType as QT
     fp16_scaled = pack(random_tensor(QT.Q4_1, 64, 256, 1), QT.Q4_1)
-    assert fp16_scaled.half and fp16_scaled.bias.dtype == np.float16 and fp16_scaled.units is None
+    assert fp16_scaled.param == PARAM_F16 and fp16_scaled.bias.dtype == np.float16 and fp16_scaled.units is None
 
 
 @pytest.mark.parametrize("qtype_name, per", [("Q4_K", 8), ("Q5_K", 8), ("Q6_K", 16)])
 def test_k_quant_scales_are_stored_factored_and_exact(qtype_name, per):
     # A K-quant's scale is float16 d × a 6/8-bit step: not a float16 in general, so it is kept
-    # as the two float16 factors, whose float32 product is the file's scale to the bit.
+    # as the file's two factors, the step as int8 and d as float16, whose float32 product is the
+    # file's scale to the bit.
     from gguf import GGMLQuantizationType as QT
     from worker.engine.quants import decode_rows
     qtype = QT[qtype_name]
     raw = random_tensor(qtype, 64, 512, 2)
     packed = pack(raw, qtype)
-    assert packed.half and packed.units is not None and packed.per == per
+    assert packed.param == PARAM_STEP8 and packed.units is not None and packed.per == per
     dec = decode_rows(raw, qtype)
     assert dec.scale.astype(np.float16).astype(np.float32).tolist() != dec.scale.tolist()  # not whole float16s
     width = 1 if dec.bias is None else 2

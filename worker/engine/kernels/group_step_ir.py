@@ -5,8 +5,8 @@ addressing, and the multiply by a factored matrix's units (packing: step × unit
 Both steps take their operands in bundles: the table's arrays (packing.TableArrays), where the
 group is (GroupAt), the activations, `out`, and the rows. A subclass sets the fields read here (b,
 context; fmt, group; the arrays through `_take_arrays`, GroupAt's fields through `_take_group`;
-rows) and gives `_rows(n)` and `_halves_of(offset, v)`, its way of loading vector v of TILE
-float16 parameters.
+rows) and gives `_rows(n)` and its ways of loading vector v of TILE parameters (`_halves_of`:
+float16, `_floats_of`: float32, `_steps_of`: int8 steps); `_param` picks one by the group's type.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 
-from worker.engine.kernels.packing import FMT_Q4, TILE
+from worker.engine.kernels.packing import FMT_Q4, PARAM_F16, PARAM_STEP8, TILE
 
 VEC = 16  # float32 lanes of one vector
 PREFETCH_GROUPS = 4  # groups ahead whose codes each step prefetches (2 to 16 measured alike)
@@ -28,10 +28,10 @@ _HALVES = ir.VectorType(ir.HalfType(), VEC)
 class GroupAt(NamedTuple):
     """Where one group of one tile is, for a group step (each an int64)."""
     d_off: int  # byte offset of the group's codes in data
-    s_off: int  # offset of its TILE scales in scales16 (half != 0) or scales
+    s_off: int  # offset of its TILE scales in scales, scales16 or data (by param)
     m_off: int  # offset of its TILE biases, likewise; < 0 for none
     u_off: int  # offset of its units in scales16 when its matrix is factored (packing.unit_offset), else < 0
-    half: int  # != 0: its parameters are float16 (scales16)
+    param: int  # packing.PARAM_*: its parameters are float32 (scales), float16 (scales16) or int8 steps (data)
     k0: int  # its first input: the column of x (or the quantized activations) it starts at
     g: int  # its index in the row: the column of the group sums
     col0: int  # the tile's first output column in out
@@ -44,7 +44,8 @@ class GroupStepEmitter:
     def emit(self):
         b = self.b
         self._prefetch()
-        self.is_half = b.icmp_signed("!=", self.half, ir.Constant(self.half.type, 0))
+        self.is_half = b.icmp_signed("==", self.param, self._c(PARAM_F16))
+        self.is_step8 = b.icmp_signed("==", self.param, self._c(PARAM_STEP8))
         self.has_bias = b.icmp_signed(">=", self.m_off, self._c(0))
         self.is_factored = b.icmp_signed(">=", self.u_off, self._c(0))
         done = b.append_basic_block(f"{self.name}.done")
@@ -63,6 +64,39 @@ class GroupStepEmitter:
     def _halves_of(self, offset, v):
         """Vector v of the TILE float16 parameters at `offset` of scales16, as <16 x half>."""
         raise NotImplementedError
+
+    def _floats_of(self, offset, v):
+        """Vector v of the TILE float32 parameters at `offset` of scales, as <16 x float>."""
+        raise NotImplementedError
+
+    def _steps_of(self, offset, v):
+        """Vector v of the TILE int8 steps at byte `offset` of data, as <16 x i8>."""
+        raise NotImplementedError
+
+    def _param(self, offset, v):
+        """Vector v of the TILE group parameters (scales or biases) at offset, as float32; a
+        factored matrix's are its steps, which _times_unit then multiplies by the units."""
+        b = self.b
+        with b.if_else(self.is_step8) as (steps, whole):
+            with steps:
+                from_steps = b.sitofp(self._steps_of(offset, v), _F32S)
+                steps_block = b.block
+            with whole:
+                with b.if_else(self.is_half) as (then, otherwise):
+                    with then:
+                        from_half = b.fpext(self._halves_of(offset, v), _F32S)
+                        half_block = b.block
+                    with otherwise:
+                        from_f32 = self._floats_of(offset, v)
+                        f32_block = b.block
+                whole_value = b.phi(_F32S)
+                whole_value.add_incoming(from_half, half_block)
+                whole_value.add_incoming(from_f32, f32_block)
+                whole_block = b.block
+        value = b.phi(_F32S)
+        value.add_incoming(from_steps, steps_block)
+        value.add_incoming(whole_value, whole_block)
+        return value
 
     def _prefetch(self):
         """Ask for the codes PREFETCH_GROUPS groups ahead (the next tiles' once near a tile's end)."""

@@ -47,7 +47,7 @@ from numba.extending import intrinsic
 from worker.engine.kernels.group_step_ir import GroupAt, GroupStepEmitter
 from worker.engine.kernels.group_step_ir import VEC as _VEC
 from worker.engine.kernels.packing import (FMT_F32, FMT_Q4, FMT_Q8, LAYOUT_ROWS, M_BIAS, M_DATA, M_FMT, M_GROUP,
-                                           M_HALF, M_K, M_LAYOUT, M_SCALE, M_TILES, TILE, TableArrays, unit_offset)
+                                           M_K, M_LAYOUT, M_PARAM, M_SCALE, M_TILES, TILE, TableArrays, unit_offset)
 
 _JIT = dict(fastmath=True, cache=True, nogil=True)
 
@@ -148,21 +148,13 @@ class _StepEmitter(GroupStepEmitter):
         at = self.b.add(offset, self.b.mul(v, self._c(_VEC)))
         return self.b.bitcast(self.b.load(self._vptr("scales16", self._V16, at), align=2), self._VH)
 
-    def _param(self, offset, v):
-        """Vector v of the TILE group parameters at offset, from scales16 or scales."""
-        b = self.b
-        with b.if_else(self.is_half) as (then, otherwise):
-            with then:
-                from_half = b.fpext(self._halves_of(offset, v), self._V)
-                half_block = b.block
-            with otherwise:
-                at = b.add(offset, b.mul(v, self._c(_VEC)))
-                from_f32 = b.load(self._vptr("scales", self._V, at), align=4)
-                f32_block = b.block
-        phi = b.phi(self._V)
-        phi.add_incoming(from_half, half_block)
-        phi.add_incoming(from_f32, f32_block)
-        return phi
+    def _floats_of(self, offset, v):
+        at = self.b.add(offset, self.b.mul(v, self._c(_VEC)))
+        return self.b.load(self._vptr("scales", self._V, at), align=4)
+
+    def _steps_of(self, offset, v):
+        at = self.b.add(offset, self.b.mul(v, self._c(_VEC)))
+        return self.b.load(self._vptr("data", self._V8, at), align=1)
 
     # ---- the step for n rows -------------------------------------------------------------------
     def _rows(self, n):
@@ -255,7 +247,7 @@ def group_at(meta, tile, g, groups, group_bytes, base, col0):
     scales, biases and units, for the rows' output columns col0..col0 + TILE."""
     p = (tile * groups + g) * TILE
     m_off = meta[M_BIAS] + p if meta[M_BIAS] >= 0 else -1
-    return GroupAt(base + g * group_bytes, meta[M_SCALE] + p, m_off, unit_offset(meta, tile, g), meta[M_HALF],
+    return GroupAt(base + g * group_bytes, meta[M_SCALE] + p, m_off, unit_offset(meta, tile, g), meta[M_PARAM],
                    g * meta[M_GROUP], g, col0)
 
 

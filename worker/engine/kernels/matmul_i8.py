@@ -329,24 +329,17 @@ class _I8Emitter(GroupStepEmitter):
                          align=2) for lane in range(4)]
         return b.bitcast(self._concat4(pieces), ir.VectorType(ir.HalfType(), _VEC))
 
-    def _param(self, offset, v):
-        """Group parameters (scale or bias) of the outputs of interleaved vector v, from scales16 or scales."""
+    def _floats_of(self, offset, v):
         b = self.b
-        pieces_f = []
-        with b.if_else(self.is_half) as (then, otherwise):
-            with then:
-                from_half = b.fpext(self._halves_of(offset, v), _VF)
-                half_block = b.block
-            with otherwise:
-                for lane in range(4):
-                    at = b.add(offset, self._c(16 * lane + 4 * v))
-                    pieces_f.append(b.load(self._vptr("scales", ir.VectorType(ir.FloatType(), 4), at), align=4))
-                from_f32 = self._concat4(pieces_f)
-                f32_block = b.block
-        phi = b.phi(_VF)
-        phi.add_incoming(from_half, half_block)
-        phi.add_incoming(from_f32, f32_block)
-        return phi
+        pieces = [b.load(self._vptr("scales", ir.VectorType(ir.FloatType(), 4), b.add(offset, self._c(16 * lane + 4 * v))),
+                         align=4) for lane in range(4)]
+        return self._concat4(pieces)
+
+    def _steps_of(self, offset, v):
+        b = self.b
+        pieces = [b.load(self._vptr("data", ir.VectorType(_I8, 4), b.add(offset, self._c(16 * lane + 4 * v))),
+                         align=1) for lane in range(4)]
+        return self._concat4(pieces)
 
     def _concat4(self, parts):
         b = self.b

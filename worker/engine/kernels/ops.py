@@ -11,8 +11,8 @@ from numba import njit
 
 from worker.engine.kernels.fast_exp import sigmoid
 from worker.engine.kernels.half import f16_to_f32
-from worker.engine.kernels.packing import (FMT_F32, FMT_Q4, LAYOUT_QUADS, M_BIAS, M_DATA, M_FMT, M_GROUP, M_HALF, M_K,
-                                           M_LAYOUT, M_SCALE, QUAD, TILE, unit_offset)
+from worker.engine.kernels.packing import (FMT_F32, FMT_Q4, LAYOUT_QUADS, M_BIAS, M_DATA, M_FMT, M_GROUP, M_K,
+                                           M_LAYOUT, M_PARAM, M_SCALE, PARAM_F16, PARAM_STEP8, QUAD, TILE, unit_offset)
 
 _JIT = dict(fastmath=True, cache=True, nogil=True)
 
@@ -66,8 +66,11 @@ def gelu_tanh_mul(gate, up, out):
 
 
 @njit(**_JIT)
-def _group_value(scales, scales16, half, index):
-    return f16_to_f32(scales16[index]) if half else scales[index]
+def _group_value(data, scales, scales16, param, index):
+    """Group parameter `index` of a matrix whose parameters are of type param (packing.PARAM_*)."""
+    if param == PARAM_STEP8:
+        return np.float32(np.int8(data[index]))
+    return f16_to_f32(scales16[index]) if param == PARAM_F16 else scales[index]
 
 
 @njit(**_JIT)
@@ -96,11 +99,11 @@ def dequant_row(data, scales, scales16, meta, token, out):
         return
     group = meta[M_GROUP]
     groups = k // group
-    half = meta[M_HALF] == 1
+    param = meta[M_PARAM]
     for g in range(groups):
         at = (tile * groups + g) * TILE + t
-        sc = _group_value(scales, scales16, half, meta[M_SCALE] + at)
-        bi = _group_value(scales, scales16, half, meta[M_BIAS] + at) if meta[M_BIAS] >= 0 else np.float32(0.0)
+        sc = _group_value(data, scales, scales16, param, meta[M_SCALE] + at)
+        bi = _group_value(data, scales, scales16, param, meta[M_BIAS] + at) if meta[M_BIAS] >= 0 else np.float32(0.0)
         u = unit_offset(meta, tile, g)
         if u >= 0:  # factored parameters: step × unit (packing)
             sc = sc * f16_to_f32(scales16[u + t])

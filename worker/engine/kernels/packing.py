@@ -7,10 +7,11 @@ Scales (and biases) are split out per group of 16/32 inputs, also TILE-wide, as 
 that is exact (the scales of Q4_0/Q4_1/Q5_x/Q8_0 are float16 in the file; decode streams the weights,
 so the 2 bytes saved per group are ~15% of a Q4 matrix). A K-quant's scale is a product, the
 super-block's float16 d times a 6- or 8-bit step, which float16 cannot hold but float32 can: it is
-stored *factored* — the steps as float16 per group, the units (d, and -dmin for the bias) as
-float16 per 256-input super-block — and the kernels multiply the two back, exactly, when they
-read a group. On Qwen2.5-Coder-1.5B (Q4_K/Q6_K) that is 246 MB of parameters instead of 444 MB
-of float32 ones, 13% of the bytes a decode step streams. Anything else keeps float32 scales.
+stored *factored* — the steps as the file's small integers, one int8 per group (in the `data`
+arena, after the codes), the units (d, and -dmin for the bias) as float16 per 256-input
+super-block — and the kernels multiply the two back, exactly, when they read a group. On
+Qwen2.5-Coder-1.5B (Q4_K/Q6_K) that is ~130 MB of parameters instead of 246 MB with float16 steps
+or 444 MB of float32 ones. Anything else keeps float32 scales.
 
 Three formats cover every GGUF type (see `quants.py`, which decodes them all to
 `scale * code + bias`):
@@ -56,14 +57,16 @@ FORMAT_NAMES = {FMT_F32: "f32", FMT_Q4: "q4", FMT_Q8: "q8"}
 _Q4_TYPES = {QT.Q4_0, QT.Q4_1, QT.Q4_K}
 _Q8_TYPES = {QT.Q5_0, QT.Q5_1, QT.Q5_K, QT.Q6_K, QT.Q8_0}
 
-# Columns of MatrixTable.meta. M_SCALE and M_BIAS index `scales16` when M_HALF is 1, else
-# `scales`; M_BIAS is -1 for types without a per-group minimum; M_NARROW is 1 for a q8 matrix
+# Columns of MatrixTable.meta. M_PARAM is where the group parameters are and in which type
+# (PARAM_*): M_SCALE and M_BIAS index `scales` (float32), `scales16` (float16) or `data` (int8
+# steps of a factored matrix); M_BIAS is -1 for types without a per-group minimum; M_NARROW is 1 for a q8 matrix
 # whose codes are small enough (see narrow_codes) that int16 sums of a whole group cannot overflow.
 # M_LAYOUT is the matrix's code layout (LAYOUT_ROWS or LAYOUT_QUADS). M_UNIT is the offset in
 # `scales16` of a factored matrix's units (-1 when its parameters are whole), M_PER its groups per
 # super-block; see unit_offset for where a group's units are.
-M_FMT, M_N, M_K, M_GROUP, M_DATA, M_SCALE, M_BIAS, M_TILES, M_HALF, M_NARROW, M_LAYOUT, M_UNIT, M_PER = range(13)
+M_FMT, M_N, M_K, M_GROUP, M_DATA, M_SCALE, M_BIAS, M_TILES, M_PARAM, M_NARROW, M_LAYOUT, M_UNIT, M_PER = range(13)
 META_COLS = 13
+PARAM_F32, PARAM_F16, PARAM_STEP8 = 0, 1, 2
 
 LAYOUT_ROWS, LAYOUT_QUADS = 0, 1
 LAYOUT_NAMES = {LAYOUT_ROWS: "rows", LAYOUT_QUADS: "quads"}
@@ -121,17 +124,18 @@ class PackedMatrix:
     k: int
     group: int
     data: np.ndarray  # uint8, flattened (tiles, rows, TILE) in the format's element type
-    scale: np.ndarray  # float32 or float16, flattened (tiles, k // group, TILE); empty for f32
+    scale: np.ndarray  # float32, float16 or int8 steps, flattened (tiles, k // group, TILE); empty for f32
     bias: np.ndarray | None  # like scale, or None
     narrow: bool = False  # q8 codes within narrow_codes' bound
-    # Factored parameters: scale and bias hold steps, these their float16 units, flattened
+    # Factored parameters: scale and bias hold int8 steps, these their float16 units, flattened
     # (tiles, k // (group * per), 1 or 2 (scale, bias), TILE); per = groups per super-block.
     units: np.ndarray | None = None
     per: int = 0
 
     @property
-    def half(self) -> bool:
-        return self.scale.dtype == np.float16
+    def param(self) -> int:
+        """PARAM_F32, PARAM_F16 or PARAM_STEP8: the type of scale and bias."""
+        return {np.dtype(np.float16): PARAM_F16, np.dtype(np.int8): PARAM_STEP8}.get(self.scale.dtype, PARAM_F32)
 
 
 def pack(raw: np.ndarray, qtype: QT) -> PackedMatrix:
@@ -167,7 +171,7 @@ def pack(raw: np.ndarray, qtype: QT) -> PackedMatrix:
         scale, bias = halves
     elif dec.factors is not None and bias is dec.bias:  # not when a Q4 shift moved the bias
         f = dec.factors
-        factored = _as_half_if_exact(f.scale_steps, f.bias_steps)
+        factored = _as_int8_if_exact(f.scale_steps, f.bias_steps)
         unit_parts = [f.scale_unit] if f.bias_unit is None else [f.scale_unit, f.bias_unit]
         halves_of_units = [u.astype(np.float16) for u in unit_parts]
         if factored is not None and all(np.array_equal(h.astype(np.float32), u)
@@ -185,6 +189,17 @@ def pack(raw: np.ndarray, qtype: QT) -> PackedMatrix:
                         None if bias is None else _tile_transpose(bias).ravel(), narrow, units, per)
 
 
+def _as_int8_if_exact(scale: np.ndarray, bias: np.ndarray | None):
+    """int8 copies (scale, bias) of a K-quant's steps when they are integers of int8's range
+    (always: 4- to 8-bit steps), else None."""
+    parts = [scale] if bias is None else [scale, bias]
+    if not all(np.array_equal(p, np.rint(p)) and (p.size == 0 or (p.min() >= -128 and p.max() <= 127))
+               for p in parts):
+        return None
+    steps = [p.astype(np.int8) for p in parts]
+    return steps[0], (steps[1] if bias is not None else None)
+
+
 def _as_half_if_exact(scale: np.ndarray, bias: np.ndarray | None):
     """float16 copies (scale, bias) when they round-trip exactly (always for the types with fp16
     scales), else None."""
@@ -197,8 +212,8 @@ def _as_half_if_exact(scale: np.ndarray, bias: np.ndarray | None):
 
 class TableArrays(NamedTuple):
     """A MatrixTable's arrays as the kernels take them (one argument instead of four)."""
-    data: np.ndarray  # uint8: every matrix's codes
-    scales: np.ndarray  # float32 group scales and biases of matrices whose parameters are not float16
+    data: np.ndarray  # uint8: every matrix's codes, then the factored matrices' int8 steps
+    scales: np.ndarray  # float32 group scales and biases (PARAM_F32)
     scales16: np.ndarray  # uint16 (float16 bits): float16 group parameters and factored matrices' units
     meta: np.ndarray  # int64 (n_matrices, META_COLS): each matrix's row of M_* columns
 
@@ -223,22 +238,26 @@ class MatrixTable:
         if layout not in LAYOUT_NAMES:
             raise ValueError(f"unknown code layout {layout!r}")
         meta = np.zeros((len(self._parts), META_COLS), np.int64)
-        d_off, used = 0, {False: 0, True: 0}  # next free element in scales / scales16
+        codes_end = sum(m.data.size for m in self._parts)
+        # Next free element of each parameter arena; int8 steps go into data after every code.
+        used = {PARAM_F32: 0, PARAM_F16: 0, PARAM_STEP8: codes_end}
+        d_off = 0
         for i, m in enumerate(self._parts):
-            s_off = used[m.half]
+            s_off = used[m.param]
             b_off = -1 if m.bias is None else s_off + m.scale.size
-            used[m.half] += m.scale.size + (0 if m.bias is None else m.bias.size)
-            u_off = -1 if m.units is None else used[True]
-            used[True] += 0 if m.units is None else m.units.size
+            used[m.param] += m.scale.size + (0 if m.bias is None else m.bias.size)
+            u_off = -1 if m.units is None else used[PARAM_F16]
+            used[PARAM_F16] += 0 if m.units is None else m.units.size
             own = layout if m.fmt != FMT_F32 else LAYOUT_ROWS
-            meta[i] = (m.fmt, m.n, m.k, m.group, d_off, s_off, b_off, _tiles(m.n), int(m.half), int(m.narrow), own,
+            meta[i] = (m.fmt, m.n, m.k, m.group, d_off, s_off, b_off, _tiles(m.n), m.param, int(m.narrow), own,
                        u_off, m.per)
             d_off += m.data.size
-        self.data = np.empty(d_off, np.uint8)
-        self.scales = np.empty(max(used[False], 1), np.float32)
-        halves = np.empty(max(used[True], 1), np.float16)
+        self.data = np.empty(used[PARAM_STEP8], np.uint8)
+        self.scales = np.empty(max(used[PARAM_F32], 1), np.float32)
+        halves = np.empty(max(used[PARAM_F16], 1), np.float16)
+        arenas = {PARAM_F32: self.scales, PARAM_F16: halves, PARAM_STEP8: self.data.view(np.int8)}
         for i, m in enumerate(self._parts):
-            arena = halves if m.half else self.scales
+            arena = arenas[m.param]
             codes = m.data
             if meta[i, M_LAYOUT] == LAYOUT_QUADS:
                 codes = interleave_quads(codes.reshape(_tiles(m.n), -1, TILE)).ravel()
