@@ -10,7 +10,7 @@ from tests.kernels.quant_cases import batch_inputs, packed_table, random_tensor
 from worker.engine.kernels.matmul_i8 import (ROW_BLOCK, QuantizedRows, _quantize_rows, batch_scratch_i8,
                                              linear_batch_i8, linear_batch_i8_blocked, linear_batch_i8_serial,
                                              quantize_reference, scratch_size_i8)
-from worker.engine.kernels.packing import LAYOUT_QUADS, LAYOUT_ROWS, M_NARROW, TILE
+from worker.engine.kernels.packing import FMT_Q6, FMT_Q8, LAYOUT_QUADS, LAYOUT_ROWS, M_FMT, M_NARROW, TILE
 from worker.engine.kernels.registry import ALL_QUANT_TYPES
 from worker.engine.quants import dequantize
 
@@ -113,25 +113,52 @@ def _extreme_codes(qtype, rows, cols):
     return np.tile(block, (rows, cols // per_block))
 
 
-def test_narrow_q8_group_sums_cannot_overflow_int16():
-    # Q5_0 and Q6_K take the narrow path (a group's pair sums add up in int16): the largest codes
-    # times activations all at +127 reach 32512 per lane, just within int16. Q8_0 does not.
+def _largest_q6_k_codes(rows, cols):
+    """Q6_K rows whose every code is +31 (all quant bits set), scale 0.01."""
+    block = np.full(210, 0xFF, np.uint8)
+    block[192:208] = 1
+    block[208:210] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
+    return np.tile(block, (rows, cols // 256))
+
+
+def test_narrow_q8_and_six_bit_group_sums_cannot_overflow_int16():
+    # Q5_0 takes the narrow path (a group's pair sums add up in int16): the largest codes times
+    # activations all at +127 reach 32512 per lane, just within int16. Q8_0 does not. Q6_K's
+    # six-bit codes (c + 32 up to 63) sum 2 quads in int16 on AVX2: up to 32004.
     raws = [(_extreme_codes(QT.Q5_0, 64, 256), QT.Q5_0), (_extreme_codes(QT.Q6_K, 64, 256), QT.Q6_K),
-            (random_tensor(QT.Q8_0, 64, 256, 1), QT.Q8_0)]
+            (random_tensor(QT.Q8_0, 64, 256, 1), QT.Q8_0), (_largest_q6_k_codes(64, 256), QT.Q6_K)]
     table = packed_table(raws, LAYOUT_QUADS)
-    assert list(table.meta[:, M_NARROW]) == [1, 1, 0]
+    assert list(table.meta[:, M_NARROW]) == [1, 0, 0, 0]
+    assert list(table.meta[:, M_FMT]) == [FMT_Q8, FMT_Q6, FMT_Q8, FMT_Q6]
     x = np.ones((3, 256), np.float32)
     x[1] = -2.0
     x[2, ::2] = -1.0  # mixed signs
-    got = _batch(table, [0, 1, 2], x)
+    got = _batch(table, [0, 1, 2, 3], x)
     for i, (raw, qtype) in enumerate(raws):
         expected = _x_hat(x) @ dequantize(raw, qtype).T.astype(np.float64)
         np.testing.assert_allclose(got[:, 64 * i:64 * (i + 1)], expected, rtol=0,
                                    atol=2e-5 * np.abs(expected).max(), err_msg=qtype.name)
 
 
+def test_six_bit_codes_give_the_bits_of_one_byte_codes(monkeypatch):
+    # The same Q6_K matrix, its codes stored in 6 bits (FMT_Q6) and in a byte each (FMT_Q8): the
+    # integer sums are exact either way, so every output is the same float.
+    from worker.engine.kernels import packing
+    raw = random_tensor(QT.Q6_K, 100, 512, 5)
+    six = packed_table([(raw, QT.Q6_K)], LAYOUT_QUADS)
+    monkeypatch.setattr(packing, "fits_six_bits", lambda m: False)
+    eight = packed_table([(raw, QT.Q6_K)], LAYOUT_QUADS)
+    assert six.meta[0, M_FMT] == FMT_Q6 and eight.meta[0, M_FMT] == FMT_Q8
+    assert six.data.nbytes < 0.8 * eight.data.nbytes
+    for batch in (1, 3, 6):
+        x = batch_inputs(batch, 512, seed=11)
+        assert np.array_equal(_batch(six, [0], x), _batch(eight, [0], x)), batch
+
+
 @pytest.mark.parametrize("qtype", [QT.Q5_0, QT.Q6_K], ids=lambda q: q.name)
-def test_the_narrow_path_gives_the_bits_of_the_wide_one(qtype):
+def test_the_narrow_path_gives_the_bits_of_the_wide_one(qtype, monkeypatch):
+    from worker.engine.kernels import packing
+    monkeypatch.setattr(packing, "fits_six_bits", lambda m: False)  # Q6_K as one byte a code
     table = packed_table([(random_tensor(qtype, 100, 512, 5), qtype)], LAYOUT_QUADS)
     assert table.meta[0, M_NARROW] == 1
     x = batch_inputs(6, 512, seed=11)

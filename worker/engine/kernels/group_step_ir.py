@@ -16,7 +16,7 @@ from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 
-from worker.engine.kernels.packing import FMT_Q4, PARAM_F16, PARAM_STEP8, TILE
+from worker.engine.kernels.packing import PARAM_F16, PARAM_STEP8, code_bytes_per_group
 
 VEC = 16  # float32 lanes of one vector
 PREFETCH_GROUPS = 4  # groups ahead whose codes each step prefetches (2 to 16 measured alike)
@@ -101,7 +101,7 @@ class GroupStepEmitter:
     def _prefetch(self):
         """Ask for the codes PREFETCH_GROUPS groups ahead (the next tiles' once near a tile's end)."""
         b = self.b
-        group_bytes = (self.group // 2 if self.fmt == FMT_Q4 else self.group) * TILE
+        group_bytes = code_bytes_per_group(self.fmt, self.group)
         fn = cgutils.get_or_insert_function(
             b.module, ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer()] + [ir.IntType(32)] * 3),
             "llvm.prefetch.p0i8")

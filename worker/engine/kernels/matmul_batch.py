@@ -47,7 +47,8 @@ from numba.extending import intrinsic
 from worker.engine.kernels.group_step_ir import GroupAt, GroupStepEmitter
 from worker.engine.kernels.group_step_ir import VEC as _VEC
 from worker.engine.kernels.packing import (FMT_F32, FMT_Q4, FMT_Q8, LAYOUT_ROWS, M_BIAS, M_DATA, M_FMT, M_GROUP,
-                                           M_K, M_LAYOUT, M_PARAM, M_SCALE, M_TILES, TILE, TableArrays, unit_offset)
+                                           M_K, M_LAYOUT, M_PARAM, M_SCALE, M_TILES, TILE, TableArrays,
+                                           code_bytes_per_group, unit_offset)
 
 _JIT = dict(fastmath=True, cache=True, nogil=True)
 
@@ -237,7 +238,7 @@ def tile_groups(meta, tile):
     (metadata row meta): once a tile, outside its groups' loop."""
     group = meta[M_GROUP]
     groups = meta[M_K] // group
-    group_bytes = (group // 2 if meta[M_FMT] == FMT_Q4 else group) * TILE
+    group_bytes = code_bytes_per_group(meta[M_FMT], group)
     return groups, group_bytes, meta[M_DATA] + tile * groups * group_bytes
 
 

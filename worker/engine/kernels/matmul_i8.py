@@ -23,6 +23,9 @@ Operands. vpdpbusd multiplies unsigned bytes of one operand by signed bytes of t
   FMT_Q8: signed codes flipped to unsigned, c + 128 (one vpxor per weight vector, shared by the
           rows); the extra 128 Σ q of a row is removed by starting its accumulator at -128 Σ q
           (precomputed per group with the quantization), which costs nothing per weight.
+  FMT_Q6: the stored codes are already c + 32 (0..63), rebuilt from a nibble and 2 top bits
+          (packing) in 3-4 operations per weight vector, shared by the rows; the accumulator
+          starts at -32 Σ q (the -128 Σ q above, divided by 4).
 The activation is always the signed operand, a dword of 4 consecutive codes broadcast to every
 lane (folded into vpdpbusd as a {1to16} memory operand).
 
@@ -66,7 +69,7 @@ from numba.extending import intrinsic
 from worker.engine.kernels.group_step_ir import VEC as _VEC
 from worker.engine.kernels.group_step_ir import GroupStepEmitter
 from worker.engine.kernels.matmul_batch import _tile_f32, group_at, locate_tile, tile_groups, zero_tile_rows
-from worker.engine.kernels.packing import (FMT_F32, FMT_Q4, FMT_Q8, LAYOUT_QUADS, M_FMT, M_GROUP, M_K, M_LAYOUT,
+from worker.engine.kernels.packing import (FMT_F32, FMT_Q4, FMT_Q6, FMT_Q8, LAYOUT_QUADS, M_FMT, M_GROUP, M_K, M_LAYOUT,
                                            M_NARROW, M_TILES, TILE, TableArrays, quad_lanes)
 
 
@@ -316,6 +319,36 @@ class _I8Emitter(GroupStepEmitter):
         return {v: b.load(self._vptr("data", _VB, b.add(self.d_off, self._c((4 * p + v) * TILE))), align=1)
                 for v in vs}
 
+    def _six_bit_vectors(self, p, vs, loaded):
+        """Vectors v in vs (as <64 x i8>) of input quad p (inputs 4p..4p + 3) of an FMT_Q6 group
+        as unsigned codes c + 32: the nibbles of code-row quad p % 2 (low for p < 2, high for
+        p ≥ 2) or'ed with bits 2p..2p + 1 of the top-bits quad (code rows 8-11) moved to bits 4-5.
+        x86 shifts 16-bit lanes, not bytes: the masks drop what crosses from the neighbouring byte.
+        loaded: the chunk's code-row quads already loaded (each is loaded once a chunk)."""
+        b = self.b
+        for quad in (p % 2, 2):
+            if quad not in loaded:
+                loaded[quad] = self._quad_vectors(quad, vs)
+        low, top_bits = ir.Constant(_VB, 0x0F), ir.Constant(_VB, 0x30)
+        out = {}
+        for v in vs:
+            nibbles = loaded[p % 2][v]
+            if p >= 2:
+                nibbles = b.bitcast(b.lshr(b.bitcast(nibbles, _VW), ir.Constant(_VW, 4)), _VB)
+            top = b.bitcast(loaded[2][v], _VW)
+            shift = 4 - 2 * p  # bits 2p..2p + 1 to bits 4..5
+            if shift > 0:
+                top = b.shl(top, ir.Constant(_VW, shift))
+            elif shift < 0:
+                top = b.lshr(top, ir.Constant(_VW, -shift))
+            out[v] = b.or_(b.and_(nibbles, low), b.and_(b.bitcast(top, _VB), top_bits))
+        return out
+
+    def _six_bit_start(self, rb):
+        """An FMT_Q6 accumulator's start for row rb: -32 Σ q over the group, splat."""
+        b = self.b
+        return self._splat(b.ashr(b.load(self._ptr("corr", rb, self.g)), ir.Constant(_I32, 2)), _VD)
+
     def _act(self, r, k):
         """Dword of xq[b0 + r, k:k + 4] broadcast to 16 lanes."""
         b = self.b
@@ -387,7 +420,10 @@ class _I8Emitter(GroupStepEmitter):
         ≤ 2·128·127 = 32512; each product is widened at once, unless the matrix is narrow (Q5_0:
         |c| ≤ 16 in groups of 32, Q6_K: ≤ 32 in groups of 16), where a whole group's pair sums
         add up in int16 (≤ 32512) and widen once per group, as q4's: a vpmaddwd and a vpaddd less
-        per 32 products. The accumulators start at 0."""
+        per 32 products. The accumulators start at 0.
+        q6: the codes c + 32 (0..63) are the unsigned operand as they are, no vpsignb; pair sums
+        ≤ 2·63·127 = 16002, so 2 quads add up in int16 (≤ 32004) and widen, twice a group; the
+        accumulators start at -32 Σ q."""
         b, c = self.b, self._c
         rows_b = [b.add(self.b0, c(r)) for r in range(n)]
         low = ir.Constant(_VB, 0x0F)
@@ -396,9 +432,26 @@ class _I8Emitter(GroupStepEmitter):
         at_once = _vectors_at_once(n)
         for chunk in range(4 // at_once):
             vs = list(range(chunk * at_once, (chunk + 1) * at_once))
-            acc = {(r, v): ir.Constant(_VD, None) for r in range(n) for v in vs}
+            if self.fmt == FMT_Q6:
+                starts = [self._six_bit_start(rb) for rb in rows_b]
+                acc = {(r, v): starts[r] for r in range(n) for v in vs}
+            else:
+                acc = {(r, v): ir.Constant(_VD, None) for r in range(n) for v in vs}
             acc16 = {(r, v): ir.Constant(_VW, None) for r in range(n) for v in vs}
+            loaded = {}
             for p in range(quads):
+                if self.fmt == FMT_Q6:
+                    ws = self._six_bit_vectors(p, vs, loaded)
+                    k = b.add(self.k0, c(4 * p))
+                    acts = [b.bitcast(self._act(r, k), _VB) for r in range(n)]
+                    for v in vs:
+                        for r in range(n):
+                            acc16[r, v] = b.add(acc16[r, v], self._maddubs(ws[v], acts[r]))
+                    if p % 2 == 1:
+                        for key in acc16:
+                            acc[key] = b.add(acc[key], self._widen_pairs(acc16[key]))
+                            acc16[key] = ir.Constant(_VW, None)
+                    continue
                 wv = self._quad_vectors(p, vs)
                 if self.fmt == FMT_Q4:
                     lo_w = {v: b.and_(w, low) for v, w in wv.items()}
@@ -435,6 +488,8 @@ class _I8Emitter(GroupStepEmitter):
         rows_b = [b.add(self.b0, c(r)) for r in range(n)]
         if self.fmt == FMT_Q8:
             init = [self._splat(b.load(self._ptr("corr", rb, self.g)), _VD) for rb in rows_b]
+        elif self.fmt == FMT_Q6:
+            init = [self._six_bit_start(rb) for rb in rows_b]
         else:
             init = [ir.Constant(_VD, None)] * n
         flip = ir.Constant(_VB, 0x80)
@@ -444,14 +499,17 @@ class _I8Emitter(GroupStepEmitter):
         for chunk in range(4 // at_once):
             vs = list(range(chunk * at_once, (chunk + 1) * at_once))
             acc = {(r, v): init[r] for r in range(n) for v in vs}
+            loaded = {}
             for p in range(quads):
-                wv = self._quad_vectors(p, vs)
-                if self.fmt == FMT_Q4:
-                    halves = []
+                if self.fmt == FMT_Q6:
+                    halves = [(self._six_bit_vectors(p, vs, loaded), 4 * p)]
+                elif self.fmt == FMT_Q4:
+                    wv = self._quad_vectors(p, vs)
                     lo_w = {v: b.and_(w, low) for v, w in wv.items()}
                     hi_w = {v: b.and_(b.bitcast(b.lshr(b.bitcast(w, _VW), four), _VB), low) for v, w in wv.items()}
                     halves = [(lo_w, 4 * p), (hi_w, 16 + 4 * p)]
                 else:
+                    wv = self._quad_vectors(p, vs)
                     halves = [({v: b.xor(w, flip) for v, w in wv.items()}, 4 * p)]
                 for ws, e in halves:
                     k = b.add(self.k0, c(e))
@@ -514,6 +572,7 @@ def _tile_i8(tab, meta, tile, acts, out, col0, r0, r1):
     group = meta[M_GROUP]
     groups, group_bytes, base = tile_groups(meta, tile)
     q4 = meta[M_FMT] == FMT_Q4
+    six = meta[M_FMT] == FMT_Q6
     narrow = meta[M_NARROW] != 0
     zero_tile_rows(out, r0, r1, col0)
     for g in range(groups):
@@ -523,6 +582,8 @@ def _tile_i8(tab, meta, tile, acts, out, col0, r0, r1):
             rows = min(BLOCK, r1 - b0)
             if q4:
                 _i8_step(tab, acts, at, out, b0, rows, FMT_Q4, 32, 0)
+            elif six:
+                _i8_step(tab, acts, at, out, b0, rows, FMT_Q6, 16, 0)
             elif group == 32 and narrow:
                 _i8_step(tab, acts, at, out, b0, rows, FMT_Q8, 32, 1)
             elif group == 32:

@@ -11,8 +11,9 @@ from numba import njit
 
 from worker.engine.kernels.fast_exp import sigmoid
 from worker.engine.kernels.half import f16_to_f32
-from worker.engine.kernels.packing import (FMT_F32, FMT_Q4, LAYOUT_QUADS, M_BIAS, M_DATA, M_FMT, M_GROUP, M_K,
-                                           M_LAYOUT, M_PARAM, M_SCALE, PARAM_F16, PARAM_STEP8, QUAD, TILE, unit_offset)
+from worker.engine.kernels.packing import (FMT_F32, FMT_Q4, FMT_Q6, LAYOUT_QUADS, M_BIAS, M_DATA, M_FMT, M_GROUP, M_K,
+                                           M_LAYOUT, M_PARAM, M_SCALE, PARAM_F16, PARAM_STEP8, QUAD,
+                                           SIX_BIT_OFFSET, SIX_BIT_ROWS, TILE, unit_offset)
 
 _JIT = dict(fastmath=True, cache=True, nogil=True)
 
@@ -115,6 +116,13 @@ def dequant_row(data, scales, scales16, meta, token, out):
                 v = data[base + _code_at(quads, t, g * 16 + j)]
                 out[g * 32 + j] = sc * np.float32(v & 15) + bi
                 out[g * 32 + j + 16] = sc * np.float32(v >> 4) + bi
+        elif fmt == FMT_Q6:  # packing: per group 8 nibble rows, then 4 rows of the top 2 bits
+            base = meta[M_DATA] + (tile * groups + g) * SIX_BIT_ROWS * TILE
+            for j in range(group):
+                nibbles = data[base + _code_at(quads, t, j % 8)] >> (4 * (j // 8))
+                top = data[base + _code_at(quads, t, 8 + j % 4)] >> (2 * (j // 4))
+                code = np.int32((nibbles & 15) | ((top & 3) << 4)) - SIX_BIT_OFFSET
+                out[g * group + j] = sc * np.float32(code) + bi
         else:
             base = meta[M_DATA] + tile * k * TILE
             for j in range(group):
