@@ -355,30 +355,18 @@ class _I8Emitter(GroupStepEmitter):
         word = b.load(self._vptr("xq", _I32, b.add(self.b0, self._c(r)), k), align=1)
         return self._splat(word, _VD)
 
+    # A LAYOUT_QUADS table keeps a group's parameters in lane order (packing.param_position):
+    # those of interleaved vector v are the 16 at offset + 16 v.
     def _halves_of(self, offset, v):
-        """The float16 parameters of the outputs of interleaved vector v (permuted order)."""
-        b = self.b
-        pieces = [b.load(self._vptr("scales16", ir.VectorType(_I16, 4), b.add(offset, self._c(16 * lane + 4 * v))),
-                         align=2) for lane in range(4)]
-        return b.bitcast(self._concat4(pieces), ir.VectorType(ir.HalfType(), _VEC))
+        at = self._vptr("scales16", ir.VectorType(_I16, _VEC), self.b.add(offset, self._c(_VEC * v)))
+        return self.b.bitcast(self.b.load(at, align=2), ir.VectorType(ir.HalfType(), _VEC))
 
     def _floats_of(self, offset, v):
-        b = self.b
-        pieces = [b.load(self._vptr("scales", ir.VectorType(ir.FloatType(), 4), b.add(offset, self._c(16 * lane + 4 * v))),
-                         align=4) for lane in range(4)]
-        return self._concat4(pieces)
+        return self.b.load(self._vptr("scales", _VF, self.b.add(offset, self._c(_VEC * v))), align=4)
 
     def _steps_of(self, offset, v):
-        b = self.b
-        pieces = [b.load(self._vptr("data", ir.VectorType(_I8, 4), b.add(offset, self._c(16 * lane + 4 * v))),
-                         align=1) for lane in range(4)]
-        return self._concat4(pieces)
-
-    def _concat4(self, parts):
-        b = self.b
-        a = b.shuffle_vector(parts[0], parts[1], ir.Constant(ir.VectorType(_I32, 8), list(range(8))))
-        c = b.shuffle_vector(parts[2], parts[3], ir.Constant(ir.VectorType(_I32, 8), list(range(8))))
-        return b.shuffle_vector(a, c, ir.Constant(ir.VectorType(_I32, 16), list(range(16))))
+        return self.b.load(self._vptr("data", ir.VectorType(_I8, _VEC), self.b.add(offset, self._c(_VEC * v))),
+                           align=1)
 
     # ---- AVX2: 512-bit values as two ymm halves ---------------------------------------------
     def _halves(self, v, count):

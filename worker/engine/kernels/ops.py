@@ -13,7 +13,8 @@ from worker.engine.kernels.fast_exp import sigmoid
 from worker.engine.kernels.half import f16_to_f32
 from worker.engine.kernels.packing import (FMT_F32, FMT_Q4, FMT_Q6, LAYOUT_QUADS, M_BIAS, M_DATA, M_FMT, M_GROUP, M_K,
                                            M_LAYOUT, M_PARAM, M_SCALE, PARAM_F16, PARAM_STEP8, QUAD,
-                                           SIX_BIT_OFFSET, SIX_BIT_ROWS, TILE, unit_offset)
+                                           SIX_BIT_OFFSET, SIX_BIT_ROWS, TILE, param_position,
+                                           unit_offset)
 
 _JIT = dict(fastmath=True, cache=True, nogil=True)
 
@@ -101,15 +102,16 @@ def dequant_row(data, scales, scales16, meta, token, out):
     group = meta[M_GROUP]
     groups = k // group
     param = meta[M_PARAM]
+    pt = param_position(t) if quads else t  # where output t's parameters sit among the TILE
     for g in range(groups):
-        at = (tile * groups + g) * TILE + t
+        at = (tile * groups + g) * TILE + pt
         sc = _group_value(data, scales, scales16, param, meta[M_SCALE] + at)
         bi = _group_value(data, scales, scales16, param, meta[M_BIAS] + at) if meta[M_BIAS] >= 0 else np.float32(0.0)
         u = unit_offset(meta, tile, g)
         if u >= 0:  # factored parameters: step × unit (packing)
-            sc = sc * f16_to_f32(scales16[u + t])
+            sc = sc * f16_to_f32(scales16[u + pt])
             if meta[M_BIAS] >= 0:
-                bi = bi * f16_to_f32(scales16[u + TILE + t])
+                bi = bi * f16_to_f32(scales16[u + TILE + pt])
         if fmt == FMT_Q4:
             base = meta[M_DATA] + tile * (k // 2) * TILE
             for j in range(16):
