@@ -192,9 +192,9 @@ def load_engine(path, settings: EngineSection = _ENGINE, attention_chunk: int = 
     else:
         dense = logits_of_rows = None  # the fused row step reads the packed weights itself
         t = w.table
-        say(f"packed weights {t.nbytes / 1e6:.0f} MB (file {g.path.stat().st_size / 1e6:.0f} MB): codes "
-            f"{t.data.nbytes / 1e6:.0f} MB (with the int8 scale steps), float32 scales {t.scales.nbytes / 1e6:.0f} MB, float16 scales "
-            f"{t.scales16.nbytes / 1e6:.0f} MB")
+        say(f"packed weights {t.nbytes / 1e6:.0f} MB (file {g.path.stat().st_size / 1e6:.0f} MB): codes and "
+            f"int8 scale steps {t.data.nbytes / 1e6:.0f} MB, float32 scales {t.scales.nbytes / 1e6:.0f} MB, "
+            f"float16 scales {t.scales16.nbytes / 1e6:.0f} MB")
     # Every weight now lives in the packed table (or the reference set's arrays): the file's pages
     # would only double the resident memory (1.5B Qwen: 2.7 -> 1.6 GB after load).
     g.release_pages()

@@ -10,8 +10,8 @@ super-block's float16 d times a 6- or 8-bit step, which float16 cannot hold but 
 stored *factored* — the steps as the file's small integers, one int8 per group (in the `data`
 arena, after the codes), the units (d, and -dmin for the bias) as float16 per 256-input
 super-block — and the kernels multiply the two back, exactly, when they read a group. On
-Qwen2.5-Coder-1.5B (Q4_K/Q6_K) that is ~130 MB of parameters instead of 246 MB with float16 steps
-or 444 MB of float32 ones. Anything else keeps float32 scales.
+Qwen2.5-Coder-1.5B (Q4_K/Q6_K) that is ~117 MB of parameters (96 MB of steps, 21 MB of units)
+instead of 214 MB with float16 steps or 444 MB of float32 ones. Anything else keeps float32 scales.
 
 Three formats cover every GGUF type (see `quants.py`, which decodes them all to
 `scale * code + bias`):
@@ -45,8 +45,8 @@ Two code layouts, one per kind of matmul (a table has one, chosen by the engine'
                 matmul_i8). Same bytes, permuted within each 256-byte quad: offsets and sizes are
                 those of LAYOUT_ROWS. The TILE parameters of a group (scales, biases, units) are
                 permuted the same way (`param_position`), so a vector's 16 are one load: gathering
-                them 4 by 4 made a one-row Q6_K call (groups of 16) 1.6x slower than with float32
-                parameters in order (512 × 1536, L2-resident, one Zen 4 core: 42 µs vs 26).
+                them 4 by 4 cost one-row K-quant calls 16-20% of their time (8960 × 1536, one Zen
+                4 core, bench/matmul_one_row.py: Q4_K 315-336 µs gathered, 258-275 in order).
 F32 matrices are stored as LAYOUT_ROWS in either table (the int8 kernels run them in float32).
 """
 from __future__ import annotations
@@ -109,7 +109,8 @@ _ACT_MAX, _INT16_MAX = 127, 32767
 def narrow_codes(code_max: int, group: int) -> bool:
     """True when a group's products with int8 activations, summed 2 at a time (vpmaddubsw) and
     then across the group's group/4 quads in int16, stay within int16: Q5_0 (|code| ≤ 16, groups
-    of 32) and Q6_K (≤ 32, groups of 16) are; Q8_0 (≤ 128) is not."""
+    of 32) and Q6_K (≤ 32, groups of 16) are; Q8_0 (≤ 128) is not. (The int8 table stores Q6_K as
+    FMT_Q6, which sums its own way; narrow only matters for it where it stays one byte a code.)"""
     return (group // 4) * 2 * code_max * _ACT_MAX <= _INT16_MAX
 
 
