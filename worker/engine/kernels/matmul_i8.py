@@ -69,8 +69,9 @@ from numba.extending import intrinsic
 from worker.engine.kernels.group_step_ir import VEC as _VEC
 from worker.engine.kernels.group_step_ir import GroupStepEmitter
 from worker.engine.kernels.matmul_batch import _tile_f32, group_at, locate_tile, tile_groups, zero_tile_rows
-from worker.engine.kernels.packing import (FMT_F32, FMT_Q4, FMT_Q6, FMT_Q8, LAYOUT_QUADS, M_FMT, M_GROUP, M_K, M_LAYOUT,
-                                           M_NARROW, M_TILES, TILE, TableArrays, quad_lanes)
+from worker.engine.kernels.packing import (FMT_F32, FMT_Q4, FMT_Q6, FMT_Q8, LAYOUT_QUADS, M_BIAS, M_FMT, M_GROUP, M_K,
+                                           M_LAYOUT, M_NARROW, M_PARAM, M_TILES, M_UNIT, PARAM_STEP8, TILE, TableArrays,
+                                           quad_lanes)
 
 
 def _instruction_set() -> str:
@@ -229,8 +230,25 @@ def _quantize_rows(x, acts):
 
 # ---- the micro-kernel -------------------------------------------------------------------------
 
+# What a step knows of its group's parameters when it is compiled (the `params` literal). PARAMS_ANY
+# reads packing's parameter kind, factoring and bias at run time, with a branch around every load;
+# the K-quant cases (int8 steps × float16 units, packing's factored tables) are compiled without
+# them. 512 rows of the 1.5B file's layer, 1 thread, Zen 4 VNNI, A/B of the same kernel: Q/K/V
+# 16.4-18.0 → 13.8-16.6 ms, gate/up 127-144 → 118-120, down 73-85 → 65-74.
+PARAMS_ANY, PARAMS_STEPS, PARAMS_STEPS_BIAS = 0, 1, 2
+
+
+@njit(**_JIT)
+def params_kind(meta) -> int:
+    """The `params` literal for a matrix (its metadata row): PARAMS_STEPS(_BIAS) for a factored
+    table of int8 steps (with biases), else PARAMS_ANY."""
+    if meta[M_PARAM] != PARAM_STEP8 or meta[M_UNIT] < 0:
+        return PARAMS_ANY
+    return PARAMS_STEPS_BIAS if meta[M_BIAS] >= 0 else PARAMS_STEPS
+
+
 @intrinsic(prefer_literal=True)
-def _i8_step(typingctx, tab, acts, at, out, b0, rows, fmt, group, narrow):
+def _i8_step(typingctx, tab, acts, at, out, b0, rows, fmt, group, narrow, params):
     """out[b0 + r, col0:col0 + TILE] (permuted order) += one group's contribution, r < rows.
 
     tab: packing.TableArrays (the group's codes and parameters); acts: QuantizedRows, of which the
@@ -238,18 +256,19 @@ def _i8_step(typingctx, tab, acts, at, out, b0, rows, fmt, group, narrow):
     the sums for its group size (fsum16/corr16 or fsum32/corr32) fsum[b, g] = Σ of the dequantized
     activations over the group and corr[b, g] = -128 Σ q (used by q8); at: group_step_ir.GroupAt,
     where the group is. fmt, group and narrow (1: a q8 matrix whose group sums fit int16,
-    packing.narrow_codes) must be literals.
+    packing.narrow_codes) and params (PARAMS_*, params_kind) must be literals.
     """
-    if not all(isinstance(a, types.IntegerLiteral) for a in (fmt, group, narrow)):
+    if not all(isinstance(a, types.IntegerLiteral) for a in (fmt, group, narrow, params)):
         return None
-    sig = types.void(tab, acts, at, out, b0, rows, fmt, group, narrow)
+    sig = types.void(tab, acts, at, out, b0, rows, fmt, group, narrow, params)
 
     def codegen(context, builder, signature, args):
         _I8Emitter(context, builder, signature, args, fmt.literal_value, group.literal_value,
-                   narrow.literal_value != 0).emit()
+                   narrow.literal_value != 0, params.literal_value).emit()
         return context.get_dummy_value()
 
     return sig, codegen
+
 
 
 _I8, _I16, _I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
@@ -266,9 +285,9 @@ class _I8Emitter(GroupStepEmitter):
     step_rows = _STEP_ROWS
     name = "i8"
 
-    def __init__(self, context, builder, signature, args, fmt, group, narrow):
+    def __init__(self, context, builder, signature, args, fmt, group, narrow, params):
         self.context, self.b = context, builder
-        self.fmt, self.group, self.narrow = fmt, group, narrow
+        self.fmt, self.group, self.narrow, self.params = fmt, group, narrow, params
         tys = signature.args
         self.arrays = {}
         self._take_arrays(tys[0], args[0], ("data", "scales", "scales16"))
@@ -343,6 +362,20 @@ class _I8Emitter(GroupStepEmitter):
                 top = b.lshr(top, ir.Constant(_VW, -shift))
             out[v] = b.or_(b.and_(nibbles, low), b.and_(b.bitcast(top, _VB), top_bits))
         return out
+
+    def _group_param(self, offset, v, shift):
+        """Vector v of the group's scales (shift 0) or biases (shift TILE) at offset, as float32:
+        with PARAMS_STEPS(_BIAS) int8 steps × float16 units, without a branch."""
+        if self.params == PARAMS_ANY:
+            return self._times_unit(self._param(offset, v), v, shift)
+        b = self.b
+        units = self._halves_of(b.add(self.u_off, self._c(shift)), v)
+        product = b.fmul(b.sitofp(self._steps_of(offset, v), _VF), b.fpext(units, _VF))
+        # Fast-math may reassociate straight-line products, (step·unit)·d → step·(unit·d), and did
+        # so differently at different row counts: a row's bits then depended on its neighbours.
+        # The fence keeps the exact step·unit one value, as the branches of PARAMS_ANY do.
+        fence = cgutils.get_or_insert_function(b.module, ir.FunctionType(_VF, [_VF]), "llvm.arithmetic.fence.v16f32")
+        return b.call(fence, [product])
 
     def _six_bit_start(self, rb):
         """An FMT_Q6 accumulator's start for row rb: -32 Σ q over the group, splat."""
@@ -514,21 +547,31 @@ class _I8Emitter(GroupStepEmitter):
         d = [self._splat(b.load(self._ptr("xs", rb, self.blk)), _VF) for rb in rows_b]
         partial = []
         for v in vs:
-            s = self._times_unit(self._param(self.s_off, v), v, 0)
+            s = self._group_param(self.s_off, v, 0)
             col = b.add(self.col0, c(_VEC * v))
             for r, rb in enumerate(rows_b):
                 at = self._vptr("out", _VF, rb, col)
                 f = b.sitofp(acc[r, v], _VF)
                 partial.append((at, r, v, b.call(self.fma, [f, b.fmul(s, d[r]), b.load(at, align=4)])))
-        with b.if_else(self.has_bias) as (then, otherwise):
-            with then:
-                ms = {v: self._times_unit(self._param(self.m_off, v), v, TILE) for v in vs}
-                sums = [self._splat(b.load(self._ptr("fsum", rb, self.g)), _VF) for rb in rows_b]
-                for at, r, v, o in partial:
-                    b.store(b.call(self.fma, [ms[v], sums[r], o]), at, align=4)
-            with otherwise:
-                for at, r, v, o in partial:
-                    b.store(o, at, align=4)
+        if self.params == PARAMS_STEPS_BIAS:
+            self._store_biased(vs, rows_b, partial)
+        elif self.params == PARAMS_STEPS:
+            for at, r, v, o in partial:
+                b.store(o, at, align=4)
+        else:
+            with b.if_else(self.has_bias) as (then, otherwise):
+                with then:
+                    self._store_biased(vs, rows_b, partial)
+                with otherwise:
+                    for at, r, v, o in partial:
+                        b.store(o, at, align=4)
+
+    def _store_biased(self, vs, rows_b, partial):
+        b = self.b
+        ms = {v: self._group_param(self.m_off, v, TILE) for v in vs}
+        sums = [self._splat(b.load(self._ptr("fsum", rb, self.g)), _VF) for rb in rows_b]
+        for at, r, v, o in partial:
+            b.store(b.call(self.fma, [ms[v], sums[r], o]), at, align=4)
 
 
 @intrinsic
@@ -562,24 +605,30 @@ def _tile_i8(tab, meta, tile, acts, out, col0, r0, r1):
     q4 = meta[M_FMT] == FMT_Q4
     six = meta[M_FMT] == FMT_Q6
     narrow = meta[M_NARROW] != 0
+    params = params_kind(meta)
     zero_tile_rows(out, r0, r1, col0)
     for g in range(groups):
         at = group_at(meta, tile, g, groups, group_bytes, base, col0)
         b0 = r0
         while b0 < r1:  # blocks of BLOCK rows
             rows = min(BLOCK, r1 - b0)
-            if q4:
-                _i8_step(tab, acts, at, out, b0, rows, FMT_Q4, 32, 0)
+            # Q4_K and Q6_K (the Qwen files' weights) get steps compiled for their parameters.
+            if q4 and params == PARAMS_STEPS_BIAS:
+                _i8_step(tab, acts, at, out, b0, rows, FMT_Q4, 32, 0, PARAMS_STEPS_BIAS)
+            elif q4:
+                _i8_step(tab, acts, at, out, b0, rows, FMT_Q4, 32, 0, PARAMS_ANY)
+            elif six and params == PARAMS_STEPS:
+                _i8_step(tab, acts, at, out, b0, rows, FMT_Q6, 16, 0, PARAMS_STEPS)
             elif six:
-                _i8_step(tab, acts, at, out, b0, rows, FMT_Q6, 16, 0)
+                _i8_step(tab, acts, at, out, b0, rows, FMT_Q6, 16, 0, PARAMS_ANY)
             elif group == 32 and narrow:
-                _i8_step(tab, acts, at, out, b0, rows, FMT_Q8, 32, 1)
+                _i8_step(tab, acts, at, out, b0, rows, FMT_Q8, 32, 1, PARAMS_ANY)
             elif group == 32:
-                _i8_step(tab, acts, at, out, b0, rows, FMT_Q8, 32, 0)
+                _i8_step(tab, acts, at, out, b0, rows, FMT_Q8, 32, 0, PARAMS_ANY)
             elif narrow:
-                _i8_step(tab, acts, at, out, b0, rows, FMT_Q8, 16, 1)
+                _i8_step(tab, acts, at, out, b0, rows, FMT_Q8, 16, 1, PARAMS_ANY)
             else:
-                _i8_step(tab, acts, at, out, b0, rows, FMT_Q8, 16, 0)
+                _i8_step(tab, acts, at, out, b0, rows, FMT_Q8, 16, 0, PARAMS_ANY)
             b0 += rows
     for b in range(r0, r1):
         _unpermute(out, b, col0)
