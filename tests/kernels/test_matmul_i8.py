@@ -195,6 +195,8 @@ def test_bad_shapes_raise_instead_of_writing_out_of_bounds():
         linear_batch_i8(*args, x, np.zeros((2, 32), np.float32), batch_scratch_i8(1, 2, 256))
     with pytest.raises(ValueError, match="K"):
         linear_batch_i8(*args, batch_inputs(2, 512), np.zeros((2, 64), np.float32), batch_scratch_i8(1, 2, 512))
+    with pytest.raises(ValueError, match="contiguous rows"):  # the quantizer loads 32 inputs at once
+        linear_batch_i8(*args, batch_inputs(2, 512)[:, ::2], np.zeros((2, 64), np.float32), batch_scratch_i8(1, 2, 256))
 
 
 def test_codes_in_the_float_kernels_layout_are_refused():
