@@ -307,7 +307,7 @@ def test_a_restarted_worker_drafts_from_its_first_request_as_it_did_before_the_r
     for rid in requests:
         assert drafting_steps(speculator, rid)[0] == plain[rid]
     # Which way the gate goes on this host is a measurement; this worker found drafting faster.
-    speculator.gate.restore([([100.0] * SAMPLES, [300.0] * SAMPLES)])
+    speculator.gate.restore([([(1, 0.010)] * SAMPLES, [(3, 0.010)] * SAMPLES)])
     speculator.save()
     store.close()
 

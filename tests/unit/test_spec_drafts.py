@@ -7,7 +7,7 @@ import random
 import pytest
 
 from worker.speculative.archive import NgramArchive
-from worker.speculative.gate import DraftGate
+from worker.speculative.gate import SAMPLES, DraftGate
 from worker.speculative.prompt_lookup import PromptLookup
 from worker.speculative.speculator import FIRST_BACKOFF, Speculator, StepCost, draft_length
 
@@ -283,6 +283,36 @@ def test_the_gate_does_not_turn_over_between_sides_equal_within_their_noise(capl
             gate.observe(2, drafting, 4, 0.040 * noise.uniform(0.85, 1.15))
     flips = [r for r in caplog.records if r.getMessage().startswith("speculation ")]
     assert 1 <= len(flips) <= 2, [r.getMessage() for r in flips]
+
+
+def test_the_gate_judges_drafting_by_throughput_not_by_its_median_step(caplog):
+    """Free text on a bigger model: a drafted step costs 1.8 plain steps and emits 2 tokens 65% of
+    the time, 1 otherwise. Its median step rate is 1.11x plain, its throughput 0.92x: drafting
+    loses, and the gate (which once compared medians and turned drafting on) must not turn it on."""
+    gate = DraftGate(random.Random(5))
+    emitted = random.Random(7)
+    with caplog.at_level(logging.INFO, logger="reame.speculator"):
+        for _ in range(3000):
+            drafting = gate.allow(1)
+            if drafting:
+                gate.observe(1, True, 2 if emitted.random() < 0.65 else 1, 0.018)
+            else:
+                gate.observe(1, False, 1, 0.010)
+    snapshot = gate.snapshot()
+    assert snapshot["gate_1+"] == "off", snapshot
+    assert -0.2 < snapshot["gate_1+_gain"] < 0.0  # ~ -8%: 1.65 tokens in 1.8 steps
+    assert not any(r.getMessage().startswith("speculation on") for r in caplog.records)
+
+
+def test_one_stalled_step_does_not_decide_a_verdict():
+    """Equal sides, but one plain step stalled 2 s by the host: it counts as 3 median steps, not
+    200, so drafting is not judged faster on its account."""
+    gate = DraftGate(random.Random(5))
+    for i in range(2 * SAMPLES):
+        drafting = gate.allow(1)
+        gate.observe(1, drafting, 1, 2.0 if (i == 5 and not drafting) else 0.010)
+    assert gate.snapshot()["gate_1+"] == "off"
+    assert abs(gate.snapshot()["gate_1+_gain"]) < 0.1
 
 
 def test_a_clear_change_still_overturns_a_verdict():

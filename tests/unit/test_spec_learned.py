@@ -83,7 +83,7 @@ def test_state_is_saved_every_few_finished_sequences_behind_the_step_loop(tmp_pa
 
 
 def test_a_damaged_or_foreign_save_is_ignored_with_a_warning(tmp_path, caplog):
-    state = LearnedState([(1 << 32 | 12345, 3.0, 1.0, 4)], [([1.0], [2.0])], (1.0, 2.0, 3.0, 4.0, 5.0))
+    state = LearnedState([(1 << 32 | 12345, 3.0, 1.0, 4)], [([(1, 0.01)], [(3, 0.015)])], (1.0, 2.0, 3.0, 4.0, 5.0))
     blob = learned.encode(state)
     assert learned.decode(blob) == state
     flipped = blob[:-3] + bytes([blob[-3] ^ 1]) + blob[-2:]

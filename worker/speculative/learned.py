@@ -17,9 +17,10 @@ from dataclasses import dataclass, field
 from shared import saved_state
 
 KIND = "reame.speculator"
-# 3: saved in shared.saved_state's format (2 had a binary header of its own); 2: class records
+# 4: the gate's steps as (tokens, seconds), its rates being ratios of sums (3 kept per-step rates:
+# a 3 save starts fresh, once); 3: saved in shared.saved_state's format (2 had a binary header of its own); 2: class records
 # keyed by a prompt-prefix key, with their draft count
-VERSION = 3
+VERSION = 4
 MAX_CLASSES = 4000  # most recently used class records kept across a restart (~40 bytes each)
 
 
@@ -27,8 +28,8 @@ MAX_CLASSES = 4000  # most recently used class records kept across a restart (~4
 class LearnedState:
     # (class key, decayed accepted tokens, decayed rejections, drafts seen), least recently used first
     classes: list[tuple[int, float, float, int]] = field(default_factory=list)
-    # per gate bucket: (plain steps' tok/s, drafted steps' tok/s), oldest first
-    gate: list[tuple[list[float], list[float]]] = field(default_factory=list)
+    # per gate bucket: (plain steps, drafted steps), each (tokens emitted, seconds), oldest first
+    gate: list[tuple[list[tuple[int, float]], list[tuple[int, float]]]] = field(default_factory=list)
     # StepCost's forgetting sums: (n, x, y, xx, xy)
     cost: tuple[float, float, float, float, float] = (0.0, 0.0, 0.0, 0.0, 0.0)
     # prompt-lookup drafts per agreement bucket: (decayed accepted, decayed rejections, drafts)
@@ -47,7 +48,8 @@ def decode(blob: bytes | None) -> LearnedState | None:
         return None
     try:
         classes = [(int(key), float(a), float(r), int(n)) for key, a, r, n in raw["classes"]]
-        gate = [([float(v) for v in plain], [float(v) for v in drafted]) for plain, drafted in raw["gate"]]
+        gate = [([(int(t), float(s)) for t, s in plain], [(int(t), float(s)) for t, s in drafted])
+                for plain, drafted in raw["gate"]]
         n, x, y, xx, xy = (float(v) for v in raw["cost"])
         agreement = [(float(a), float(r), int(c)) for a, r, c in raw["agreement"]]
     except (ValueError, TypeError, KeyError):
