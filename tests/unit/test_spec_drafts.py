@@ -304,6 +304,21 @@ def test_the_gate_judges_drafting_by_throughput_not_by_its_median_step(caplog):
     assert not any(r.getMessage().startswith("speculation on") for r in caplog.records)
 
 
+def test_drafting_that_turns_10_percent_slower_loses_its_place_inside_the_3_sigma_band():
+    """Drafting pays (2x), then loses 10% amid +-40% per-step noise at 4 sequences a step: about
+    2 standard errors below plain. Drafting is the change from what --adaptive off runs, so it
+    must not keep its place on that (at 3 standard errors, as before, it stayed on 19 times in 20)."""
+    gate = DraftGate(random.Random(0))
+    noise = random.Random(100)
+    for i in range(2500):
+        drafting = gate.allow(4)
+        rate = (200.0 if i < 1000 else 90.0) if drafting else 100.0
+        gate.observe(4, drafting, 4, 4 / (rate * noise.uniform(0.6, 1.4)))
+        if i == 999:
+            assert gate.snapshot()["gate_4+"] == "on"
+    assert gate.snapshot()["gate_4+"] == "off"
+
+
 def test_one_stalled_step_does_not_decide_a_verdict():
     """Equal sides, but one plain step stalled 2 s by the host: it counts as 3 median steps, not
     200, so drafting is not judged faster on its account."""

@@ -15,10 +15,12 @@ half the time (Qwen2.5-Coder-1.5B, Zen 3, 12-07) the medians put drafting 41% ah
 was 0.91x of plain decoding. A step the host stalled counts as at most CLIP of its side's median
 step, so one stall does not decide a verdict.
 
-A verdict needs evidence: drafting turns on only when its rate beats plain decoding by ON_MARGIN
-and by more than NOISE_Z standard errors of the two rates (a few percent inside the noise is no
-reason to pay for drafted rows), and off when it falls below plain beyond that noise; and a
-verdict stands for at least FRESH new steps of the side it runs less. Comparing bare medians
+A verdict needs evidence, and more of it for drafting than against it: drafting turns on only when
+its rate beats plain decoding by ON_MARGIN and by more than NOISE_Z standard errors of the two
+rates (a few percent inside the noise is no reason to pay for drafted rows), and off once it
+measures below plain by more than OFF_Z of them (plain decoding is what `--adaptive off` runs: a
+change away from it keeps its place only while it is not measured to lose). A verdict stands for
+at least FRESH new steps of the side it runs less. Comparing bare medians
 flipped the verdict 251 times in 6 minutes of agentic traffic at temperature 0.7 (+3% one moment,
 -1% the next: noise), so about half of those steps drafted though drafting gained nothing.
 """
@@ -37,7 +39,11 @@ SAMPLES = 24  # steps of each kind a verdict needs (and the window it reads)
 EXPLORE = 0.1  # share of steps that run the losing side once a verdict stands
 ON_MARGIN = 0.03  # drafting must beat plain decoding by this much to turn on (or stay on when new)
 FRESH = SAMPLES // 2  # new steps of the less-run side before a verdict may change again
-NOISE_Z = 3.0  # standard errors of the two rates a difference must exceed to reach or overturn a verdict
+NOISE_Z = 3.0  # standard errors of the two rates drafting's gain must exceed to turn it on
+# ... and its loss to turn it off. On equal sides a check passes it 7% of the time, and the way
+# back on needs NOISE_Z: at most a few flips an hour. At 3, drafting measured -9% +-4% at 4+
+# sequences a step (agentic traffic, Qwen2.5-Coder-1.5B, Zen 4, 12-07) and stayed on.
+OFF_Z = 1.5
 CLIP = 3.0  # a step counts as at most this many of its side's median step time
 
 
@@ -81,11 +87,11 @@ class DraftGate:
         # Per-step token counts and times vary ±10-20% and more (a drafted step emits 1 to
         # max_draft+1 tokens); between near-equal sides bare medians flipped 28 times in two
         # minutes (SmolLM2, two streams, 12-06), each flip a stretch on the slower side.
-        beyond_noise = abs(gain) > NOISE_Z * math.hypot(plain_error, spec_error)
-        if current is None:
-            verdict = gain > ON_MARGIN and beyond_noise
+        noise = math.hypot(plain_error, spec_error)
+        if current:
+            verdict = not gain < -OFF_Z * noise
         else:
-            verdict = (gain > ON_MARGIN and beyond_noise) if not current else not (gain < 0 and beyond_noise)
+            verdict = gain > ON_MARGIN and gain > NOISE_Z * noise
         if verdict == current:
             self._fresh[b] = 0  # judged again only on FRESH new steps: each test is a chance of a false flip
         else:
