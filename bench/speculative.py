@@ -18,7 +18,8 @@ Each runs with the speculator off and on, alternately (--runs times each), at ev
 count; streams share one engine through the real BatchGenerator (the server's loop), and one
 speculator serves a workload's runs as a worker's serves its traffic (--fresh: one per run). Decode
 tok/s counts tokens emitted by steps without prompt rows, over those steps' wall time
-(drafting and sampling included). Prints medians and the on/off ratio.
+(drafting and sampling included). Prints medians and the on/off ratio, and `on = off`: the on runs
+whose every output is the off run's beside it, token for token (greedy drafting changes none).
 
 `lookup bound` (qa, code, free): the most prompt lookup could give on these greedy outputs at the
 step costs measured in the run (the speculator's fit, base + per_row × rows): every step drafts
@@ -389,8 +390,9 @@ def print_table(rows, bounds, args) -> None:
     load = os.getloadavg()[0]
     print(f"\n{args.model}, {args.threads} threads, {isa}, greedy, max_tokens {MAX_TOKENS}, medians of {args.runs} "
           f"runs, host load average {load:.1f}")
-    print(f"| workload | streams | off tok/s | on tok/s | on/off | lookup bound | acceptance | mean draft | mean accepted |")
-    print(f"|---|---|---|---|---|---|---|---|---|")
+    print(f"| workload | streams | off tok/s | on tok/s | on/off | lookup bound | acceptance | mean draft | mean accepted "
+          f"| on = off |")
+    print(f"|---|---|---|---|---|---|---|---|---|---|")
     for name, streams, off, on in rows:
         off_s = statistics.median(r.tok_s for r in off)
         on_s = statistics.median(r.tok_s for r in on)
@@ -398,10 +400,12 @@ def print_table(rows, bounds, args) -> None:
         drafted = sum(r.drafted for r in on)
         accepted = sum(r.accepted for r in on)
         bound = bounds.get((name, streams))
+        # Greedy drafting must not change a token: on runs whose every output equals the off run's beside it.
+        same = sum(o.outputs == f.outputs for o, f in zip(on, off))
         print(f"| {name} | {streams} | {off_s:.1f} | {on_s:.1f} | {on_s / off_s if off_s else 0:.2f}x | "
               f"{f'{bound:.2f}x' if bound else '-'} | "
               f"{accepted / drafted if drafted else 0:.0%} | {drafted / drafts if drafts else 0:.1f} | "
-              f"{accepted / drafts if drafts else 0:.1f} |")
+              f"{accepted / drafts if drafts else 0:.1f} | {same}/{len(on)} |")
 
 
 if __name__ == "__main__":
