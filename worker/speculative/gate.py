@@ -37,7 +37,7 @@ log = logging.getLogger("reame.speculator")
 BUCKETS = (1, 2, 4, 8)  # decoding sequences in a step: 1, 2-3, 4-7, 8+
 SAMPLES = 24  # steps of each kind a verdict needs (and the window it reads)
 EXPLORE = 0.1  # share of steps that run the losing side once a verdict stands
-ON_MARGIN = 0.03  # drafting must beat plain decoding by this much to turn on (or stay on when new)
+ON_MARGIN = 0.03  # drafting must beat plain decoding by this much to turn on
 FRESH = SAMPLES // 2  # new steps of the less-run side before a verdict may change again
 NOISE_Z = 3.0  # standard errors of the two rates drafting's gain must exceed to turn it on
 # ... and its loss to turn it off. On equal sides a check passes it 7% of the time, and the way
@@ -82,22 +82,17 @@ class DraftGate:
             return
         if current is not None and self._fresh[b] < FRESH:
             return
-        (plain, plain_error), (spec, spec_error) = rate(plain_steps), rate(drafted_steps)
-        gain = spec / plain - 1
+        plain, spec, gain, noise = compare(plain_steps, drafted_steps)
         # Per-step token counts and times vary ±10-20% and more (a drafted step emits 1 to
         # max_draft+1 tokens); between near-equal sides bare medians flipped 28 times in two
         # minutes (SmolLM2, two streams, 12-06), each flip a stretch on the slower side.
-        noise = math.hypot(plain_error, spec_error)
-        if current:
-            verdict = not gain < -OFF_Z * noise
-        else:
-            verdict = gain > ON_MARGIN and gain > NOISE_Z * noise
+        verdict = not gain < -OFF_Z * noise if current else _turns_on(gain, noise)
         if verdict == current:
             self._fresh[b] = 0  # judged again only on FRESH new steps: each test is a chance of a false flip
         else:
             log.info("speculation %s for steps of %d+ decoding sequences: %.0f tok/s drafting vs %.0f "
                      "without (%+.0f%%, tokens over time of the last %d steps each)", "on" if verdict else "off",
-                     BUCKETS[b], spec, plain, 100 * (spec / plain - 1), SAMPLES)
+                     BUCKETS[b], spec, plain, 100 * gain, SAMPLES)
             self._verdict[b] = verdict
             self._fresh[b] = 0
 
@@ -114,9 +109,7 @@ class DraftGate:
             plain_steps.extend((t, s) for t, s in plain if t >= 1 and s > 0)
             drafted_steps.extend((t, s) for t, s in drafted if t >= 1 and s > 0)
             if len(plain_steps) == SAMPLES and len(drafted_steps) == SAMPLES:
-                (plain_rate, plain_error), (spec_rate, spec_error) = rate(plain_steps), rate(drafted_steps)
-                gain = spec_rate / plain_rate - 1
-                self._verdict[b] = gain > ON_MARGIN and gain > NOISE_Z * math.hypot(plain_error, spec_error)
+                self._verdict[b] = _turns_on(*compare(plain_steps, drafted_steps)[2:])
 
     def snapshot(self) -> dict[str, str | float]:
         """Per bucket its verdict, and once measured the A/B behind it: drafting's rate over plain
@@ -125,11 +118,22 @@ class DraftGate:
         for low, verdict, (plain, drafted) in zip(BUCKETS, self._verdict, self._steps):
             out[f"gate_{low}+"] = {None: "measuring", True: "on", False: "off"}[verdict]
             if verdict is not None and len(plain) >= 2 and len(drafted) >= 2:
-                (plain_rate, plain_error), (spec_rate, spec_error) = rate(plain), rate(drafted)
-                out[f"gate_{low}+_gain"] = round(spec_rate / plain_rate - 1, 4)
-                out[f"gate_{low}+_noise"] = round(math.hypot(plain_error, spec_error), 4)
+                _, _, gain, noise = compare(plain, drafted)
+                out[f"gate_{low}+_gain"] = round(gain, 4)
+                out[f"gate_{low}+_noise"] = round(noise, 4)
                 out[f"gate_{low}+_steps"] = float(len(plain) + len(drafted))
         return out
+
+
+def _turns_on(gain: float, noise: float) -> bool:
+    """Drafting turns on (or, resumed, starts on) only on a gain clearly beyond the noise."""
+    return gain > ON_MARGIN and gain > NOISE_Z * noise
+
+
+def compare(plain_steps, drafted_steps) -> tuple[float, float, float, float]:
+    """(plain tok/s, drafting tok/s, drafting's gain over plain, that gain's standard error)."""
+    (plain, plain_error), (spec, spec_error) = rate(plain_steps), rate(drafted_steps)
+    return plain, spec, spec / plain - 1, math.hypot(plain_error, spec_error)
 
 
 def rate(steps) -> tuple[float, float]:

@@ -18,8 +18,8 @@ from shared import saved_state
 
 KIND = "reame.speculator"
 # 4: the gate's steps as (tokens, seconds), its rates being ratios of sums (3 kept per-step rates:
-# a 3 save starts fresh, once); 3: saved in shared.saved_state's format (2 had a binary header of its own); 2: class records
-# keyed by a prompt-prefix key, with their draft count
+# a 3 save starts fresh, once); 3: saved in shared.saved_state's format (2 had a binary header of
+# its own); 2: class records keyed by a prompt-prefix key, with their draft count
 VERSION = 4
 MAX_CLASSES = 4000  # most recently used class records kept across a restart (~40 bytes each)
 
