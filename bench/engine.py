@@ -9,7 +9,10 @@ Prompts longer than 512 tokens go in 512-token chunks (the server's default pref
 llama.cpp's n_batch here); the table then also gives each length's prefill rate as a share of the
 first length's (long-context attention is what makes it drop).
 
-Prints medians of --runs runs and the ratio to the peer. Each (engine, model, threads) runs in
+Prints medians of --runs runs and the ratio to the peer, then each row beside the host's bounds,
+both measured in the same run: decode against the read rate (packed weight bytes a token / GB/s),
+prefill against the int8 multiply-add peak of the instructions the kernels use
+(bench/int8_peak.py). Each (engine, model, threads) runs in
 its own process, so neither thread pool outlives its measurement and disturbs the next one.
 Not a test: machines are shared and noisy, so read ratios from one run, not absolute numbers
 across runs.
@@ -45,6 +48,9 @@ blas_env.prefer_native_blas()  # before numpy loads OpenBLAS
 import numpy as np  # noqa: E402
 
 PROMPT_CHUNK, DECODE_TOKENS = 512, 128
+# Past this many tokens llama-bench runs without its warm-up: the warm-up repeats the whole prompt
+# (at 32k tokens on 2 cores, 10-20 minutes), and one more run changes nothing a run that long measures.
+LONG_PROMPT = 8192
 MODELS_DIR = Path(os.environ.get("REAME_TEST_MODELS", "~/.cache/reame/models")).expanduser()
 
 
@@ -87,16 +93,19 @@ def read_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
 
 
 def matmul_work(engine) -> tuple[int, int]:
-    """(bytes of packed weights a token's matmuls read, multiply-adds a token does in them): every
-    layer matrix and the output projection (the embedding is a row lookup unless tied)."""
+    """(bytes of packed weights a decoded token's matmuls read: every layer matrix and the output
+    projection (the embedding is a row lookup unless tied); multiply-adds a prompt token does in
+    matmuls: the layers' only, as a prompt's logits are computed for its last token alone (the 1.5B
+    file's output projection is 233 M multiply-adds, 15% of a token's, once per prompt))."""
     from worker.engine.kernels.packing import M_K, M_N
     w = engine.model.w
-    mats = [int(i) for i in w.mats.ravel()] + [w.output]
+    layers = [int(i) for i in w.mats.ravel()]
     table = w.table
-    macs = sum(int(table.meta[i, M_N]) * int(table.meta[i, M_K]) for i in mats)
+    size = lambda i: int(table.meta[i, M_N]) * int(table.meta[i, M_K])  # noqa: E731
     # The table's bytes in proportion to the matrices' weights (scales ride with their codes).
-    weights = sum(int(table.meta[i, M_N]) * int(table.meta[i, M_K]) for i in range(len(table.meta)))
-    return int(table.nbytes * macs / weights), macs
+    weights = sum(size(i) for i in range(len(table.meta)))
+    decode_weights = sum(size(i) for i in layers + [w.output])
+    return int(table.nbytes * decode_weights / weights), sum(size(i) for i in layers)
 
 
 PEER_CACHE_TYPES = {"float16": "f16", "q8_0": "q8_0"}  # [engine] kv_dtype -> llama-bench's -ctk/-ctv
@@ -174,6 +183,8 @@ def bench_llama_bench(binary: Path, path: Path, threads: int, runs: int, tokens:
         cmd = [str(binary), "-m", str(path), "-t", str(threads), *test, "-b", str(PROMPT_CHUNK),
                "-ub", str(PROMPT_CHUNK), "-ctk", PEER_CACHE_TYPES[kv_dtype], "-ctv", PEER_CACHE_TYPES[kv_dtype],
                "-r", str(runs), "-o", "json"]
+        if tokens > LONG_PROMPT:
+            cmd.append("--no-warmup")
         say("  " + " ".join(cmd))
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         if proc.returncode != 0:
@@ -263,16 +274,22 @@ def main() -> int:
 
 def print_bounds(rows) -> None:
     """Decode beside the bandwidth bound (every matmul weight read once a token, at the host's read
-    bandwidth measured in the same process) and prefill's achieved matmul GFLOP/s."""
-    print("\nbounds: decode reads the packed matmul weights once a token; prefill's FLOPs are its matmuls'")
+    bandwidth measured in the same process) and prefill's achieved matmul GFLOP/s beside the host's
+    int8 peak (bench/int8_peak.py, measured here after every measurement, on as many threads)."""
+    from int8_peak import ISA, int8_peak  # bench/, the script's directory, is on sys.path
+    peaks = {threads: 2 * int8_peak(threads) for threads in sorted({row[1] for row in rows})}
+    print("\nbounds: decode reads the packed matmul weights once a token; prefill's FLOPs are its layers' "
+          f"matmuls', against the host's {ISA} int8 multiply-add peak")
     header = (f"{'model':<14} {'thr':>3} {'prompt':>6} {'weights MB':>10} {'read GB/s':>9} {'decode GB/s':>11} "
-              f"{'bound tok/s':>11} {'of bound':>8} {'prefill GFLOP/s':>15}")
+              f"{'bound tok/s':>11} {'of bound':>8} {'prefill GFLOP/s':>15} {'peak GFLOP/s':>12} {'of peak':>7}")
     print(header)
     print("-" * len(header))
     for name, threads, tokens, (p, d, read_bytes, macs, gbps), _peer in rows:
         bound = gbps * 1e9 / read_bytes
+        flops = 2 * macs * p / 1e9
         print(f"{name:<14} {threads:>3} {tokens:>6} {read_bytes / 1e6:>10.0f} {gbps:>9.1f} "
-              f"{d * read_bytes / 1e9:>11.1f} {bound:>11.1f} {d / bound:>8.0%} {2 * macs * p / 1e9:>15.1f}")
+              f"{d * read_bytes / 1e9:>11.1f} {bound:>11.1f} {d / bound:>8.0%} {flops:>15.1f} "
+              f"{peaks[threads]:>12.0f} {flops / peaks[threads]:>7.0%}")
 
 
 if __name__ == "__main__":
