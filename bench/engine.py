@@ -12,8 +12,9 @@ first length's (long-context attention is what makes it drop).
 Prints medians of --runs runs and the ratio to the peer, then each row beside the host's bounds,
 both measured in the same run: decode against the read rate (packed weight bytes a token / GB/s),
 prefill against the int8 multiply-add peak of the instructions the kernels use
-(bench/int8_peak.py). Each (engine, model, threads) runs in
-its own process, so neither thread pool outlives its measurement and disturbs the next one.
+(bench/int8_peak.py; "-" on hosts without AVX2, where there is none). Each (engine, model,
+threads) runs in its own process, so neither thread pool outlives its measurement and disturbs the
+next one.
 Not a test: machines are shared and noisy, so read ratios from one run, not absolute numbers
 across runs.
 
@@ -277,7 +278,7 @@ def print_bounds(rows) -> None:
     bandwidth measured in the same process) and prefill's achieved matmul GFLOP/s beside the host's
     int8 peak (bench/int8_peak.py, measured here after every measurement, on as many threads)."""
     from int8_peak import ISA, int8_peak  # bench/, the script's directory, is on sys.path
-    peaks = {threads: 2 * int8_peak(threads) for threads in sorted({row[1] for row in rows})}
+    peaks = {threads: int8_peak(threads) for threads in sorted({row[1] for row in rows})}
     print("\nbounds: decode reads the packed matmul weights once a token; prefill's FLOPs are its layers' "
           f"matmuls', against the host's {ISA} int8 multiply-add peak")
     header = (f"{'model':<14} {'thr':>3} {'prompt':>6} {'weights MB':>10} {'read GB/s':>9} {'decode GB/s':>11} "
@@ -286,10 +287,10 @@ def print_bounds(rows) -> None:
     print("-" * len(header))
     for name, threads, tokens, (p, d, read_bytes, macs, gbps), _peer in rows:
         bound = gbps * 1e9 / read_bytes
-        flops = 2 * macs * p / 1e9
+        flops, peak = 2 * macs * p / 1e9, peaks[threads] and 2 * peaks[threads]
         print(f"{name:<14} {threads:>3} {tokens:>6} {read_bytes / 1e6:>10.0f} {gbps:>9.1f} "
               f"{d * read_bytes / 1e9:>11.1f} {bound:>11.1f} {d / bound:>8.0%} {flops:>15.1f} "
-              f"{peaks[threads]:>12.0f} {flops / peaks[threads]:>7.0%}")
+              f"{format(peak, '.0f') if peak else '-':>12} {format(flops / peak, '.0%') if peak else '-':>7}")
 
 
 if __name__ == "__main__":
