@@ -277,10 +277,14 @@ def print_bounds(rows) -> None:
     """Decode beside the bandwidth bound (every matmul weight read once a token, at the host's read
     bandwidth measured in the same process) and prefill's achieved matmul GFLOP/s beside the host's
     int8 peak (bench/int8_peak.py, measured here after every measurement, on as many threads)."""
-    from int8_peak import ISA, int8_peak  # bench/, the script's directory, is on sys.path
-    peaks = {threads: int8_peak(threads) for threads in sorted({row[1] for row in rows})}
+    from int8_peak import ISA, amx_peak, int8_peak  # bench/, the script's directory, is on sys.path
+    thread_counts = sorted({row[1] for row in rows})
+    # On an AMX host prompt chunks run on tiles (matmul_amx): their peak is the bound.
+    tiles = {threads: amx_peak(threads) for threads in thread_counts}
+    isa = "AMX tdpbssd (16x16x32 tiles)" if tiles[thread_counts[0]] else ISA
+    peaks = tiles if tiles[thread_counts[0]] else {threads: int8_peak(threads) for threads in thread_counts}
     print("\nbounds: decode reads the packed matmul weights once a token; prefill's FLOPs are its layers' "
-          f"matmuls', against the host's {ISA} int8 multiply-add peak")
+          f"matmuls', against the host's {isa} int8 multiply-add peak")
     header = (f"{'model':<14} {'thr':>3} {'prompt':>6} {'weights MB':>10} {'read GB/s':>9} {'decode GB/s':>11} "
               f"{'bound tok/s':>11} {'of bound':>8} {'prefill GFLOP/s':>15} {'peak GFLOP/s':>12} {'of peak':>7}")
     print(header)

@@ -8,6 +8,9 @@ stored, in the instruction mix the kernels' inner loop needs for 32 (AVX2) or 64
   vnni     one vpdpbusd on zmm: 64 u8 × s8 products summed into 16 int32 lanes
   avx2     vpmaddubsw (32 products, pair sums into 16 int16 lanes) + vpaddw into the accumulator,
            as matmul_i8's AVX2 step does for every 32 products
+  amx      (hosts with AMX, where prompt chunks take matmul_amx) tdpbssd on tiles of the kernels'
+           shape, 16 rows × 16 outputs × 32 inputs (one weight group): 8,192 products each, 4
+           independent accumulator tiles (a tile's full 64-input width does twice as many)
 There is no peak for the generic IR path (no AVX2: e.g. ARM64 hosts): its instruction mix is
 whatever LLVM makes of it, and the laundering below needs x86 vector registers.
 The ISA is matmul_i8.ISA, the one the kernels use in this process. Prints GMAC/s and GFLOP/s (2
@@ -31,6 +34,7 @@ from numba import njit, prange, types  # noqa: E402
 from numba.core import cgutils  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
 
+from worker.engine.kernels import matmul_amx  # noqa: E402
 from worker.engine.kernels.matmul_i8 import ISA  # noqa: E402
 
 # Independent accumulators, each with its own operand pair (equal pairs would be computed once):
@@ -130,6 +134,56 @@ def int8_peak(threads: int, seconds: float = 1.0) -> float | None:
     return threads * iterations * macs_per_iteration() / best / 1e9
 
 
+@intrinsic
+def _tile_burst(typingctx, iterations, cfg):
+    """`iterations` × 4 tdpbssd into 4 accumulator tiles (tmm4-7) from tmm0 × tmm1-3: nothing
+    loaded or stored inside the loop (the tiles start as ldtilecfg leaves them: zero)."""
+    sig = types.void(iterations, cfg)
+
+    def codegen(context, builder, signature, args):
+        b = builder
+        matmul_amx._asm(b, "ldtilecfg ($0)", "r,~{memory}",
+                        [matmul_amx._byte_ptr(context, b, signature.args[1], args[1], matmul_amx._c(0))],
+                        [matmul_amx._I8P])
+        with cgutils.for_range(b, context.cast(b, args[0], signature.args[0], types.int64)):
+            for v in range(4):
+                matmul_amx._asm(b, f"tdpbssd %tmm{1 + v % 3}, %tmm0, %tmm{4 + v}")
+        matmul_amx._asm(b, "tilerelease")
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@njit(parallel=True, cache=False)
+def _run_tiles(threads, iterations, cfg):
+    for _ in prange(threads):
+        _tile_burst(iterations, cfg)
+
+
+def amx_peak(threads: int, seconds: float = 1.0) -> float | None:
+    """GMAC/s of tdpbssd on tiles of matmul_amx's shape, on `threads` threads; None without AMX."""
+    if not matmul_amx.AVAILABLE:
+        return None
+    numba.set_num_threads(threads)
+    cfg = matmul_amx.tile_config(32)
+    _run_tiles(threads, 1000, cfg)  # compile
+    iterations = 10_000
+    while True:
+        t0 = time.perf_counter()
+        _run_tiles(threads, iterations, cfg)
+        took = time.perf_counter() - t0
+        if took > seconds / 4:
+            break
+        iterations *= 4
+    iterations = int(iterations * seconds / took)
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        _run_tiles(threads, iterations, cfg)
+        best = min(best, time.perf_counter() - t0)
+    return threads * iterations * 4 * matmul_amx.ROWS * 16 * 32 / best / 1e9
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", nargs="+", type=int, default=[1, 2])
@@ -141,6 +195,9 @@ def main() -> int:
             print("the int8 kernels run the generic IR path here: no peak to measure")
             return 1
         print(f"{ISA}: {threads} thread(s): {gmacs:.0f} GMAC/s = {2 * gmacs:.0f} GFLOP/s int8")
+        tiles = amx_peak(threads, args.seconds)
+        if tiles is not None:
+            print(f"amx: {threads} thread(s): {tiles:.0f} GMAC/s = {2 * tiles:.0f} GFLOP/s int8 (16x16x32 tiles)")
     return 0
 
 

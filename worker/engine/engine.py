@@ -38,8 +38,11 @@ _ENGINE, _SCHEDULER = EngineSection(), SchedulerSection()  # reame.conf's defaul
 KERNEL_SETS = ("auto", "reference")
 # The int8 matmul variant of each rows bucket (1, 2-8, 9-32, 33+) before any tuning: prompt chunks
 # take int8_blocked (same bits; 32-row blocks keep their outputs in L1 and split few-tile matrices
-# evenly over the threads: 0.85-0.94x the CPU time of int8 per 512-row matmul on AVX2).
+# evenly over the threads: 0.85-0.94x the CPU time of int8 per 512-row matmul on AVX2), or on a host
+# with AMX int8_amx (same bits; 512 rows of the 1.5B file's matmuls, 2 threads, Sapphire Rapids:
+# 1.2-1.8x int8_blocked, bench/matmul_profile.py).
 INT8_MATMULS = ("int8", "int8", "int8", "int8_blocked")
+INT8_MATMULS_AMX = ("int8", "int8", "int8", "int8_amx")
 Progress = Callable[[str], None]
 
 
@@ -180,7 +183,7 @@ def load_engine(path, settings: EngineSection = _ENGINE, attention_chunk: int = 
     from worker.engine.kernels.registry import OpTable, layout_for
     # The op table fixes the numerics for the engine's life (a tuner swaps variants within them),
     # so the weights are packed once, in the layout those kernels read.
-    ops = OpTable.of(matmul=INT8_MATMULS if _want_int8(settings.matmul_activations) else "float32")
+    ops = OpTable.of(matmul=_int8_matmuls() if _want_int8(settings.matmul_activations) else "float32")
     model = build_model(g, n_ctx,
                         progress=lambda i, n: say(f"packing weights: layer {i}/{n}") if i in (n // 2, n) else None,
                         layout=layout_for(ops.numerics("matmul")))
@@ -259,12 +262,18 @@ def _want_int8(mode: str) -> bool:
     return mode == "int8" or (mode == "auto" and matmul_i8.available())
 
 
+def _int8_matmuls() -> tuple[str, ...]:
+    from worker.engine.kernels import matmul_amx
+    return INT8_MATMULS_AMX if matmul_amx.AVAILABLE else INT8_MATMULS
+
+
 def _matmul_description(int8: bool) -> str:
-    from worker.engine.kernels import matmul_i8
+    from worker.engine.kernels import matmul_amx, matmul_i8
     if not int8:
         return "float32 activations"
     how = {"vnni": "AVX-512 VNNI", "avx2": "AVX2"}.get(matmul_i8.ISA, "portable IR, slow")
-    return f"int8 activations ({how} dot products)"
+    tiles = ", AMX tiles for prompt chunks" if matmul_amx.AVAILABLE else ""
+    return f"int8 activations ({how} dot products{tiles})"
 
 
 def load_engine_from_config(config, model: str | None = None, kernels: str | None = None,

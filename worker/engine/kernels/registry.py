@@ -17,7 +17,7 @@ from typing import Callable
 
 import numpy as np
 
-from worker.engine.kernels import attention, matmul_batch, matmul_i8, ops, prompt_attention
+from worker.engine.kernels import attention, matmul_amx, matmul_batch, matmul_i8, ops, prompt_attention
 from worker.engine.kernels.packing import LAYOUT_QUADS, LAYOUT_ROWS
 from worker.engine.quants import SPECS
 
@@ -43,6 +43,8 @@ class KernelVariant:
     # freely; across numerics (float32 vs int8 activations) outputs differ slightly
     min_rows: int = 1  # below this many rows the variant runs as another one does: no bucket whose
     # calls are all smaller needs it (a tuner would only time the same code twice)
+    native: bool = True  # False: this host lacks its instructions and it runs as another variant
+    # does (a tuner would only time the same code twice)
     code: int = -1  # the value of the op's slot in OpTable.codes that selects it: its place among
     # its op's entries of VARIANTS, set when KERNELS is built (never written by hand)
 
@@ -74,6 +76,11 @@ VARIANTS = (
                   "L1 across the tile's groups and few-tile matrices split evenly "
                   "over the threads (prompt chunks); the bits of int8", "int8",
                   min_rows=matmul_i8.ROW_BLOCK + 1),
+    KernelVariant("matmul", "int8_amx", matmul_amx.linear_batch_amx,
+                  "int8 with the integer sums of each 16 rows x 64 outputs x group on AMX "
+                  "tiles (tdpbssd), the group finish of int8; the bits of int8 (prompt "
+                  "chunks on AMX hosts; int8_blocked where the host has no AMX)", "int8",
+                  min_rows=matmul_i8.ROW_BLOCK + 1, native=matmul_amx.AVAILABLE),
     KernelVariant("row", "gather", ops.dequant_row, "dequantize one row (embedding lookup)", "float32"),
     # Attention: one entry serves every K/V element type (float32, float16 bits, q8_0), because
     # the pool's dtype is fixed when the engine loads and numba resolves its loads and stores at
@@ -137,8 +144,9 @@ def bucket_of(rows: int) -> int:
 
 
 def serves_bucket(variant: KernelVariant, bucket: int) -> bool:
-    """Whether some call of `bucket` has at least variant.min_rows rows."""
-    return bucket == len(BUCKET_LIMITS) or variant.min_rows <= BUCKET_LIMITS[bucket]
+    """Whether the variant runs its own code on some call of `bucket`: it is native on this host
+    and some call of the bucket has at least variant.min_rows rows."""
+    return variant.native and (bucket == len(BUCKET_LIMITS) or variant.min_rows <= BUCKET_LIMITS[bucket])
 
 
 def variants_of(op: str, numerics: str | None = None) -> dict[str, KernelVariant]:
