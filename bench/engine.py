@@ -3,7 +3,7 @@ beside llama.cpp (through llama-cpp-python) on the same file when it is installe
 
     python bench/engine.py [--models smollm2-135m gemma3-270m] [--threads 1 2] [--runs 3]
                            [--peer-bench PATH/TO/llama-bench]
-                           [--prompt-tokens 512 2048] [--kv-dtype float16|q8_0]
+                           [--prompt-tokens 512 2048] [--kv-dtype float16|q8_0] [--matmul-tiles auto|off]
 
 Prompts longer than 512 tokens go in 512-token chunks (the server's default prefill_chunk, and
 llama.cpp's n_batch here); the table then also gives each length's prefill rate as a share of the
@@ -113,7 +113,7 @@ PEER_CACHE_TYPES = {"float16": "f16", "q8_0": "q8_0"}  # [engine] kv_dtype -> ll
 
 
 def bench_reame(path: Path, threads: int, runs: int, tokens: int,
-                kv_dtype: str = "float16") -> tuple[float, float, int, int, float]:
+                kv_dtype: str = "float16", tiles: str = "auto") -> tuple[float, float, int, int, float]:
     import numba
     from threadpoolctl import threadpool_limits
 
@@ -123,8 +123,8 @@ def bench_reame(path: Path, threads: int, runs: int, tokens: int,
     from worker.sched.one_request import Timing, generate_ids, generate_one, solo_generator
     from worker.sched.tuning_state import SchedulerKnobs
 
-    engine = load_engine(path, EngineSection(threads=threads, context_length=context_for(tokens), kv_dtype=kv_dtype),
-                         progress=say)
+    engine = load_engine(path, EngineSection(threads=threads, context_length=context_for(tokens), kv_dtype=kv_dtype,
+                                             matmul_tiles=tiles), progress=say)
     numba.set_num_threads(threads)
     ids = prompt_ids(engine.vocab_size, tokens)
     params = SamplingParams(max_tokens=DECODE_TOKENS + 1, temperature=0.0)
@@ -204,10 +204,11 @@ def environment() -> str:
             f"numba {numba.__version__}, threading layer {numba.threading_layer()}")
 
 
-def measure_in_subprocess(engine: str, path: Path, threads: int, runs: int, tokens: int, kv_dtype: str):
+def measure_in_subprocess(engine: str, path: Path, threads: int, runs: int, tokens: int, kv_dtype: str,
+                          tiles: str = "auto"):
     """One measurement in a fresh process; (prefill, decode) medians, or None (peer missing)."""
     proc = subprocess.run([sys.executable, __file__, "--one", engine, str(path), str(threads), str(runs), str(tokens),
-                           kv_dtype], stdout=subprocess.PIPE, text=True)
+                           kv_dtype, tiles], stdout=subprocess.PIPE, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"{engine} benchmark failed (exit {proc.returncode})")
     result = json.loads(proc.stdout)
@@ -224,13 +225,17 @@ def main() -> int:
     parser.add_argument("--no-peer", action="store_true", help="measure Reame only")
     parser.add_argument("--kv-dtype", choices=tuple(PEER_CACHE_TYPES), default="float16",
                         help="the K/V cache's element type, on both sides (default float16)")
-    parser.add_argument("--one", nargs=6, metavar=("ENGINE", "PATH", "THREADS", "RUNS", "TOKENS", "KV_DTYPE"),
+    parser.add_argument("--matmul-tiles", choices=("auto", "off"), default="auto",
+                        help="[engine] matmul_tiles: prompt chunks on AMX tiles where the host has them, or not")
+    parser.add_argument("--one", nargs=7, metavar=("ENGINE", "PATH", "THREADS", "RUNS", "TOKENS", "KV_DTYPE", "TILES"),
                         help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
-        engine, path, threads, runs, tokens, kv_dtype = args.one
-        bench = bench_reame if engine == "reame" else bench_llama_cpp
-        print(json.dumps(bench(Path(path), int(threads), int(runs), int(tokens), kv_dtype)))
+        engine, path, threads, runs, tokens, kv_dtype, tiles = args.one
+        if engine == "reame":
+            print(json.dumps(bench_reame(Path(path), int(threads), int(runs), int(tokens), kv_dtype, tiles)))
+        else:
+            print(json.dumps(bench_llama_cpp(Path(path), int(threads), int(runs), int(tokens), kv_dtype)))
         return 0
     if any(n < 1 for n in args.prompt_tokens):
         parser.error("--prompt-tokens: every length must be >= 1")
@@ -242,7 +247,8 @@ def main() -> int:
         for threads in args.threads:
             for tokens in args.prompt_tokens:
                 say(f"{name}, {threads} thread(s), {tokens}-token prompt")
-                ours = measure_in_subprocess("reame", path, threads, args.runs, tokens, args.kv_dtype)
+                ours = measure_in_subprocess("reame", path, threads, args.runs, tokens, args.kv_dtype,
+                                             args.matmul_tiles)
                 if args.no_peer:
                     peer = None
                 elif args.peer_bench:

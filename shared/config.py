@@ -44,6 +44,7 @@ class EngineSection:
     v_dtype: str = ""  # V's dtype when it differs from kv_dtype ("" = kv_dtype)
     kv_cache_memory: str = "1GiB"  # the KV block pool: bytes ("512MiB", "2GB") or a share of RAM ("10%")
     matmul_activations: str = "auto"  # auto | float32 | int8: the fast kernels' matmul inputs
+    matmul_tiles: str = "auto"  # auto | off: int8 prompt chunks on AMX tiles where the CPU has them
     window_kv: str = "bounded"  # bounded | full: sliding-window layers' K/V kept to the window or not
 
 
@@ -234,6 +235,7 @@ _CHOICES = {
     ("engine", "k_dtype"): {"", "float32", "float16", "q8_0"},
     ("engine", "v_dtype"): {"", "float32", "float16", "q8_0"},
     ("engine", "matmul_activations"): {"auto", "float32", "int8"},
+    ("engine", "matmul_tiles"): {"auto", "off"},
     ("engine", "window_kv"): {"bounded", "full"},
     ("gateway", "content_specials"): {"text", "reject"},
     ("gateway", "routing"): {"affinity", "least_loaded"},

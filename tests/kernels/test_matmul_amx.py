@@ -87,8 +87,12 @@ def test_real_files_give_the_bits_of_the_int8_kernels(fixture, request):
                                   _batch(table, [i], x, linear_batch_i8_blocked)), qtype.name
 
 
-def test_the_shipped_table_takes_amx_for_prompt_chunks_only_where_available():
+def test_the_shipped_table_takes_amx_for_prompt_chunks_only_where_available_and_allowed():
+    from shared.errors import ConfigError
     from worker.engine.engine import _int8_matmuls
-    names = _int8_matmuls()
+    names = _int8_matmuls("auto")
     assert names[-1] == ("int8_amx" if matmul_amx.AVAILABLE else "int8_blocked")
     assert OpTable.of(matmul=names).numerics("matmul") == "int8"
+    assert _int8_matmuls("off") == ("int8", "int8", "int8", "int8_blocked")  # [engine] matmul_tiles = off
+    with pytest.raises(ConfigError, match="matmul_tiles"):
+        _int8_matmuls("on")

@@ -183,7 +183,8 @@ def load_engine(path, settings: EngineSection = _ENGINE, attention_chunk: int = 
     from worker.engine.kernels.registry import OpTable, layout_for
     # The op table fixes the numerics for the engine's life (a tuner swaps variants within them),
     # so the weights are packed once, in the layout those kernels read.
-    ops = OpTable.of(matmul=_int8_matmuls() if _want_int8(settings.matmul_activations) else "float32")
+    ops = OpTable.of(matmul=_int8_matmuls(settings.matmul_tiles) if _want_int8(settings.matmul_activations)
+                     else "float32")
     model = build_model(g, n_ctx,
                         progress=lambda i, n: say(f"packing weights: layer {i}/{n}") if i in (n // 2, n) else None,
                         layout=layout_for(ops.numerics("matmul")))
@@ -221,7 +222,7 @@ def load_engine(path, settings: EngineSection = _ENGINE, attention_chunk: int = 
     say(f"KV cache: {kv.num_blocks} blocks of {kv_block_size} tokens, {kv.dtype}, "
         f"{kv.nbytes / 2**20:.0f} MiB ({kv.num_blocks * kv_block_size} tokens)")
     if kernels == "auto":
-        say(f"matmuls: {_matmul_description(ops.numerics('matmul') == 'int8')}")
+        say(f"matmuls: {_matmul_description(ops)}")
     engine = Engine(g, model, kernels, n_ctx, dense, logits_of_rows, kv, ops, attention_chunk)
     say(f"model ready in {time.perf_counter() - t0:.1f} s")
     return engine
@@ -262,17 +263,21 @@ def _want_int8(mode: str) -> bool:
     return mode == "int8" or (mode == "auto" and matmul_i8.available())
 
 
-def _int8_matmuls() -> tuple[str, ...]:
+def _int8_matmuls(tiles: str = "auto") -> tuple[str, ...]:
+    """The shipped int8 variants per bucket: prompt chunks on AMX tiles where [engine] matmul_tiles
+    allows and the host has them."""
     from worker.engine.kernels import matmul_amx
-    return INT8_MATMULS_AMX if matmul_amx.AVAILABLE else INT8_MATMULS
+    if tiles not in ("auto", "off"):
+        raise ConfigError(f"[engine] matmul_tiles = {tiles!r}; expected auto or off")
+    return INT8_MATMULS_AMX if tiles == "auto" and matmul_amx.AVAILABLE else INT8_MATMULS
 
 
-def _matmul_description(int8: bool) -> str:
-    from worker.engine.kernels import matmul_amx, matmul_i8
-    if not int8:
+def _matmul_description(ops: "OpTable") -> str:
+    from worker.engine.kernels import matmul_i8
+    if ops.numerics("matmul") != "int8":
         return "float32 activations"
     how = {"vnni": "AVX-512 VNNI", "avx2": "AVX2"}.get(matmul_i8.ISA, "portable IR, slow")
-    tiles = ", AMX tiles for prompt chunks" if matmul_amx.AVAILABLE else ""
+    tiles = ", AMX tiles for prompt chunks" if "int8_amx" in ops.names("matmul") else ""
     return f"int8 activations ({how} dot products{tiles})"
 
 

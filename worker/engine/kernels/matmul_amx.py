@@ -33,12 +33,14 @@ AMX needs the CPU's amx-tile and amx-int8, numba's target with AVX-512 VNNI (the
 one), and Linux's permission for the tile data state (arch_prctl ARCH_REQ_XCOMP_PERM), asked once
 when this module loads. Where any is missing, AVAILABLE is False and linear_batch_amx runs
 matmul_i8's blocked kernel (same bits), so the variant is safe to call anywhere; the kernel tuner
-offers it only where it is native.
+offers it only where it is native. AVAILABLE depends on the host alone (no switch in the
+environment), so compiled code cached with it baked in stays right: numba keys its cache by CPU
+and features. To run prompt chunks without tiles, [engine] matmul_tiles = off picks the VNNI
+variant instead.
 """
 from __future__ import annotations
 
 import ctypes
-import os
 import platform
 
 import llvmlite.binding as llvm
@@ -69,7 +71,7 @@ def _tile_permission() -> bool:
 
 
 def _amx_usable() -> bool:
-    if os.environ.get("REAME_AMX", "") == "0" or platform.machine() != "x86_64":
+    if platform.machine() != "x86_64":
         return False
     if matmul_i8.ISA != "vnni":  # the finish is the VNNI kernel's; AMX hosts all have it
         return False
