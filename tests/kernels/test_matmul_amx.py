@@ -2,7 +2,11 @@
 quant type, row count (whole blocks of 16 and a tail) and real file; on AMX where the CPU has it."""
 from __future__ import annotations
 
+import os
 import platform
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -39,6 +43,17 @@ def test_amx_is_used_exactly_where_the_cpu_and_numba_have_it():
     variant = KERNELS[("matmul", "int8_amx")]
     # the tuner times it only where it runs its own code, and only on prompt chunks
     assert [serves_bucket(variant, b) for b in range(4)] == [False, False, False, expected]
+
+
+def test_without_amx_the_variant_is_the_blocked_kernel_and_holds_no_tile_code():
+    # numba's target without AVX-512 VNNI (as on an AVX2 host): no tiles, and the registry's entry
+    # is matmul_i8's blocked kernel itself, so no tile instruction is compiled.
+    code = ("from worker.engine.kernels import matmul_amx, matmul_i8; "
+            "print(matmul_amx.AVAILABLE, matmul_amx.linear_batch_amx is matmul_i8.linear_batch_i8_blocked)")
+    env = {**os.environ, "NUMBA_CPU_FEATURES": "-avx512vnni"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parents[2], timeout=120)
+    assert done.stdout.split() == ["False", "True"], done.stderr
 
 
 @pytest.mark.parametrize("batch", [1, 16, 33, 64, 71])

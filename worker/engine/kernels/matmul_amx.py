@@ -90,6 +90,11 @@ _I8P, _I64 = ir.IntType(8).as_pointer(), ir.IntType(64)
 
 
 def _asm(b, text, constraints="~{memory}", args=(), tys=()):
+    """One tile instruction as inline assembly; a trap where the host has no AMX (nothing reaches
+    it there, and x86 assembly would not even parse on ARM64)."""
+    if not AVAILABLE:
+        b.call(cgutils.get_or_insert_function(b.module, ir.FunctionType(ir.VoidType(), []), "llvm.trap"), [])
+        return
     fn = ir.InlineAsm(ir.FunctionType(ir.VoidType(), list(tys)), text, constraints, side_effect=True)
     b.call(fn, list(args))
 
@@ -410,12 +415,9 @@ def _one_tile_amx(tab, mats, first_tile, tg, x, acts, acts_t, out, whole):
 
 
 @njit(parallel=True, **_JIT)
-def linear_batch_amx(data, scales, scales16, meta, mats, x, out, scratch):
+def _linear_batch_amx(data, scales, scales16, meta, mats, x, out, scratch):
     """matmul_i8.linear_batch_i8 (same contract, same bits) with the integer sums of every whole
-    block of 16 rows on AMX tiles; one work item per tile. Without AMX: linear_batch_i8_blocked."""
-    if not AVAILABLE:
-        matmul_i8.linear_batch_i8_blocked(data, scales, scales16, meta, mats, x, out, scratch)
-        return
+    block of 16 rows on AMX tiles; one work item per tile."""
     to_quantize, first_tile, xq, xs, fsum16, fsum32, corr16, corr32 = _prepare_i8(meta, mats, x, out, scratch)
     acts = QuantizedRows(xq, xs, fsum16, fsum32, corr16, corr32)
     for row in prange(to_quantize):
@@ -426,3 +428,8 @@ def linear_batch_amx(data, scales, scales16, meta, mats, x, out, scratch):
                            np.ascontiguousarray(fsum32.T), corr16, corr32)
     for tg in prange(first_tile[mats.shape[0]]):
         _one_tile_amx(tab, mats, first_tile, tg, x, acts, acts_t, out, whole)
+
+
+# Without AMX the variant is matmul_i8's blocked kernel itself (same bits), so nothing with tile
+# instructions is ever compiled there.
+linear_batch_amx = _linear_batch_amx if AVAILABLE else matmul_i8.linear_batch_i8_blocked
