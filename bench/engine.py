@@ -275,18 +275,19 @@ def main() -> int:
         fmt = lambda v, spec: format(v, spec) if v else "-"
         print(f"{name:<14} {threads:>3} {tokens:>6} {p:>14.0f} {p / base:>8.2f} {fmt(pp, '8.0f'):>8} "
               f"{fmt(pp and p / pp, '6.2f'):>6} {d:>13.1f} {fmt(pd, '8.1f'):>8} {fmt(pd and d / pd, '6.2f'):>6}")
-    print_bounds(rows)
+    print_bounds(rows, args.matmul_tiles)
     return 0
 
 
-def print_bounds(rows) -> None:
+def print_bounds(rows, tiles_setting: str = "auto") -> None:
     """Decode beside the bandwidth bound (every matmul weight read once a token, at the host's read
     bandwidth measured in the same process) and prefill's achieved matmul GFLOP/s beside the host's
     int8 peak (bench/int8_peak.py, measured here after every measurement, on as many threads)."""
     from int8_peak import ISA, amx_peak, int8_peak  # bench/, the script's directory, is on sys.path
     thread_counts = sorted({row[1] for row in rows})
-    # On an AMX host prompt chunks run on tiles (matmul_amx): their peak is the bound.
-    tiles = {threads: amx_peak(threads) for threads in thread_counts}
+    # On an AMX host prompt chunks run on tiles (matmul_amx) unless --matmul-tiles off: their
+    # peak is then the bound.
+    tiles = {threads: amx_peak(threads) if tiles_setting == "auto" else None for threads in thread_counts}
     isa = "AMX tdpbssd (16x16x32 tiles)" if tiles[thread_counts[0]] else ISA
     peaks = tiles if tiles[thread_counts[0]] else {threads: int8_peak(threads) for threads in thread_counts}
     print("\nbounds: decode reads the packed matmul weights once a token; prefill's FLOPs are its layers' "

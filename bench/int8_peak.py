@@ -110,17 +110,13 @@ def _run(threads, iterations):
     return out
 
 
-def int8_peak(threads: int, seconds: float = 1.0) -> float | None:
-    """Multiply-adds a second (GMAC/s) on `threads` threads: the best of 3 bursts of ~seconds;
-    None where the kernels run the generic IR path (no peak to measure, see above)."""
-    if ISA == "generic":
-        return None
-    numba.set_num_threads(threads)
-    _run(threads, 1000)  # compile
-    iterations = 100_000
-    while True:  # size the burst
+def _best_rate(burst, iterations: int, seconds: float) -> float:
+    """Iterations a second of burst(iterations): the burst grown 4× at a time until it takes a
+    quarter of `seconds`, then sized to `seconds` and timed 3 times, the best kept."""
+    burst(1000)  # compile
+    while True:
         t0 = time.perf_counter()
-        _run(threads, iterations)
+        burst(iterations)
         took = time.perf_counter() - t0
         if took > seconds / 4:
             break
@@ -129,9 +125,19 @@ def int8_peak(threads: int, seconds: float = 1.0) -> float | None:
     best = float("inf")
     for _ in range(3):
         t0 = time.perf_counter()
-        _run(threads, iterations)
+        burst(iterations)
         best = min(best, time.perf_counter() - t0)
-    return threads * iterations * macs_per_iteration() / best / 1e9
+    return iterations / best
+
+
+def int8_peak(threads: int, seconds: float = 1.0) -> float | None:
+    """Multiply-adds a second (GMAC/s) on `threads` threads: the best of 3 bursts of ~seconds;
+    None where the kernels run the generic IR path (no peak to measure, see above)."""
+    if ISA == "generic":
+        return None
+    numba.set_num_threads(threads)
+    rate = _best_rate(lambda n: _run(threads, n), 100_000, seconds)
+    return threads * rate * macs_per_iteration() / 1e9
 
 
 @intrinsic
@@ -166,22 +172,8 @@ def amx_peak(threads: int, seconds: float = 1.0) -> float | None:
         return None
     numba.set_num_threads(threads)
     cfg = matmul_amx.tile_config(32)
-    _run_tiles(threads, 1000, cfg)  # compile
-    iterations = 10_000
-    while True:
-        t0 = time.perf_counter()
-        _run_tiles(threads, iterations, cfg)
-        took = time.perf_counter() - t0
-        if took > seconds / 4:
-            break
-        iterations *= 4
-    iterations = int(iterations * seconds / took)
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
-        _run_tiles(threads, iterations, cfg)
-        best = min(best, time.perf_counter() - t0)
-    return threads * iterations * 4 * matmul_amx.ROWS * 16 * 32 / best / 1e9
+    rate = _best_rate(lambda n: _run_tiles(threads, n, cfg), 10_000, seconds)
+    return threads * rate * 4 * matmul_amx.ROWS * 16 * 32 / 1e9
 
 
 def main() -> int:
