@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import random
 
 import pytest
@@ -265,10 +266,14 @@ def test_the_gate_stops_drafting_at_a_batch_size_where_drafted_steps_measure_slo
     late = kinds[4 * SAMPLES:]
     assert 0 < sum(late) < 0.2 * len(late)  # mostly plain, still sampling the loser
     # The verdicts, and the A/B behind each: drafting's rate over plain decoding's (steady rates: no noise)
-    assert gate.allow(1) in (True, False) and gate.snapshot() == {
+    snapshot = gate.snapshot()
+    # 8+: plain decoding, now the more-run side, is read over the stretch of the last SAMPLES
+    # drafted steps (one in ten), so with more of its own steps.
+    assert snapshot.pop("gate_8+_steps") > 4 * SAMPLES
+    assert gate.allow(1) in (True, False) and snapshot == {
         "gate_1+": "on", "gate_1+_gain": 1.4, "gate_1+_noise": 0.0, "gate_1+_steps": 2.0 * SAMPLES,
         "gate_2+": "measuring", "gate_4+": "measuring",
-        "gate_8+": "off", "gate_8+_gain": -0.25, "gate_8+_noise": 0.0, "gate_8+_steps": 2.0 * SAMPLES}
+        "gate_8+": "off", "gate_8+_gain": -0.25, "gate_8+_noise": 0.0}
     assert any("speculation off for steps of 8+ decoding sequences" in r.getMessage() for r in caplog.records)
 
 
@@ -283,6 +288,42 @@ def test_the_gate_does_not_turn_over_between_sides_equal_within_their_noise(capl
             gate.observe(2, drafting, 4, 0.040 * noise.uniform(0.85, 1.15))
     flips = [r for r in caplog.records if r.getMessage().startswith("speculation ")]
     assert 1 <= len(flips) <= 2, [r.getMessage() for r in flips]
+
+
+def _drifting_traffic(gate, steps, drafting_gain, seed):
+    """Steps of 2 decoding sequences whose rate drifts ±30% over 600 steps (~20 s: the sequences
+    decoding, their contexts, what they draft all change) with ±15% per step; drafted steps run
+    at (1 + drafting_gain) × the plain rate of the moment. Returns the share of steps drafted."""
+    noise = random.Random(seed)
+    drafted = 0
+    for i in range(steps):
+        drafting = gate.allow(2)
+        drafted += drafting
+        rate = 100.0 * (1 + 0.3 * math.sin(2 * math.pi * i / 600)) * ((1 + drafting_gain) if drafting else 1.0)
+        gate.observe(2, drafting, 4, 4 / (rate * noise.uniform(0.85, 1.15)))
+    return drafted / steps
+
+
+def test_the_gate_reads_both_sides_over_the_same_stretch_of_drifting_traffic(caplog):
+    """Equal sides while the traffic drifts. The side a verdict runs less gets one step in ten, so
+    its last SAMPLES steps reach ten times further back than the other side's: compared window
+    against window, the drift decided the verdicts (16-22 flips in 6,000 steps, 39% of steps
+    drafted, as the 1.5B file's scenarios flipped 4-7 times in a few minutes). Read over the same
+    stretch, the drift is in both rates."""
+    gate = DraftGate(random.Random(4))
+    with caplog.at_level(logging.INFO, logger="reame.speculator"):
+        share = _drifting_traffic(gate, 6000, 0.0, seed=104)
+    flips = [r.getMessage() for r in caplog.records if r.getMessage().startswith("speculation ")]
+    assert len(flips) <= 2, flips
+    assert share < 0.2
+
+
+@pytest.mark.parametrize("gain, verdict", [(-0.1, "off"), (0.1, "on")])
+def test_drifting_traffic_does_not_hide_a_10_percent_difference(gain, verdict):
+    gate = DraftGate(random.Random(6))
+    share = _drifting_traffic(gate, 6000, gain, seed=106)
+    assert gate.snapshot()["gate_2+"] == verdict
+    assert (share < 0.2) if verdict == "off" else (share > 0.8)
 
 
 def test_the_gate_judges_drafting_by_throughput_not_by_its_median_step(caplog):
