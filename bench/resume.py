@@ -17,6 +17,13 @@ streamed, TTFT = request sent -> first output_text delta:
 
 The table gives median TTFT per case, its share of `whole, no cache`, and the prompt and cached
 token counts the server reported.
+
+--floor then loads the engine in this process (the servers stopped) and splits turn 10 at the
+median lengths: its new tokens prefilled after the cached history, the same tokens at position 0
+(their matmuls, attention over themselves only), and the whole prompt, in the server's 512-token
+chunks. The difference of the first two is attention over the history, printed against the host's
+float32 FMA peak (bench/float_peak.py): the share the resumed turn cannot go below without
+faster arithmetic than float32.
 """
 from __future__ import annotations
 
@@ -143,12 +150,86 @@ def print_table(title: str, results: dict[str, list[Turn]]) -> None:
               f"| {1 - cached / tokens:.0%} |")
 
 
+CHUNK = 512  # the server's default prefill_chunk
+
+
+def print_floor(model: Path, threads: int, total: int, cached: int, repeats: int = 5) -> None:
+    """Turn 10's prefill split in the engine (see the module's doc): a table and the floor."""
+    import numba
+    import numpy as np
+    from threadpoolctl import threadpool_limits
+
+    from float_peak import float32_peak
+    from shared.config import EngineSection
+    from worker.engine.batch import StepChunk
+    from worker.engine.engine import load_engine
+
+    engine = load_engine(model, EngineSection(threads=threads, context_length=-(-(total + 64) // 1024) * 1024),
+                         progress=say)
+    numba.set_num_threads(threads)
+    ids = np.random.default_rng(0).integers(100, min(engine.vocab_size, 30000), total)
+    table = np.arange(-(-total // engine.kv.block_size), dtype=np.int32)
+    new = total - cached
+
+    def prefill(lo: int, hi: int) -> None:
+        for s in range(lo, hi, CHUNK):
+            e = min(hi, s + CHUNK)
+            engine.execute([StepChunk.of(ids[s:e], s, table, e == hi)])
+
+    def timed(lo: int, hi: int, before=None) -> float:
+        times = []
+        for _ in range(repeats):
+            if before:
+                before()
+            t0 = time.perf_counter()
+            prefill(lo, hi)
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    hp = engine.model.hp
+    # FLOPs of attention over keys 0..p for one row at position p: q·k and the weighted sum of v,
+    # a multiply-add per dimension each, every head of every layer.
+    per_key = hp.n_layers * hp.n_heads * hp.head_dim * 4
+
+    def keys(lo: int, hi: int) -> int:  # Σ (p + 1) over positions lo..hi-1
+        return (hi * (hi + 1) - lo * (lo + 1)) // 2
+
+    with threadpool_limits(limits=threads, user_api="blas"):
+        prefill(0, total)  # compile or load every kernel; the history's K/V are now in place
+        say(f"floor: {new} new tokens after {cached}, at 0, and the whole {total}, medians of {repeats}")
+        at_depth = timed(cached, total)
+        at_zero = timed(0, new)
+        whole = timed(0, total)
+    history_flops = (keys(cached, total) - keys(0, new)) * per_key
+    attention = max(at_depth - at_zero, 1e-9)
+    rate = history_flops / attention / 1e9
+    peak = float32_peak(threads)
+    whole_attention = keys(0, total) * per_key / 1e9 / rate  # at the rate measured above
+    best_resumed = at_zero + history_flops / 1e9 / peak
+    best_whole = whole - whole_attention + keys(0, total) * per_key / 1e9 / peak
+    print(f"\nTurn 10 in the engine alone ({model.name}, {threads} threads, {cached} cached + {new} new tokens, "
+          f"chunks of {CHUNK}, medians of {repeats})\n")
+    print("| part | ms | share of whole |")
+    print("|---|---|---|")
+    print(f"| the {new} new tokens at position 0: their matmuls (attention over themselves only) | "
+          f"{at_zero * 1000:.0f} | {at_zero / whole:.1%} |")
+    print(f"| the {new} new tokens after the {cached} cached | {at_depth * 1000:.0f} | {at_depth / whole:.1%} |")
+    print(f"| the difference: attention over the history ({history_flops / 1e9:.1f} GFLOP at {rate:.0f} GFLOP/s, "
+          f"{rate / peak:.0%} of the float32 FMA peak, {peak:.0f}) | {attention * 1000:.0f} | {attention / whole:.1%} |")
+    print(f"| the whole prompt, nothing cached | {whole * 1000:.0f} | 100% |")
+    print(f"\nFloor: were attention at the float32 peak (in the resumed turn and the whole prompt alike), "
+          f"the resumed turn's prefill would be {best_resumed / best_whole:.1%} of the whole's, before any server "
+          f"time; its matmuls alone are {at_zero / whole:.1%}.")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="smollm2-135m", help="a known model name or a GGUF path")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--rounds", type=int, default=3, help="conversations (each its own text)")
     parser.add_argument("--turn-sentences", type=int, default=9, help="sentences per user turn (~17 tokens each)")
+    parser.add_argument("--floor", action="store_true",
+                        help="then split turn 10's prefill in the engine (see above)")
     args = parser.parse_args()
     from shared.model_store import ensure_model
 
@@ -157,6 +238,11 @@ def main() -> int:
         results = run(model, args.threads, args.rounds, args.turn_sentences, Path(tmp))
     print_table(f"Reame ({model.name}, {args.threads} threads; median of {args.rounds} conversations, "
                 f"{TURNS} turns, {MAX_TOKENS} output tokens per reply)", results)
+    if args.floor:
+        turns = results["resumed (RAM)"]
+        total = round(statistics.median(t.input_tokens for t in turns))
+        cached = round(statistics.median(t.cached_tokens for t in turns))
+        print_floor(model, args.threads, total, cached)
     return 0
 
 
