@@ -190,7 +190,11 @@ def _long_generations(profile: Profile, knobs: Knobs, defaults: Knobs) -> Propos
 
 def _long_prompts(profile: Profile, knobs: Knobs, defaults: Knobs) -> Proposal | None:
     # What is fed, not what is sent: a prompt whose prefix the cache holds prefills only the rest.
-    fed = profile.prefill_tokens / profile.arrivals if profile.arrivals else 0.0
+    # A window without arrivals that still fed a chunk or more is feeding prompts that came
+    # earlier and outlast a window: long ones. (Counted per arrival only, 3,500-token documents
+    # arriving one a minute left almost every 3 s profile at 0 arrivals, and the policy never
+    # fired: bench/adaptive.py traffic-shift, Zen 4, 12-07.)
+    fed = profile.prefill_tokens / max(profile.arrivals, 1)
     if fed < knobs.prefill_chunk or profile.decoders_waiting_on_prefill < 1 or knobs.prefill_chunk <= MIN_PREFILL_CHUNK:
         return None
     chunk = max(MIN_PREFILL_CHUNK, knobs.prefill_chunk // 2)
