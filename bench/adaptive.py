@@ -155,7 +155,7 @@ def user_task(rng: random.Random) -> str:
 
 
 # The model's tokenizer (main sets it), so a document is as many tokens as asked: Qwen2.5 gives each
-# digit a token, and "word 1234" pairs made a "3,500-token" document ~6,400 tokens there (the
+# digit a token, and "word 1234" pairs made a "3,500-token" document ~6,900 tokens there (the
 # documents phase of 12-07 finished 3 documents in 270 s, each after 160 s).
 document_tokenizer = None
 

@@ -176,11 +176,9 @@ def print_floor(model: Path, threads: int, total: int, cached: int, repeats: int
             e = min(hi, s + CHUNK)
             engine.execute([StepChunk.of(ids[s:e], s, table, e == hi)])
 
-    def timed(lo: int, hi: int, before=None) -> float:
+    def timed(lo: int, hi: int) -> float:
         times = []
         for _ in range(repeats):
-            if before:
-                before()
             t0 = time.perf_counter()
             prefill(lo, hi)
             times.append(time.perf_counter() - t0)
