@@ -117,6 +117,16 @@ def test_one_odd_window_changes_nothing():
     assert coordinator.history[-1].kind == "change" and coordinator.history[-1].outcome == "measuring"
 
 
+def test_a_window_in_which_no_step_ended_does_not_break_a_streak():
+    """Prompt chunks of ~4.5 s against 3 s profiles: every other window ends no step."""
+    coordinator = Coordinator(DEFAULTS)
+    assert feed(coordinator, 1, **SHORT) == []
+    assert feed(coordinator, 1, steps=0, busy_seconds=0.0, arrivals=0, finished=0, prefill_tokens=0,
+                output_tokens=0) == []
+    [out] = feed(coordinator, CONFIRM - 1, **SHORT)
+    assert out.strategy.knobs.max_batch_size == 16
+
+
 def test_a_change_that_helps_is_kept_and_the_knobs_converge():
     coordinator = Coordinator(DEFAULTS)
     sent = feed(coordinator, CONFIRM, **SHORT)
