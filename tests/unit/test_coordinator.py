@@ -78,8 +78,9 @@ def test_long_prompts_with_waiting_decoders_get_smaller_prefill_chunks():
 def test_a_window_that_only_continues_long_prompts_counts_them_as_long():
     """Documents of ~3,500 tokens, one a minute per client: most 3 s windows see no arrival, only
     the chunks of prompts that came before, while a decoder waits in every prefill step."""
+    # One 4.5 s step in the window: the budget's 512 less the waiting decoder's row.
     continuing = dict(seconds=3.0, arrivals=0, finished=0, prompt_tokens_p50=0, prompt_tokens_p95=0,
-                      prefill_tokens=600, decoders_waiting_on_prefill=1.0, step_ms_prefill=4500)
+                      steps=1, prefill_tokens=511, decoders_waiting_on_prefill=1.0, step_ms_prefill=4500)
     [p] = policy.propose(profile(**continuing), DEFAULTS, DEFAULTS)
     assert p.policy == "long prompts" and p.knobs.prefill_chunk == 256
     # A window that fed less than a chunk says nothing about how long the prompts were.
