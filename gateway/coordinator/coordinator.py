@@ -180,12 +180,7 @@ class Coordinator:
         proposals = [p for p in propose(profile, slot.knobs, self.defaults)
                      if slot.blocked.get(p.policy, 0.0) <= now or self._drifted(slot, p.policy, profile)]
         if not proposals:
-            # A window in which no step ended saw nothing: it neither confirms nor breaks a streak.
-            # (A 3,500-token document's 512-token chunk steps took ~4.5 s on the 1.5B file, so its
-            # 3 s profiles alternated one step and none, and the long-prompts streak never reached
-            # CONFIRM: bench/adaptive.py traffic-shift, Zen 4, 12-07.)
-            if busy:
-                slot.streak, slot.streak_count, slot.streak_profiles = None, 0, []
+            slot.streak, slot.streak_count, slot.streak_profiles = None, 0, []
             retest = self._retest_if_drifted(slot, profile, now)
             return [retest] if retest is not None else []
         first = proposals[0]

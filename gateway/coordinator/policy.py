@@ -61,7 +61,6 @@ BURSTY = 2.0  # coefficient of variation of arrival gaps (Poisson: 1)
 BUSY_NEIGHBOURS = 0.5  # share of the worker's CPU time other processes used
 QUIET_NEIGHBOURS = 0.15
 MIN_ARRIVALS_FOR_BURSTS = 8
-LONG_FEED = 0.9  # share of a prefill chunk fed per prompt from which prompts count as long
 
 
 @dataclass(frozen=True)
@@ -191,15 +190,8 @@ def _long_generations(profile: Profile, knobs: Knobs, defaults: Knobs) -> Propos
 
 def _long_prompts(profile: Profile, knobs: Knobs, defaults: Knobs) -> Proposal | None:
     # What is fed, not what is sent: a prompt whose prefix the cache holds prefills only the rest.
-    # A window without arrivals that still fed a chunk or more is feeding prompts that came
-    # earlier and outlast a window: long ones. (Counted per arrival only, 3,500-token documents
-    # arriving one a minute left almost every 3 s profile at 0 arrivals, and the policy never
-    # fired: bench/adaptive.py traffic-shift, Zen 4, 12-07.)
-    # A chunk that shares its step with decoders is the budget less their rows (511 beside one
-    # decoder): a nearly whole chunk counts.
-    fed = profile.prefill_tokens / max(profile.arrivals, 1)
-    if (fed < LONG_FEED * knobs.prefill_chunk or profile.decoders_waiting_on_prefill < 1
-            or knobs.prefill_chunk <= MIN_PREFILL_CHUNK):
+    fed = profile.prefill_tokens / profile.arrivals if profile.arrivals else 0.0
+    if fed < knobs.prefill_chunk or profile.decoders_waiting_on_prefill < 1 or knobs.prefill_chunk <= MIN_PREFILL_CHUNK:
         return None
     chunk = max(MIN_PREFILL_CHUNK, knobs.prefill_chunk // 2)
     return Proposal("long prompts", knobs.with_(prefill_chunk=chunk, token_budget=chunk + knobs.max_batch_size),

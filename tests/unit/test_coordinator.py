@@ -75,18 +75,6 @@ def test_long_prompts_with_waiting_decoders_get_smaller_prefill_chunks():
     assert policy.propose(profile(**{**LONG_PROMPTS, "prefill_tokens": 2000}), DEFAULTS, DEFAULTS) == []
 
 
-def test_a_window_that_only_continues_long_prompts_counts_them_as_long():
-    """Documents of ~3,500 tokens, one a minute per client: most 3 s windows see no arrival, only
-    the chunks of prompts that came before, while a decoder waits in every prefill step."""
-    # One 4.5 s step in the window: the budget's 512 less the waiting decoder's row.
-    continuing = dict(seconds=3.0, arrivals=0, finished=0, prompt_tokens_p50=0, prompt_tokens_p95=0,
-                      steps=1, prefill_tokens=511, decoders_waiting_on_prefill=1.0, step_ms_prefill=4500)
-    [p] = policy.propose(profile(**continuing), DEFAULTS, DEFAULTS)
-    assert p.policy == "long prompts" and p.knobs.prefill_chunk == 256
-    # A window that fed less than a chunk says nothing about how long the prompts were.
-    assert policy.propose(profile(**{**continuing, "prefill_tokens": 300}), DEFAULTS, DEFAULTS) == []
-
-
 def test_batches_stay_within_what_the_kv_pool_holds():
     # 100 blocks of 16 tokens; sequences of 200 + 200 tokens need 25: the pool holds 4.
     tight = dict(kv_blocks=100, preemptions=3)
@@ -116,16 +104,6 @@ def test_one_odd_window_changes_nothing():
     [out] = feed(coordinator, 1, **SHORT)
     assert out.worker_id == WORKER and out.strategy.knobs.max_batch_size == 16 and out.strategy.version == 1
     assert coordinator.history[-1].kind == "change" and coordinator.history[-1].outcome == "measuring"
-
-
-def test_a_window_in_which_no_step_ended_does_not_break_a_streak():
-    """Prompt chunks of ~4.5 s against 3 s profiles: every other window ends no step."""
-    coordinator = Coordinator(DEFAULTS)
-    assert feed(coordinator, 1, **SHORT) == []
-    assert feed(coordinator, 1, steps=0, busy_seconds=0.0, arrivals=0, finished=0, prefill_tokens=0,
-                output_tokens=0) == []
-    [out] = feed(coordinator, CONFIRM - 1, **SHORT)
-    assert out.strategy.knobs.max_batch_size == 16
 
 
 def test_a_change_that_helps_is_kept_and_the_knobs_converge():
