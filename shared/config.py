@@ -55,6 +55,9 @@ class SchedulerSection:
     token_budget: int = 512  # prompt-chunk + decode tokens in one engine step
     batching_window_ms: float = 2.0  # how long a lone request may wait for company
     attention_chunk: int = 512  # keys per online-softmax chunk
+    # Decode-only steps after a prompt-chunk step, as a share of that step's time (0: decoders
+    # only ride along in prompt-chunk steps).
+    decode_share: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,12 @@ MAX_WINDOW_MS = 8.0
 MIN_PREFILL_CHUNK = 64
 MIN_ATTENTION_CHUNK = 64
 MIN_TOKEN_BUDGET = 64
+# Decode-only time after a prompt-chunk step, as a share of it: at 1, prompts go half as fast while
+# anything decodes. Beyond that a flood of decoders could all but stop new prompts.
+MAX_DECODE_SHARE = 1.0
+MOST_DECODE_SHARE = 8.0  # what any reader accepts (reame.conf may go past the policies' bound)
+# Knobs added after strategies were first saved: a saved strategy without one gets its default.
+LATER_KNOBS = ("decode_share",)
 
 _SCHEDULER, _ENGINE = SchedulerSection(), EngineSection()
 
@@ -63,6 +69,8 @@ class SchedulerKnobs:
     # How long a lone arrival may wait for company.
     batching_window_ms: float = field(default=_SCHEDULER.batching_window_ms,
                                       metadata={"low": 0.0, "high": MOST_WINDOW_MS})
+    # Decode-only steps after each prompt-chunk step, for this share of its time (worker.sched.scheduler).
+    decode_share: float = field(default=_SCHEDULER.decode_share, metadata={"low": 0.0, "high": MOST_DECODE_SHARE})
 
     def __post_init__(self) -> None:
         for f in fields(SchedulerKnobs):
@@ -73,6 +81,7 @@ class SchedulerKnobs:
                 raise ConfigError(f"{f.name}: expected {'an integer' if integer else 'a number'} in "
                                   f"{_show(low)}..{_show(high)}, got {value!r}", param=f.name)
         object.__setattr__(self, "batching_window_ms", float(self.batching_window_ms))
+        object.__setattr__(self, "decode_share", float(self.decode_share))
 
     @classmethod
     def from_config(cls, config: Config):
@@ -80,7 +89,7 @@ class SchedulerKnobs:
         s = config.scheduler
         return cls(max_batch_size=s.max_batch_size, token_budget=s.token_budget,
                    prefill_chunk=config.engine.prefill_chunk, attention_chunk=s.attention_chunk,
-                   batching_window_ms=s.batching_window_ms)
+                   batching_window_ms=s.batching_window_ms, decode_share=s.decode_share)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -121,7 +130,7 @@ class Knobs(SchedulerKnobs):
             raise ConfigError(f"{where}: expected an object of knobs")
         names = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - names - {"threads"})
-        missing = sorted({f.name for f in fields(SchedulerKnobs)} - set(data))
+        missing = sorted({f.name for f in fields(SchedulerKnobs)} - set(data) - set(LATER_KNOBS))
         if unknown or missing:
             raise ConfigError(f"{where}: unknown knobs {unknown}" if unknown else f"{where}: missing knobs {missing}")
         try:
@@ -154,6 +163,9 @@ class Knobs(SchedulerKnobs):
         most_window = max(MAX_WINDOW_MS, started.batching_window_ms)
         if self.batching_window_ms > most_window:
             raise ConfigError(f"{where}.batching_window_ms: at most {most_window:g}, got {self.batching_window_ms:g}")
+        most_share = max(MAX_DECODE_SHARE, started.decode_share)
+        if self.decode_share > most_share:
+            raise ConfigError(f"{where}.decode_share: at most {most_share:g}, got {self.decode_share:g}")
         self.check_fits(started, where)
 
     def describe(self, before: Knobs | None = None) -> str:

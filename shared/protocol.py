@@ -216,6 +216,7 @@ class Profile:
     queue_wait_ms_p95: float = 0.0
     ttft_ms_p95: float = 0.0  # arrival → first token, inside the worker
     latency_ms_p95: float = 0.0  # arrival → finish
+    token_gap_ms_p95: float = 0.0  # between two tokens of one request (0: no request had two)
     steps: Count = 0
     busy_seconds: float = 0.0  # wall time spent in steps
     batch_size_mean: float = 0.0  # sequences per step

@@ -31,6 +31,7 @@ class _Request:
     arrived: float
     scheduled: float | None = None
     first_token: float | None = None
+    last_token: float | None = None
 
 
 @dataclass
@@ -58,6 +59,7 @@ class _Window:
     queue_wait: list[float] = field(default_factory=list)  # seconds
     ttft: list[float] = field(default_factory=list)
     latency: list[float] = field(default_factory=list)
+    token_gaps: list[float] = field(default_factory=list)  # seconds between two tokens of a request
     prefill: _Phase = field(default_factory=_Phase)
     decode: _Phase = field(default_factory=_Phase)
     steps: int = 0
@@ -126,6 +128,10 @@ class ProfileCollector:
                     if request is not None and request.first_token is None:
                         request.first_token = now
                         w.ttft.append(now - request.arrived)
+                    elif request is not None:
+                        w.token_gaps.append(now - request.last_token)
+                    if request is not None:
+                        request.last_token = now
                 elif request is not None:
                     del self._requests[event.request_id]
                     if isinstance(event, FinishEvent):
@@ -158,6 +164,7 @@ class ProfileCollector:
             burstiness=burstiness(w.arrivals),
             queue_wait_ms_p50=1000 * percentile(w.queue_wait, 50), queue_wait_ms_p95=1000 * percentile(w.queue_wait, 95),
             ttft_ms_p95=1000 * percentile(w.ttft, 95), latency_ms_p95=1000 * percentile(w.latency, 95),
+            token_gap_ms_p95=1000 * percentile(w.token_gaps, 95),
             steps=w.steps, busy_seconds=w.busy, batch_size_mean=_mean(w.sequences, w.steps),
             prefill_tokens=w.prefill.prompt_rows, output_tokens=w.generated,
             step_ms_prefill=1000 * _mean(w.prefill.seconds, w.prefill.steps),

@@ -81,6 +81,17 @@ def test_a_strategy_saved_with_a_thread_count_still_loads_without_it():
         Knobs.from_dict({**STARTED.as_dict(), "thread": 1})
 
 
+def test_a_strategy_saved_before_decode_share_loads_with_reame_confs_share():
+    saved = {k: v for k, v in STARTED.as_dict().items() if k != "decode_share"}
+    assert Knobs.from_dict(saved) == STARTED and STARTED.decode_share == 0.0
+    with pytest.raises(ConfigError, match="missing knobs \\['prefill_chunk'\\]"):
+        Knobs.from_dict({k: v for k, v in STARTED.as_dict().items() if k != "prefill_chunk"})
+    # An import keeps to what the policies would choose: a share of 8 all but stops new prompts.
+    with pytest.raises(ConfigError, match="decode_share: at most 1"):
+        STARTED.with_(decode_share=8.0).check_within(STARTED)
+    STARTED.with_(decode_share=policy.MAX_DECODE_SHARE).check_within(STARTED)
+
+
 def test_twice_the_start_batch_is_one_rule_for_the_coordinator_and_the_worker(monkeypatch):
     """Change the growth once and every reader follows: the policies, an import's bounds, and the
     worker that checks a Strategy against what its engine was sized for."""
@@ -114,7 +125,7 @@ def test_what_the_coordinator_records_is_what_the_worker_runs():
     """Every knob of a Strategy lands in the worker: a knob the worker would drop (as it dropped
     the coordinator's thread count while the coordinator recorded and measured it) fails here."""
     sent = Knobs(max_batch_size=16, token_budget=600, prefill_chunk=256, attention_chunk=128,
-                 batching_window_ms=4.0, cpus=(1,), bind_memory=True)
+                 batching_window_ms=4.0, decode_share=0.5, cpus=(1,), bind_memory=True)
     assert all(getattr(sent, f.name) != f.default for f in dataclasses.fields(Knobs))
     tuning, placement = TuningState(STARTED.scheduler), RecordingPlacement([0, 1])
     service = WorkerService(FakeGenerator(), ScriptedSocket(), INFO, tuning=tuning, placement=placement)

@@ -49,6 +49,7 @@ def test_a_window_of_traffic_becomes_one_profile():
     assert p.step_ms_overhead == pytest.approx(3.5)
     assert p.queue_wait_ms_p95 == pytest.approx(15) and p.ttft_ms_p95 == pytest.approx(50)
     assert p.latency_ms_p95 == pytest.approx(60) and p.waiting_mean == 0.5 and p.kv_blocks_used_max == 32
+    assert p.token_gap_ms_p95 == pytest.approx(10)  # a's and b's second tokens, one step after their first
     assert (p.prefix_query_tokens, p.prefix_hit_tokens, p.preemptions) == (400, 96, 2)
     assert p.sources == {"kernels": {"gemm": "i8_avx2", "speedup": 1.5}}
     assert protocol.decode(protocol.encode(p)) == p  # it crosses ZeroMQ as it is
@@ -56,6 +57,11 @@ def test_a_window_of_traffic_becomes_one_profile():
     clock.now += 5
     q = collector.profile(3, {"prefix_query_tokens": 500, "prefix_hit_tokens_ram": 96}, preemptions=2)
     assert (q.arrivals, q.steps, q.prefix_query_tokens, q.prefix_hit_tokens, q.preemptions) == (0, 0, 100, 0, 0)
+    assert q.token_gap_ms_p95 == 0.0
+    # b's next token 2 s later (behind a long prompt chunk): the gap spans the windows.
+    clock.now += 2.0
+    collector.stepped(StepStats(1, 512, 1, 1.9), 2.0, [TokenEvent("b", 5)], 0, ["b"], 40)
+    assert collector.profile(3, {}, preemptions=2).token_gap_ms_p95 == pytest.approx(11940)
 
 
 def test_a_broken_source_costs_its_section_only():

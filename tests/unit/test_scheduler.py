@@ -373,6 +373,42 @@ def test_knobs_change_between_steps_and_a_smaller_batch_size_caps_the_next_batch
     assert scheduler.num_running == 4  # c and d keep their blocks and resume when room returns
 
 
+def test_a_decode_share_follows_each_prompt_chunk_step_with_decode_only_steps_for_its_share_of_time():
+    """A short answer behind a long prompt: with decode_share 0.5, a 4 s prompt-chunk step is
+    followed by 2 s of decode-only steps, in which nothing else is admitted or fed."""
+    scheduler = _scheduler(prefill_chunk=8, token_budget=16, decode_share=0.5)
+    scheduler.add(_seq("a", 4, max_tokens=50))
+    batch = scheduler.schedule(0.0)
+    scheduler.update(batch, {"a": 7}, now=0.1)  # a's prompt: a 0.1 s step, so 0.05 s of decoding
+    scheduler.add(_seq("doc", 40, arrival=0.2))
+    batch = scheduler.schedule(0.2)
+    assert _shape(batch) == [("a", 4, 1, True), ("doc", 0, 8, False)]
+    scheduler.update(batch, {"a": 7}, now=4.2)  # a 4 s chunk step: decode-only until 6.2
+    scheduler.add(_seq("late", 4, arrival=4.3))
+    for now in (4.2, 5.0, 6.1):
+        batch = scheduler.schedule(now)
+        assert _shape(batch)[0][0] == "a" and len(batch) == 1  # no doc chunk, no admission of "late"
+        scheduler.update(batch, {"a": 7}, now=now + 0.05)
+    batch = scheduler.schedule(6.2)  # the stretch is over: the doc's next chunk, and "late" comes in
+    assert [c.seq.seq_id for c in batch.chunks] == ["a", "doc", "late"]
+    assert batch.chunks[1].num_tokens == 8
+
+
+def test_decode_only_steps_need_a_decoder_and_a_share():
+    # Nothing decodes: the prompts go on at once.
+    scheduler = _scheduler(prefill_chunk=8, token_budget=16, decode_share=1.0)
+    scheduler.add(_seq("doc", 40))
+    scheduler.update(scheduler.schedule(0.0), {}, now=4.0)
+    assert _shape(scheduler.schedule(4.0)) == [("doc", 8, 8, False)]
+    # Share 0 (reame.conf's): decoders only ride along in prompt-chunk steps, as before.
+    scheduler = _scheduler(prefill_chunk=8, token_budget=16)
+    scheduler.add(_seq("a", 4, max_tokens=50))
+    scheduler.update(scheduler.schedule(0.0), {"a": 7}, now=0.1)
+    scheduler.add(_seq("doc", 40))
+    scheduler.update(scheduler.schedule(0.2), {"a": 7}, now=4.2)
+    assert _shape(scheduler.schedule(4.2)) == [("a", 5, 1, True), ("doc", 8, 8, False)]
+
+
 # ---- seeded random workload ----------------------------------------------------------------------
 
 def _check_state(scheduler: Scheduler, order: dict[str, int], after_update: bool) -> None:

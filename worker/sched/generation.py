@@ -243,7 +243,7 @@ class BatchGenerator:
                     sampled[seq_id] = [token]
             else:
                 sampled[seq_id] = self._sample(chunk, logits[lo:hi], events)
-        for seq in self.scheduler.update(batch, sampled, completed, deferred):
+        for seq in self.scheduler.update(batch, sampled, completed, deferred, now=self.clock()):
             warm = seq.seq_id in self._warm
             if self.speculator is not None:
                 self.speculator.end(seq.seq_id, seq.token_ids, seq.num_prompt_tokens)

@@ -18,8 +18,8 @@ Sequences added between steps are admitted at the next step at the earliest.
 
 Ordering invariant: every running sequence was added before every waiting one. Admission appends
 the oldest waiting sequence; preemption moves the newest running one to the front of the queue.
-So the oldest unfinished sequence is never preempted by another and gets >= 1 token each step:
-no starvation.
+So the oldest unfinished sequence is never preempted by another and gets >= 1 token each step
+(each step outside the time-bounded decode-only stretches below): no starvation.
 
 No deadlock: `add()` rejects a sequence whose prompt + max_tokens needs more blocks than the whole
 pool, so a sequence running alone always fits (waiting sequences hold no blocks).
@@ -29,6 +29,13 @@ is held until the oldest waiting sequence's arrival_time + batching_window_ms / 
 batch then carries `hold_until`, the time to call `schedule()` again. Arrivals inside the window
 are admitted together in one step, so one weight read serves all of them. While anything runs
 there is no hold: arrivals join the next step, which pays for the weight read anyway.
+
+Decode share (knob decode_share, s): running sequences decode one token per step, and in a step
+that also feeds a prompt chunk they wait for the whole chunk. A step that fed prompt rows and took
+T seconds (schedule() to update()) is followed by decode-only steps until T*s seconds have passed:
+no prompt chunk, no admission, only the sequences with one token to feed. Prompts then still get at
+least 1/(1+s) of the time while anything decodes, and short answers behind long prompts finish in
+one such stretch instead of one token per chunk (16 tokens behind 4.5 s chunks: 72 s).
 
 Prefix cache (optional, worker.kv.prefix_cache): a sequence being admitted first takes the blocks of
 its longest cached prefix (counted as computed), so only the rest is fed; if the remainder does not
@@ -112,6 +119,8 @@ class Scheduler:
         self._running: list[Sequence] = []  # oldest first
         self._seqs: dict[str, Sequence] = {}  # every unfinished sequence, by id
         self._in_flight: ScheduledBatch | None = None
+        self._in_flight_at = 0.0  # when the batch in flight was scheduled
+        self._decode_until = 0.0  # decode-only steps until then (decode_share)
 
     # ---- observation ---------------------------------------------------------------------------
 
@@ -178,10 +187,15 @@ class Scheduler:
         chunks: list[ScheduledChunk] = []
         preempted: list[Sequence] = []
 
-        drafting = self.drafter is not None and not self._prompts_pending(knobs)
+        decode_only = now < self._decode_until and any(s.num_uncomputed_tokens == 1 for s in self._running)
+        # Decode-only steps hold prompts back on purpose: drafts there delay no prompt.
+        drafting = self.drafter is not None and (decode_only or not self._prompts_pending(knobs))
         i = 0
         while i < len(self._running) and budget > 0 and len(chunks) < knobs.max_batch_size:
             seq = self._running[i]
+            if decode_only and seq.num_uncomputed_tokens > 1:
+                i += 1
+                continue
             num_tokens = min(seq.num_uncomputed_tokens, knobs.prefill_chunk, budget)
             if not self._make_room(seq, num_tokens, preempted):
                 break  # seq preempted itself; it was the last running sequence
@@ -192,19 +206,19 @@ class Scheduler:
             i += 1
 
         hold_until = None
-        if not preempted:
+        if not preempted and not decode_only:
             hold_until = self._hold_until(knobs, now)
             if hold_until is None:
                 self._admit(knobs, budget, chunks)
 
         batch = ScheduledBatch(tuple(chunks), knobs, tuple(preempted), hold_until)
         if chunks:
-            self._in_flight = batch
+            self._in_flight, self._in_flight_at = batch, now
         return batch
 
     def update(self, batch: ScheduledBatch, sampled: dict[str, int | Tokens[int]],
                completed: frozenset[str] | set[str] = frozenset(),
-               deferred: frozenset[str] | set[str] = frozenset()) -> list[Sequence]:
+               deferred: frozenset[str] | set[str] = frozenset(), now: float | None = None) -> list[Sequence]:
         """Advance the batch's sequences by what the engine computed; return those that finished.
 
         sampled maps seq_id -> token (or, for a drafted chunk, the tokens emitted: the accepted
@@ -214,6 +228,8 @@ class Scheduler:
         `deferred`: sampling chunks (never drafted) that sample nothing this step (their grammar
         mask was late): all but their last token count as computed, and the last is fed again next
         step (its K/V row is rewritten with the same values).
+        `now`: when the step ended (the clock schedule() was given); without it no decode-only
+        steps follow (decode_share).
         """
         if batch.is_empty:
             return []
@@ -227,6 +243,9 @@ class Scheduler:
         emitted = {c.seq.seq_id: _emitted(c, sampled[c.seq.seq_id]) for c in live
                    if c.samples and c.seq.seq_id not in deferred}
         self._in_flight = None
+        fed_prompt = any(c.num_tokens - len(c.draft) > 1 for c in live)
+        if now is not None and fed_prompt and batch.knobs.decode_share > 0:
+            self._decode_until = now + batch.knobs.decode_share * max(0.0, now - self._in_flight_at)
 
         finished = []
         for chunk in live:
