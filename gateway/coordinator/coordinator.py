@@ -11,7 +11,8 @@ A worker's life under the coordinator:
    profiles with traffic before the change against MEASURE after it (the first profile under
    the new version is skipped: part of its window ran the old knobs).
 3. A change whose goal got worse by more than TOLERANCE (or that lost more than THROUGHPUT_GUARD
-   of the tokens per busy second, whatever its goal), or a CONDITIONAL one (it takes CPUs away)
+   of the tokens per busy second, whatever its goal, or more than its policy's GUARDS allow), or a
+   CONDITIONAL one (it takes CPUs away)
    that did not improve its goal by more than PROOF_Z standard errors of the windows' noise, is
    reverted, and its policy is not tried
    again on that worker for TABU_S: no oscillation between two values. Each further revert of
@@ -44,7 +45,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from gateway.coordinator.policy import (BUSY_NEIGHBOURS, METRICS, QUIET_NEIGHBOURS, THROUGHPUT, Proposal,
+from gateway.coordinator.policy import (BUSY_NEIGHBOURS, GUARDS, METRICS, QUIET_NEIGHBOURS, THROUGHPUT, Proposal,
                                         others_by_cpu, propose)
 from gateway.coordinator.store import age
 from shared.errors import ConfigError
@@ -180,7 +181,11 @@ class Coordinator:
         proposals = [p for p in propose(profile, slot.knobs, self.defaults)
                      if slot.blocked.get(p.policy, 0.0) <= now or self._drifted(slot, p.policy, profile)]
         if not proposals:
-            slot.streak, slot.streak_count, slot.streak_profiles = None, 0, []
+            # A window in which no step ended saw nothing: it neither confirms nor breaks a streak.
+            # (A 3,500-token document's 512-token chunk steps took ~4.5 s on the 1.5B file, so its
+            # 3 s profiles alternated one step and none: bench/adaptive.py traffic-shift, Zen 4, 12-07.)
+            if busy:
+                slot.streak, slot.streak_count, slot.streak_profiles = None, 0, []
             retest = self._retest_if_drifted(slot, profile, now)
             return [retest] if retest is not None else []
         first = proposals[0]
@@ -347,7 +352,8 @@ class Coordinator:
         decision = trial.decision
         goal = METRICS[decision.goal]
         before, after = _mean(goal.read, trial.before), _mean(goal.read, trial.after)
-        change = (after - before) / before if before else 0.0
+        # A side without a window that measured the goal is no evidence either way.
+        change = (after - before) / before if before and _values(goal.read, trial.after) else 0.0
         better = change if goal.higher_is_better else -change
         tput_before, tput_after = _mean(METRICS[THROUGHPUT].read, trial.before), _mean(METRICS[THROUGHPUT].read, trial.after)
         tput_change = (tput_after - tput_before) / tput_before if tput_before else 0.0
@@ -359,7 +365,15 @@ class Coordinator:
         # shared the host with other work (+12% ±31%) held 3.6 minutes at half the throughput
         # (bench/adaptive.py --scenario neighbour, Qwen2.5-1.5B, 12-06).
         unproven = decision.policy in CONDITIONAL and better <= PROOF_Z * decision.effect["noise"]
-        negative = better < -TOLERANCE or tput_change < -THROUGHPUT_GUARD or unproven
+        costly = False
+        if decision.policy in GUARDS:  # what the change must not cost beside its goal
+            guarded, allowed = GUARDS[decision.policy]
+            guard = METRICS[guarded]
+            was, now_ = _mean(guard.read, trial.before), _mean(guard.read, trial.after)
+            cost = (now_ - was) / was if was and _values(guard.read, trial.after) else 0.0
+            decision.effect["guard_change"] = round(cost, 4)
+            costly = (-cost if guard.higher_is_better else cost) > allowed
+        negative = better < -TOLERANCE or tput_change < -THROUGHPUT_GUARD or unproven or costly
         name = self._name_of(slot)
         if decision.policy == RESUME_CHECK:
             log.info("coordinator: %s: the resumed strategy %s: the shipped defaults made %s %.3g → %.3g (%+.0f%%)",
@@ -382,7 +396,10 @@ class Coordinator:
         self.version += 1
         revert = Decision(self.version, name, self.wall(), "revert", decision.policy,
                           f"v{decision.version} made {goal.name} {100 * change:+.0f}% (tokens per busy second "
-                          f"{100 * tput_change:+.0f}%)", slot.knobs.as_dict(), trial.previous.as_dict(),
+                          f"{100 * tput_change:+.0f}%"
+                          + (f", {GUARDS[decision.policy][0]} {100 * decision.effect['guard_change']:+.0f}%"
+                             if "guard_change" in decision.effect else "") + ")",
+                          slot.knobs.as_dict(), trial.previous.as_dict(),
                           goal=decision.goal, effect=dict(decision.effect))
         log.info("coordinator: %s v%d reverted by v%d: %s; %r not tried again for %.0f s (revert %d) unless "
                  "the traffic changes", name, decision.version, self.version, revert.reason, decision.policy, rest,
@@ -541,15 +558,21 @@ def _load(others: float) -> str:
     return "busy" if others >= BUSY_NEIGHBOURS else "quiet" if others <= QUIET_NEIGHBOURS else "some"
 
 
-def _mean(read: Callable[[Profile], float], profiles: list[Profile]) -> float:
-    return sum(read(p) for p in profiles) / len(profiles) if profiles else 0.0
+def _values(read: Callable[[Profile], float | None], profiles: list[Profile]) -> list[float]:
+    """The metric in each window that measured it."""
+    return [v for v in map(read, profiles) if v is not None]
 
 
-def _change_noise(read: Callable[[Profile], float], before: list[Profile], after: list[Profile]) -> float:
+def _mean(read: Callable[[Profile], float | None], profiles: list[Profile]) -> float:
+    values = _values(read, profiles)
+    return sum(values) / len(values) if values else 0.0
+
+
+def _change_noise(read: Callable[[Profile], float | None], before: list[Profile], after: list[Profile]) -> float:
     """The standard error of (mean after - mean before) / mean before, from the windows' own
     variation: what the load alone moves the goal by (the report marks a smaller change as noise)."""
     def variance_of_mean(profiles: list[Profile]) -> float:
-        values = [read(p) for p in profiles]
+        values = _values(read, profiles)
         if len(values) < 2:
             return 0.0
         m = sum(values) / len(values)

@@ -15,8 +15,11 @@ which its effect is judged afterwards (coordinator.py reverts a change whose goa
   above the CPUs this placement leaves (a neighbour on every CPU shows there as slower steps).
 - memory binding: on a host of several NUMA nodes, bind the worker's memory to its node (pages
   moved there); kept only if tokens per busy second do not drop.
-- long prompts: prompts feeding more than a chunk (after prefix hits) while decoders wait in the same steps → smaller
-  prefill chunks (and a budget of one chunk plus every decoder), so decoders are not stalled.
+- long prompts: prompt-chunk steps so long that the requests decoding beside them wait that long for
+  each token → decode-only steps after each chunk (decode_share doubled from 1/4), judged by the
+  gaps between tokens. Smaller chunks would shorten those steps too, but they were judged by step
+  length, which any smaller chunk lowers, and on documents of 3,500 tokens (Qwen2.5-Coder-1.5B,
+  Zen 4) they took p95 time to first token from 39.6 s to 72.9 s.
 Steps are doublings and halvings within fixed bounds, so the knobs take few distinct values and
 the coordinator's hysteresis settles on one of them.
 """
@@ -26,15 +29,17 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
-from shared.knobs import MAX_WINDOW_MS, MIN_BATCH, MIN_PREFILL_CHUNK, MIN_WINDOW_MS, Knobs, batch_ceiling
+from shared.knobs import MAX_DECODE_SHARE, MAX_WINDOW_MS, MIN_BATCH, MIN_WINDOW_MS, Knobs, batch_ceiling
 from shared.protocol import Profile
 
 
 @dataclass(frozen=True)
 class Metric:
-    """What a change is judged by, measured on the profiles before and after it."""
+    """What a change is judged by, measured on the profiles before and after it. `read` gives
+    None for a window that measured nothing of it (no request had two tokens in it, say): such
+    windows are left out of the means instead of counting as 0."""
     name: str
-    read: Callable[[Profile], float]
+    read: Callable[[Profile], float | None]
     higher_is_better: bool
 
 
@@ -46,8 +51,15 @@ METRICS = {m.name: m for m in (
     Metric("step ms", lambda p: 1000 * p.busy_seconds / p.steps if p.steps else 0.0, False),
     Metric("prefill step ms", lambda p: p.step_ms_prefill, False),
     Metric("queue wait p95 ms", lambda p: p.queue_wait_ms_p95, False),
+    Metric("token gap p95 ms", lambda p: p.token_gap_ms_p95 or None, False),
+    Metric("ttft p95 ms", lambda p: p.ttft_ms_p95 or None, False),
 )}
-THROUGHPUT, STEP_MS, PREFILL_STEP_MS, QUEUE_WAIT = METRICS
+THROUGHPUT, STEP_MS, PREFILL_STEP_MS, QUEUE_WAIT, TOKEN_GAP, TTFT = METRICS
+
+# What a policy's change must not cost beside its goal (a METRICS name: the most it may get worse).
+# Decode-only steps delay prompts: at the first share, 1/4, a prompt takes at most 25% longer, so a
+# time to first token worse by more than 30% is a loss, not the share's price.
+GUARDS = {"long prompts": (TTFT, 0.30)}
 
 # Bounds of what the policies may choose are shared.knobs' (MIN_BATCH, MIN/MAX_WINDOW_MS,
 # MIN_PREFILL_CHUNK; the batch: batch_ceiling of reame.conf's): an import keeps to them too.
@@ -61,6 +73,10 @@ BURSTY = 2.0  # coefficient of variation of arrival gaps (Poisson: 1)
 BUSY_NEIGHBOURS = 0.5  # share of the worker's CPU time other processes used
 QUIET_NEIGHBOURS = 0.15
 MIN_ARRIVALS_FOR_BURSTS = 8
+# A token every 400 ms is 2.5 tokens/s, below reading speed: decoders stalled that long (p95 gap,
+# behind prompt-chunk steps at least that long) are stalled by the prompts.
+STALLED_TOKEN_MS = 400.0
+FIRST_DECODE_SHARE = 0.25
 
 
 @dataclass(frozen=True)
@@ -189,13 +205,13 @@ def _long_generations(profile: Profile, knobs: Knobs, defaults: Knobs) -> Propos
 
 
 def _long_prompts(profile: Profile, knobs: Knobs, defaults: Knobs) -> Proposal | None:
-    # What is fed, not what is sent: a prompt whose prefix the cache holds prefills only the rest.
-    fed = profile.prefill_tokens / profile.arrivals if profile.arrivals else 0.0
-    if fed < knobs.prefill_chunk or profile.decoders_waiting_on_prefill < 1 or knobs.prefill_chunk <= MIN_PREFILL_CHUNK:
+    # Gaps, not prompt lengths: a prompt whose prefix the cache holds feeds only the rest, and a
+    # decode share that already lets decoders through leaves short gaps and asks for no more.
+    if (profile.decoders_waiting_on_prefill <= 0 or profile.step_ms_prefill < STALLED_TOKEN_MS
+            or profile.token_gap_ms_p95 < STALLED_TOKEN_MS or knobs.decode_share >= MAX_DECODE_SHARE):
         return None
-    chunk = max(MIN_PREFILL_CHUNK, knobs.prefill_chunk // 2)
-    return Proposal("long prompts", knobs.with_(prefill_chunk=chunk, token_budget=chunk + knobs.max_batch_size),
-                    PREFILL_STEP_MS,
-                    f"prompts feeding {fed:.0f} uncached tokens each (mean) stall "
-                    f"{profile.decoders_waiting_on_prefill:.1f} decoders per prefill step "
-                    f"({profile.step_ms_prefill:.0f} ms vs {profile.step_ms_decode:.0f} ms a decode step)")
+    share = min(MAX_DECODE_SHARE, knobs.decode_share * 2 if knobs.decode_share > 0 else FIRST_DECODE_SHARE)
+    return Proposal("long prompts", knobs.with_(decode_share=share), TOKEN_GAP,
+                    f"decoders wait {profile.token_gap_ms_p95:.0f} ms between tokens (p95) behind prompt-chunk "
+                    f"steps of {profile.step_ms_prefill:.0f} ms ({profile.decoders_waiting_on_prefill:.1f} "
+                    f"decoders in each): decode-only steps after each chunk, for {share:g} of its time")

@@ -33,8 +33,11 @@ def profile(**fields) -> Profile:
 SHORT = dict(arrivals=40, output_tokens_p50=32, batch_size_mean=7.5, waiting_mean=4.0)  # many short, queueing
 LONG_GEN = dict(output_tokens_p50=400, output_tokens_p95=600, batch_size_mean=7.0)
 BURSTY = dict(arrivals=30, burstiness=3.5)
-LONG_PROMPTS = dict(prompt_tokens_p50=1500, prompt_tokens_p95=2000, prefill_tokens=15000,
-                    decoders_waiting_on_prefill=3.0, step_ms_prefill=400)
+# Documents of 3,500 tokens, 3 clients (bench/adaptive.py traffic-shift, Qwen2.5-Coder-1.5B, Zen 4,
+# 12-07): 512-token chunk steps of ~4.5 s, one document decoding beside them, a token per step.
+LONG_PROMPTS = dict(seconds=3.0, arrivals=0, finished=0, prompt_tokens_p50=0, prompt_tokens_p95=0, steps=1,
+                    busy_seconds=4.5, prefill_tokens=511, output_tokens=1, decoders_waiting_on_prefill=1.0,
+                    step_ms_prefill=4500, step_ms_decode=0, token_gap_ms_p95=4500)
 
 
 # ---- the policies, one profile each --------------------------------------------------------------
@@ -66,13 +69,58 @@ def test_bursts_get_a_shorter_window_and_never_a_wider_one():
     assert proposals[1].knobs.batching_window_ms == DEFAULTS.batching_window_ms  # larger batch, same window
 
 
-def test_long_prompts_with_waiting_decoders_get_smaller_prefill_chunks():
+def test_decoders_stalled_behind_long_prompt_chunks_get_decode_only_steps():
     [p] = policy.propose(profile(**LONG_PROMPTS), DEFAULTS, DEFAULTS)
-    assert p.policy == "long prompts" and p.knobs.prefill_chunk == 256
-    assert p.knobs.token_budget == 256 + DEFAULTS.max_batch_size
-    assert policy.propose(profile(**{**LONG_PROMPTS, "decoders_waiting_on_prefill": 0.0}), DEFAULTS, DEFAULTS) == []
-    # The same prompts, mostly found in the prefix cache: what is left to feed is short.
-    assert policy.propose(profile(**{**LONG_PROMPTS, "prefill_tokens": 2000}), DEFAULTS, DEFAULTS) == []
+    assert p.policy == "long prompts" and p.goal == policy.TOKEN_GAP
+    assert p.knobs.decode_share == 0.25 and p.knobs.prefill_chunk == DEFAULTS.prefill_chunk
+    [more] = policy.propose(profile(**LONG_PROMPTS), p.knobs, DEFAULTS)
+    assert more.knobs.decode_share == 0.5
+    at_most = DEFAULTS.with_(decode_share=policy.MAX_DECODE_SHARE)
+    assert policy.propose(profile(**LONG_PROMPTS), at_most, DEFAULTS) == []
+    # Nobody decodes beside the prompts; or the share already lets tokens through; or the prompt
+    # steps are short (agentic turns): nothing to do.
+    for quiet in ({"decoders_waiting_on_prefill": 0.0}, {"token_gap_ms_p95": 60.0},
+                  {"step_ms_prefill": 150.0, "token_gap_ms_p95": 150.0}):
+        assert policy.propose(profile(**{**LONG_PROMPTS, **quiet}), DEFAULTS, DEFAULTS) == []
+
+
+def test_a_window_in_which_no_step_ended_does_not_break_a_streak():
+    """Prompt chunks of ~4.5 s against 3 s profiles: every other window ends no step."""
+    coordinator = Coordinator(DEFAULTS)
+    idle = dict(steps=0, busy_seconds=0.0, arrivals=0, finished=0, prefill_tokens=0, output_tokens=0,
+                step_ms_prefill=0, token_gap_ms_p95=0, decoders_waiting_on_prefill=0.0)
+    assert feed(coordinator, 1, **LONG_PROMPTS) == []
+    assert feed(coordinator, 1, **idle) == []
+    [out] = feed(coordinator, 1, **LONG_PROMPTS)
+    assert out.strategy.knobs.decode_share == 0.25
+
+
+def test_a_decode_share_is_judged_by_token_gaps_in_the_windows_that_measured_them():
+    """After the change most windows hold no decoder (the answers finish in one stretch): they
+    say nothing about gaps, and must not count as gaps of 0."""
+    coordinator = Coordinator(DEFAULTS)
+    [out] = feed(coordinator, CONFIRM, **LONG_PROMPTS)
+    version = out.strategy.version
+    gone = dict(LONG_PROMPTS, token_gap_ms_p95=0, decoders_waiting_on_prefill=0.0, output_tokens=0)
+    feed(coordinator, 1, **gone)  # the first window under the change is skipped
+    feed(coordinator, 1, **gone)
+    feed(coordinator, 1, **dict(LONG_PROMPTS, token_gap_ms_p95=60, output_tokens=16))
+    assert feed(coordinator, 1, **gone) == []
+    [change] = [d for d in coordinator.history if d.version == version]
+    assert change.outcome == "kept" and change.effect["after"] == 60.0
+    assert change.effect["change"] < -0.9
+    # A share whose prompts come late beyond what it costs them (over 30% on TTFT p95) goes back.
+    coordinator = Coordinator(DEFAULTS)
+    feed(coordinator, CONFIRM, **LONG_PROMPTS, ttft_ms_p95=20000)
+    [back] = feed(coordinator, MEASURE + 1, **{**LONG_PROMPTS, "token_gap_ms_p95": 60, "ttft_ms_p95": 30000})
+    assert back.strategy.knobs.decode_share == 0.0
+    assert "ttft p95 ms +50%" in coordinator.history[-1].reason
+    # Windows that measured no gap at all after a change are no evidence: no gain is claimed.
+    coordinator = Coordinator(DEFAULTS)
+    feed(coordinator, CONFIRM, **LONG_PROMPTS)
+    feed(coordinator, MEASURE + 1, **gone)
+    [change] = [d for d in coordinator.history if d.kind == "change"]
+    assert change.effect["change"] == 0.0
 
 
 def test_batches_stay_within_what_the_kv_pool_holds():

@@ -238,25 +238,25 @@ def test_a_profile_that_drifts_from_the_reverted_one_may_try_again_at_once(caplo
 
 
 LONG_PROMPTS = dict(prompt_tokens_p50=1500, prompt_tokens_p95=2000, prefill_tokens=15000,
-                    decoders_waiting_on_prefill=3.0, step_ms_prefill=400)
+                    decoders_waiting_on_prefill=3.0, step_ms_prefill=4500, token_gap_ms_p95=4500)
 AGENTIC = dict(prompt_tokens_p50=120, prompt_tokens_p95=200, prefill_tokens=1000, output_tokens_p50=40)
 
 
-def smaller_chunks_for_long_prompts(clock: Clock) -> Coordinator:
+def decode_share_for_long_prompts(clock: Clock) -> Coordinator:
     coordinator = Coordinator(DEFAULTS, wall=clock)
-    [halved] = feed(coordinator, clock, CONFIRM, **LONG_PROMPTS)
-    assert halved.strategy.knobs.prefill_chunk == DEFAULTS.prefill_chunk // 2
-    feed(coordinator, clock, MEASURE + 1, **{**LONG_PROMPTS, "step_ms_prefill": 200})
-    assert coordinator.history[-1].outcome == "kept" and knobs(coordinator).prefill_chunk == 256
+    [shared] = feed(coordinator, clock, CONFIRM, **LONG_PROMPTS)
+    assert shared.strategy.knobs.decode_share == 0.25
+    feed(coordinator, clock, MEASURE + 1, **{**LONG_PROMPTS, "token_gap_ms_p95": 60})
+    assert coordinator.history[-1].outcome == "kept" and knobs(coordinator).decode_share == 0.25
     assert feed(coordinator, clock, 12, **{**LONG_PROMPTS, "decoders_waiting_on_prefill": 0.0}) == []
     return coordinator
 
 
 def test_knobs_chosen_for_a_traffic_mix_are_retested_once_the_mix_has_gone():
     clock = Clock()
-    coordinator = smaller_chunks_for_long_prompts(clock)  # the same mix: nothing more happens
+    coordinator = decode_share_for_long_prompts(clock)  # the same mix: nothing more happens
     [retest] = feed(coordinator, clock, MEASURE, **AGENTIC)  # short agentic turns from now on
-    assert retest.strategy.knobs.prefill_chunk == DEFAULTS.prefill_chunk
+    assert retest.strategy.knobs.decode_share == DEFAULTS.decode_share
     retested = coordinator.history[-1]
     assert retested.policy == "re-test" and "prompt tokens p50 1.5e+03→120" in retested.reason
     assert feed(coordinator, clock, MEASURE + 1, **AGENTIC) == []  # the defaults do as well: they stay
@@ -266,10 +266,10 @@ def test_knobs_chosen_for_a_traffic_mix_are_retested_once_the_mix_has_gone():
 
 def test_learned_knobs_that_still_win_on_the_new_mix_stay_and_are_not_retested_again():
     clock = Clock()
-    coordinator = smaller_chunks_for_long_prompts(clock)
+    coordinator = decode_share_for_long_prompts(clock)
     feed(coordinator, clock, MEASURE, **AGENTIC)
     [back] = feed(coordinator, clock, MEASURE + 1, **AGENTIC, output_tokens=900)  # the defaults lose 24%
-    assert back.strategy.knobs.prefill_chunk == 256 and coordinator.history[-1].kind == "revert"
+    assert back.strategy.knobs.decode_share == 0.25 and coordinator.history[-1].kind == "revert"
     assert feed(coordinator, clock, 40, **AGENTIC) == []  # this mix is now the one they were checked on
 
 
