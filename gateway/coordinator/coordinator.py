@@ -538,17 +538,27 @@ class Coordinator:
 _MIX_NAMES = ("prompt tokens p50", "output tokens p50", "arrivals/s", "other processes")
 
 
-def _mix(profiles: list[Profile]) -> tuple[float, ...]:
-    """What a verdict depended on, averaged over its profiles: the request mix, the rate, the neighbours."""
+def _mix(profiles: list[Profile]) -> tuple[float | None, ...]:
+    """What a verdict depended on, averaged over its profiles: the request mix, the rate, the
+    neighbours. A length is None when no profile measured it: a window without arrivals has no
+    prompt lengths, not prompts of 0 tokens (traffic-shift, Zen 5, 12-07: documents of ~4 s chunk
+    steps left most 3 s windows without an arrival, and each such window read as "prompt tokens
+    p50 1.37e+03→0", a drift that let a rested policy be tried again 4 times in 150 s)."""
     n = max(1, len(profiles))
-    return (sum(p.prompt_tokens_p50 for p in profiles) / n, sum(p.output_tokens_p50 for p in profiles) / n,
+    return (_mean_of([p.prompt_tokens_p50 for p in profiles if p.arrivals]),
+            _mean_of([p.output_tokens_p50 for p in profiles if p.finished]),
             sum(p.arrivals / p.seconds for p in profiles) / n, sum(p.cpu_others for p in profiles) / n)
 
 
+def _mean_of(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
 def _moved(then: tuple, now: tuple, neighbours: bool = True) -> list[str]:
-    """What moved by more than MIX_DRIFT between two _mix()es, in words."""
+    """What moved by more than MIX_DRIFT between two _mix()es, in words (a figure one side did not
+    measure has not moved)."""
     moved = [f"{name} {a:.3g}→{b:.3g}" for name, a, b in zip(_MIX_NAMES[:-1], then[:-1], now[:-1])
-             if abs(math.log((b + 1.0) / (a + 1.0))) > MIX_DRIFT]
+             if a is not None and b is not None and abs(math.log((b + 1.0) / (a + 1.0))) > MIX_DRIFT]
     if neighbours and _load(then[-1]) != _load(now[-1]):
         moved.append(f"other processes' share {100 * then[-1]:.0f}%→{100 * now[-1]:.0f}%")
     return moved

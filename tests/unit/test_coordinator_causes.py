@@ -237,6 +237,21 @@ def test_a_profile_that_drifts_from_the_reverted_one_may_try_again_at_once(caplo
     assert "may be tried again before its rest ends: the profile drifted (prompt tokens p50 100→900" in caplog.text
 
 
+def test_a_window_without_arrivals_or_finishes_is_no_drift():
+    """Long prompt chunks leave most windows without an arrival or a finished request: their
+    prompt and output lengths are unmeasured, not 0, and a rested policy stays rested."""
+    clock = Clock()
+    coordinator = Coordinator(DEFAULTS, wall=clock)
+    documents = dict(LONG_PROMPTS, arrivals=1, finished=1)  # one a window at most
+    feed(coordinator, clock, CONFIRM, **documents)
+    feed(coordinator, clock, MEASURE + 1, **{**documents, "prefill_tokens": 9000})  # decode share: 36% fewer tokens
+    assert coordinator.history[-1].kind == "revert"
+    between = dict(documents, arrivals=0, finished=0, prompt_tokens_p50=0, output_tokens_p50=0)
+    for _ in range(10):
+        assert feed(coordinator, clock, 1, **between) == [] and feed(coordinator, clock, 1, **documents) == []
+    assert coordinator.history[-1].kind == "revert"
+
+
 LONG_PROMPTS = dict(prompt_tokens_p50=1500, prompt_tokens_p95=2000, prefill_tokens=15000,
                     decoders_waiting_on_prefill=3.0, step_ms_prefill=4500, token_gap_ms_p95=4500)
 AGENTIC = dict(prompt_tokens_p50=120, prompt_tokens_p95=200, prefill_tokens=1000, output_tokens_p50=40)
