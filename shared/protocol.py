@@ -217,6 +217,7 @@ class Profile:
     ttft_ms_p95: float = 0.0  # arrival → first token, inside the worker
     latency_ms_p95: float = 0.0  # arrival → finish
     token_gap_ms_p95: float = 0.0  # between two tokens of one request (0: no request had two)
+    token_gap_ms_mean: float = 0.0
     steps: Count = 0
     busy_seconds: float = 0.0  # wall time spent in steps
     batch_size_mean: float = 0.0  # sequences per step

@@ -164,7 +164,7 @@ class ProfileCollector:
             burstiness=burstiness(w.arrivals),
             queue_wait_ms_p50=1000 * percentile(w.queue_wait, 50), queue_wait_ms_p95=1000 * percentile(w.queue_wait, 95),
             ttft_ms_p95=1000 * percentile(w.ttft, 95), latency_ms_p95=1000 * percentile(w.latency, 95),
-            token_gap_ms_p95=1000 * percentile(w.token_gaps, 95),
+            token_gap_ms_p95=1000 * percentile(w.token_gaps, 95), token_gap_ms_mean=1000 * _mean(sum(w.token_gaps), len(w.token_gaps)),
             steps=w.steps, busy_seconds=w.busy, batch_size_mean=_mean(w.sequences, w.steps),
             prefill_tokens=w.prefill.prompt_rows, output_tokens=w.generated,
             step_ms_prefill=1000 * _mean(w.prefill.seconds, w.prefill.steps),

@@ -37,7 +37,8 @@ BURSTY = dict(arrivals=30, burstiness=3.5)
 # 12-07): 512-token chunk steps of ~4.5 s, one document decoding beside them, a token per step.
 LONG_PROMPTS = dict(seconds=3.0, arrivals=0, finished=0, prompt_tokens_p50=0, prompt_tokens_p95=0, steps=1,
                     busy_seconds=4.5, prefill_tokens=511, output_tokens=1, decoders_waiting_on_prefill=1.0,
-                    step_ms_prefill=4500, step_ms_decode=0, token_gap_ms_p95=4500)
+                    step_ms_prefill=4500, step_ms_decode=0, token_gap_ms_p95=4500,
+                    token_gap_ms_mean=4500)
 
 
 # ---- the policies, one profile each --------------------------------------------------------------
@@ -96,15 +97,17 @@ def test_a_window_in_which_no_step_ended_does_not_break_a_streak():
 
 
 def test_a_decode_share_is_judged_by_token_gaps_in_the_windows_that_measured_them():
-    """After the change most windows hold no decoder (the answers finish in one stretch): they
+    """The mean gap: one stall after every 15 tokens leaves the p95 at the stall. After the change
+    most windows hold no decoder (the answers finish in one stretch): they
     say nothing about gaps, and must not count as gaps of 0."""
     coordinator = Coordinator(DEFAULTS)
     [out] = feed(coordinator, CONFIRM, **LONG_PROMPTS)
     version = out.strategy.version
-    gone = dict(LONG_PROMPTS, token_gap_ms_p95=0, decoders_waiting_on_prefill=0.0, output_tokens=0)
+    gone = dict(LONG_PROMPTS, token_gap_ms_p95=0, token_gap_ms_mean=0, decoders_waiting_on_prefill=0.0,
+                output_tokens=0)
     feed(coordinator, 1, **gone)  # the first window under the change is skipped
     feed(coordinator, 1, **gone)
-    feed(coordinator, 1, **dict(LONG_PROMPTS, token_gap_ms_p95=60, output_tokens=16))
+    feed(coordinator, 1, **dict(LONG_PROMPTS, token_gap_ms_mean=60, output_tokens=16))
     assert feed(coordinator, 1, **gone) == []
     [change] = [d for d in coordinator.history if d.version == version]
     assert change.outcome == "kept" and change.effect["after"] == 60.0
@@ -112,7 +115,7 @@ def test_a_decode_share_is_judged_by_token_gaps_in_the_windows_that_measured_the
     # A share whose prompts come late beyond what it costs them (over 30% on TTFT p95) goes back.
     coordinator = Coordinator(DEFAULTS)
     feed(coordinator, CONFIRM, **LONG_PROMPTS, ttft_ms_p95=20000)
-    [back] = feed(coordinator, MEASURE + 1, **{**LONG_PROMPTS, "token_gap_ms_p95": 60, "ttft_ms_p95": 30000})
+    [back] = feed(coordinator, MEASURE + 1, **{**LONG_PROMPTS, "token_gap_ms_mean": 60, "ttft_ms_p95": 30000})
     assert back.strategy.knobs.decode_share == 0.0
     assert "ttft p95 ms +50%" in coordinator.history[-1].reason
     # Windows that measured no gap at all after a change are no evidence: no gain is claimed.

@@ -253,7 +253,8 @@ def test_a_window_without_arrivals_or_finishes_is_no_drift():
 
 
 LONG_PROMPTS = dict(prompt_tokens_p50=1500, prompt_tokens_p95=2000, prefill_tokens=15000,
-                    decoders_waiting_on_prefill=3.0, step_ms_prefill=4500, token_gap_ms_p95=4500)
+                    decoders_waiting_on_prefill=3.0, step_ms_prefill=4500, token_gap_ms_p95=4500,
+                    token_gap_ms_mean=4500)
 AGENTIC = dict(prompt_tokens_p50=120, prompt_tokens_p95=200, prefill_tokens=1000, output_tokens_p50=40)
 
 
@@ -261,7 +262,7 @@ def decode_share_for_long_prompts(clock: Clock) -> Coordinator:
     coordinator = Coordinator(DEFAULTS, wall=clock)
     [shared] = feed(coordinator, clock, CONFIRM, **LONG_PROMPTS)
     assert shared.strategy.knobs.decode_share == 0.25
-    feed(coordinator, clock, MEASURE + 1, **{**LONG_PROMPTS, "token_gap_ms_p95": 60})
+    feed(coordinator, clock, MEASURE + 1, **{**LONG_PROMPTS, "token_gap_ms_mean": 300})
     assert coordinator.history[-1].outcome == "kept" and knobs(coordinator).decode_share == 0.25
     assert feed(coordinator, clock, 12, **{**LONG_PROMPTS, "decoders_waiting_on_prefill": 0.0}) == []
     return coordinator

@@ -50,6 +50,7 @@ def test_a_window_of_traffic_becomes_one_profile():
     assert p.queue_wait_ms_p95 == pytest.approx(15) and p.ttft_ms_p95 == pytest.approx(50)
     assert p.latency_ms_p95 == pytest.approx(60) and p.waiting_mean == 0.5 and p.kv_blocks_used_max == 32
     assert p.token_gap_ms_p95 == pytest.approx(10)  # a's and b's second tokens, one step after their first
+    assert p.token_gap_ms_mean == pytest.approx(10)
     assert (p.prefix_query_tokens, p.prefix_hit_tokens, p.preemptions) == (400, 96, 2)
     assert p.sources == {"kernels": {"gemm": "i8_avx2", "speedup": 1.5}}
     assert protocol.decode(protocol.encode(p)) == p  # it crosses ZeroMQ as it is
