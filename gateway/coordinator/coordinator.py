@@ -352,11 +352,9 @@ class Coordinator:
         decision = trial.decision
         goal = METRICS[decision.goal]
         before, after = _mean(goal.read, trial.before), _mean(goal.read, trial.after)
-        # A side without a window that measured the goal is no evidence either way.
-        change = (after - before) / before if before and _values(goal.read, trial.after) else 0.0
+        change = _relative_change(goal.read, trial.before, trial.after)
         better = change if goal.higher_is_better else -change
-        tput_before, tput_after = _mean(METRICS[THROUGHPUT].read, trial.before), _mean(METRICS[THROUGHPUT].read, trial.after)
-        tput_change = (tput_after - tput_before) / tput_before if tput_before else 0.0
+        tput_change = _relative_change(METRICS[THROUGHPUT].read, trial.before, trial.after)
         decision.effect = {"before": round(before, 3), "after": round(after, 3), "change": round(change, 4),
                            "noise": round(_change_noise(goal.read, trial.before, trial.after), 4),
                            "throughput_change": round(tput_change, 4)}
@@ -369,8 +367,7 @@ class Coordinator:
         if decision.policy in GUARDS:  # what the change must not cost beside its goal
             guarded, allowed = GUARDS[decision.policy]
             guard = METRICS[guarded]
-            was, now_ = _mean(guard.read, trial.before), _mean(guard.read, trial.after)
-            cost = (now_ - was) / was if was and _values(guard.read, trial.after) else 0.0
+            cost = _relative_change(guard.read, trial.before, trial.after)
             decision.effect["guard_change"] = round(cost, 4)
             costly = (-cost if guard.higher_is_better else cost) > allowed
         negative = better < -TOLERANCE or tput_change < -THROUGHPUT_GUARD or unproven or costly
@@ -574,8 +571,14 @@ def _values(read: Callable[[Profile], float | None], profiles: list[Profile]) ->
 
 
 def _mean(read: Callable[[Profile], float | None], profiles: list[Profile]) -> float:
-    values = _values(read, profiles)
-    return sum(values) / len(values) if values else 0.0
+    return _mean_of(_values(read, profiles)) or 0.0
+
+
+def _relative_change(read: Callable[[Profile], float | None], before: list[Profile], after: list[Profile]) -> float:
+    """(mean after - mean before) / mean before; 0 when a side has no window that measured it
+    (no evidence either way)."""
+    was, now = _mean_of(_values(read, before)), _mean_of(_values(read, after))
+    return (now - was) / was if was and now is not None else 0.0
 
 
 def _change_noise(read: Callable[[Profile], float | None], before: list[Profile], after: list[Profile]) -> float:

@@ -17,9 +17,9 @@ which its effect is judged afterwards (coordinator.py reverts a change whose goa
   moved there); kept only if tokens per busy second do not drop.
 - long prompts: prompt-chunk steps so long that the requests decoding beside them wait that long for
   each token → decode-only steps after each chunk (decode_share doubled from 1/4), judged by the
-  mean gap between tokens, guarded on time to first token. Smaller chunks would shorten those steps too, but they were judged by step
-  length, which any smaller chunk lowers, and on documents of 3,500 tokens (Qwen2.5-Coder-1.5B,
-  Zen 4) they took p95 time to first token from 39.6 s to 72.9 s.
+  mean gap between tokens, guarded on time to first token. Smaller chunks would shorten those
+  steps too, but they were judged by step length, which any smaller chunk lowers, and on documents
+  of 3,500 tokens (Qwen2.5-Coder-1.5B, Zen 4) they took p95 time to first token from 39.6 s to 72.9 s.
 Steps are doublings and halvings within fixed bounds, so the knobs take few distinct values and
 the coordinator's hysteresis settles on one of them.
 """
